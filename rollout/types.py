@@ -1,0 +1,68 @@
+"""The typed hand-off from a rollout engine to the trainer.
+
+`trainer/` only ever sees these containers, never an engine's own objects.
+Samples are laid out group-contiguous: sample ``i`` answers prompt
+``i // n`` where ``n`` is ``SamplingSpec.n``, so a GRPO group is a slice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What the engine samples with. The trainer scores with the same temperature.
+
+    n: completions per prompt (the GRPO group size).
+    temperature: > 0. Engines return log-probs *after* temperature scaling,
+        i.e. log softmax(logits / temperature) of the sampled token.
+    top_p, top_k: 1.0 / 0 mean off.
+    max_new_tokens: completion length cap; finish_reason "length" when hit.
+    seed: base seed; an engine derives per-request seeds from it so that a
+        run is reproducible given the same weights.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    seed: int = 0
+
+
+@dataclass
+class Rollouts:
+    """A batch of sampled completions.
+
+    prompt_ids: [S][P_i] token ids of the prompt each sample answers (repeated per sample).
+    completion_ids: [S][C_i] sampled token ids (the EOS token, if sampled, included).
+    rollout_logprobs: [S][C_i] float log-prob of each sampled token under the
+        engine's (temperature-scaled) distribution.
+    finish_reasons: [S] "stop" (EOS / stop token) or "length" (hit max_new_tokens).
+    group_size: n; len(samples) == num_prompts * group_size.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    group_size: int
+    completion_texts: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        s = len(self.completion_ids)
+        for name in ("prompt_ids", "rollout_logprobs", "finish_reasons"):
+            if len(getattr(self, name)) != s:
+                raise ValueError(f"Rollouts.{name} has {len(getattr(self, name))} entries, expected {s}")
+        for i, (c, lp) in enumerate(zip(self.completion_ids, self.rollout_logprobs)):
+            if len(c) != len(lp):
+                raise ValueError(f"Rollouts sample {i}: {len(c)} completion tokens but {len(lp)} log-probs")
+        if self.group_size < 1 or s % self.group_size:
+            raise ValueError(f"Rollouts: {s} samples is not a multiple of group_size={self.group_size}")
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)

@@ -1,0 +1,37 @@
+"""Session-wide setup: offline, hermetic cache, one tiny model and one vLLM engine per session."""
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Before anything imports vllm or wandb.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Built models live in the checkout, so a test run never depends on (or disturbs) a user's cache.
+os.environ.setdefault("PARITYRL_CACHE", str(REPO / ".cache" / "parityrl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> str:
+    """The warm-started built-in model (built once per cache, then reused)."""
+    from trainer.default_model import resolve_model_path
+
+    return resolve_model_path("builtin:tiny")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_dir):
+    """One in-process vLLM engine for the whole session (engine start is the slow part on 2 cores).
+
+    Tests that change its weights must restore them (train() re-syncs at its start).
+    """
+    from rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(tiny_model_dir, dtype="bfloat16", max_model_len=128, seed=0,
+                        kv_cache_memory_bytes=256 * 1024**2, enforce_eager=True)
+    yield engine
+    engine.close()

@@ -1,0 +1,89 @@
+"""Rollouts -> padded tensors the policy forward and the losses consume.
+
+Layout (one row per sample): prompts are LEFT-padded to the longest prompt P,
+completions RIGHT-padded to the longest completion C, so every completion
+starts at column P and the hidden states that predict completion tokens are
+the contiguous slice ``[P-1, P-1+C)``. Explicit ``position_ids`` restart at 0
+at each prompt's first real token, as they do in the engine — RoPE positions
+must match or the parity metrics would measure the padding, not the numerics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.types import Rollouts
+
+IGNORE = -100  # target id that fused_logprobs skips (log-prob 0, no gradient)
+
+
+@dataclass
+class TokenBatch:
+    """input_ids, attention_mask, position_ids: [S, P+C]; targets, mask, rollout_logprobs: [S, C].
+
+    targets: completion token ids, IGNORE past each completion's end.
+    mask: 1.0 on real completion tokens. rollout_logprobs: 0.0 where mask is 0.
+    prompt_len: P (so hidden[:, P-1 : P-1+C] predicts targets).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    prompt_len: int
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: slice) -> "TokenBatch":
+        """A micro-batch of rows; columns trimmed to what those rows need."""
+        mask = self.mask[idx]
+        c = int(mask.sum(1).max().item()) if mask.numel() else 0
+        c = max(c, 1)
+        p = self.prompt_len
+        am = self.attention_mask[idx]
+        first_real = int((am[:, :p].cumsum(1) == 0).sum(1).min().item())  # common left padding
+        cols = slice(first_real, p + c)
+        return TokenBatch(
+            input_ids=self.input_ids[idx, cols], attention_mask=am[:, cols], position_ids=self.position_ids[idx, cols],
+            targets=self.targets[idx, :c], mask=mask[:, :c], rollout_logprobs=self.rollout_logprobs[idx, :c],
+            prompt_len=p - first_real,
+        )
+
+
+def batch_from_rollouts(rollouts: Rollouts, pad_id: int, device: torch.device | str = "cpu") -> TokenBatch:
+    return build_token_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id, rollouts.rollout_logprobs, device)
+
+
+def build_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
+                      rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu") -> TokenBatch:
+    """Pad prompt/completion pairs into a TokenBatch; rollout_logprobs None -> zeros (SFT has none)."""
+    if rollout_logprobs is None:
+        rollout_logprobs = [[0.0] * len(c) for c in completion_ids]
+    s = len(completion_ids)
+    if s == 0 or len(prompt_ids) != s:
+        raise ValueError(f"build_token_batch: {len(prompt_ids)} prompts for {s} completions")
+    p = max(len(x) for x in prompt_ids)
+    if p == 0:
+        raise ValueError("build_token_batch: every prompt is empty; a completion needs at least one prompt token before it")
+    c = max(1, max(len(x) for x in completion_ids))
+    input_ids = torch.full((s, p + c), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((s, p + c), dtype=torch.long)
+    targets = torch.full((s, c), IGNORE, dtype=torch.long)
+    mask = torch.zeros((s, c), dtype=torch.float32)
+    rollout_lp = torch.zeros((s, c), dtype=torch.float32)
+    for i, (pr, co, lp) in enumerate(zip(prompt_ids, completion_ids, rollout_logprobs)):
+        input_ids[i, p - len(pr):p] = torch.tensor(pr, dtype=torch.long)
+        attention_mask[i, p - len(pr):p + len(co)] = 1
+        if co:
+            input_ids[i, p:p + len(co)] = torch.tensor(co, dtype=torch.long)
+            targets[i, :len(co)] = torch.tensor(co, dtype=torch.long)
+            mask[i, :len(co)] = 1.0
+            rollout_lp[i, :len(co)] = torch.tensor(lp, dtype=torch.float32)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    to = dict(device=device)
+    return TokenBatch(input_ids.to(**to), attention_mask.to(**to), position_ids.to(**to), targets.to(**to), mask.to(**to),
+                      rollout_lp.to(**to), p)

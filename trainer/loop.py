@@ -1,0 +1,240 @@
+"""The RL step loop: rollout -> reward -> advantages -> forward/loss/backward -> step -> weight sync.
+
+Read ``train`` top to bottom: setup, then one section per phase of a step. The
+algorithm is whatever ``algorithm.name`` selects in the registries; the loop
+never branches on it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from parity.metrics import compare
+from trainer import checkpoint as ckpt
+from trainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs, LossNormalizer
+from trainer.batch import TokenBatch, batch_from_rollouts
+from trainer.config import RunConfig, to_dict
+from trainer.engines import make_engine, sampling_spec, sync_weights
+from trainer.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
+from trainer.run_logger import RunLogger
+from trainer.sft import make_scheduler
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    history: list[dict] = field(default_factory=list)
+    final_checkpoint: Optional[Path] = None
+    wandb: str = ""
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _check_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor) -> None:
+    bad = (~torch.isfinite(rollout_lp)) & (mask > 0)
+    if bad.any():
+        raise RuntimeError(f"the engine returned {int(bad.sum())} non-finite sampled-token log-probs; the trainer cannot "
+                           "score a token the engine considers impossible (check top_k/top_p and logprobs mode)")
+
+
+def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg: RunConfig, backward) -> dict:
+    """Forward, loss and backward over micro-batches of ``batch``; returns metrics and the train log-probs.
+
+    The loss of each micro-batch is normalised by the WHOLE batch's token/sequence
+    counts (``LossNormalizer``), so accumulating micro-batch gradients equals one
+    full-batch gradient. The detached train log-probs serve the parity metrics:
+    no extra forward.
+    """
+    a = cfg.algorithm
+    loss_fn = POLICY_LOSSES.get(a.name)
+    norm = LossNormalizer.from_mask(batch.mask, max_len=cfg.rollout.max_new_tokens)
+    mb = cfg.train.micro_batch_size
+    train_lp = torch.zeros_like(batch.rollout_logprobs)
+    totals: dict[str, float] = {}
+    loss_total = 0.0
+    for start in range(0, len(batch), mb):
+        rows = slice(start, start + mb)
+        micro = batch.select(rows)
+        c = micro.targets.shape[1]
+        lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature, chunk_size=cfg.parity.chunk_size)
+        ref_lp = None
+        if a.kl_coef > 0:
+            # The reference policy is the base model: the same weights with the adapter off,
+            # so no second copy of the model is held.
+            with torch.no_grad(), model.disable_adapter():
+                ref_lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
+                                                chunk_size=cfg.parity.chunk_size)
+        out = loss_fn(LossInputs(logprobs=lp, old_logprobs=lp.detach(), advantages=advantages[rows, :c], mask=micro.mask,
+                                 ref_logprobs=ref_lp, normalizer=norm), a)
+        backward(out.loss)
+        loss_total += out.loss.item()
+        n_rows = micro.mask.shape[0]
+        for k, v in out.metrics.items():  # row-weighted so the batch value does not depend on micro-batching
+            totals[k] = totals.get(k, 0.0) + v * n_rows
+        train_lp[rows, :c] = lp.detach()
+    metrics = {k: v / len(batch) for k, v in totals.items()}
+    metrics["train/loss"] = loss_total
+    return {"metrics": metrics, "train_logprobs": train_lp}
+
+
+def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
+    """Run ``cfg`` to ``cfg.train.steps``. ``engine``: an already-started engine to reuse (tests share one)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from trainer.data import PromptBatcher, encode_prompts, load_prompt_dataset
+    from trainer.default_model import resolve_model_path
+    from trainer.rewards import compute_rewards, resolve_reward
+    from rollout.weight_export import merged_lora_weights  # noqa: F401  (import early: fail before the engine starts)
+
+    # ---------------------------------------------------------------- setup
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    set_seed(cfg.train.seed)
+    run_dir = cfg.run_dir
+    model_dir = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(model_dir)
+    model = add_lora(load_base_model(model_dir, cfg.model.dtype, accelerator.device), cfg.model.lora)
+    d = cfg.data
+    dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
+                                  num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
+    batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
+    reward_fns = {name: resolve_reward(spec) for name, spec in cfg.reward.functions.items()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(cfg.train.adam_betas),
+                                  weight_decay=cfg.train.weight_decay)
+    scheduler = make_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    policy = accelerator.unwrap_model(model)
+
+    start_step = 0
+    if resume:
+        latest = ckpt.latest_checkpoint(run_dir)
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.checkpoints_dir(run_dir)}")
+        state = ckpt.load_checkpoint(latest, model=policy, optimizer=optimizer, scheduler=scheduler)
+        batcher.load_state_dict(state["batcher"])
+        start_step = state["step"]
+        print(f"resumed from {latest} (step {start_step})", flush=True)
+    elif ckpt.list_checkpoints(run_dir):
+        raise FileExistsError(f"{run_dir} already holds checkpoints; pass --resume to continue it, or choose another "
+                              "name / logging.run_dir (nothing was overwritten)")
+
+    max_model_len = d.max_prompt_tokens + cfg.rollout.max_new_tokens
+    own_engine = engine is None
+    if own_engine:
+        engine = make_engine(cfg, model_dir, max_model_len=max_model_len)
+    # Always align the engine with the policy being trained (fresh adapter = base weights,
+    # resumed adapter = its merge), so a reused engine never carries another run's weights.
+    sync_weights(engine, policy)
+    logger = RunLogger(run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode, project=cfg.logging.wandb.project,
+                       entity=cfg.logging.wandb.entity, name=cfg.name, total_steps=cfg.train.steps,
+                       print_every=cfg.logging.print_every, enabled=accelerator.is_main_process)
+    result = TrainResult(run_dir=run_dir)
+    try:
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            t_step = time.perf_counter()
+            m: dict[str, float] = {}
+
+            # ---------------------------------------------------- rollout
+            t = time.perf_counter()
+            rows = batcher.next_batch()
+            prompts = [r["prompt"] for r in rows]
+            prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
+                                        max_prompt_tokens=d.max_prompt_tokens)
+            rollouts = engine.generate(prompt_ids, sampling_spec(cfg, step))
+            m["perf/rollout_s"] = time.perf_counter() - t
+            m["perf/rollout_tokens_per_s"] = rollouts.num_completion_tokens / max(m["perf/rollout_s"], 1e-9)
+            lengths = [len(c) for c in rollouts.completion_ids]
+            m["rollout/mean_length"] = _mean(lengths)
+            m["rollout/frac_truncated"] = _mean([float(f == "length") for f in rollouts.finish_reasons])
+
+            # ---------------------------------------------------- reward
+            t = time.perf_counter()
+            g = cfg.algorithm.group_size
+            completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+            columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+            total, per_fn = compute_rewards(reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
+                                            completions, columns)
+            m["perf/reward_s"] = time.perf_counter() - t
+            m["reward/mean"] = _mean(total)
+            for name, vals in per_fn.items():
+                m[f"reward/{name}"] = _mean(vals)
+
+            # ---------------------------------------------------- advantages
+            batch = batch_from_rollouts(rollouts, tokenizer.pad_token_id, accelerator.device)
+            _check_logprobs(batch.rollout_logprobs, batch.mask)
+            rewards = torch.tensor(total, dtype=torch.float32, device=accelerator.device)
+            advantages = ADVANTAGES.get(cfg.algorithm.name)(
+                AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=g), cfg.algorithm)
+
+            # ---------------------------------------------------- forward / loss / backward
+            t = time.perf_counter()
+            model.train()
+            out = policy_gradient_pass(model, batch, advantages, cfg, accelerator.backward)
+            m.update(out["metrics"])
+            m["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
+            m["train/lr"] = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            m["perf/train_s"] = time.perf_counter() - t
+
+            # ---------------------------------------------------- parity (same pass as the loss)
+            # The train log-probs are from the pre-update policy, the one that generated
+            # the rollouts (if the previous sync worked): this is what the metrics measure.
+            m.update(compare(out["train_logprobs"], batch.rollout_logprobs, batch.mask))
+
+            # ---------------------------------------------------- weight sync
+            t = time.perf_counter()
+            if cfg.rollout.sync_weights:
+                m.update(sync_weights(engine, policy))
+            m["perf/sync_s"] = time.perf_counter() - t
+            m["perf/step_s"] = time.perf_counter() - t_step
+
+            logger.log(step, m)
+            result.history.append({"step": step, **m})
+
+            # ---------------------------------------------------- checkpoint
+            every = cfg.checkpoint.every
+            if (every and step % every == 0) or step == cfg.train.steps:
+                if accelerator.is_main_process:
+                    result.final_checkpoint = ckpt.save_checkpoint(
+                        run_dir, step, model=policy, optimizer=optimizer, scheduler=scheduler,
+                        state={"batcher": batcher.state_dict(), "name": cfg.name}, keep_last=cfg.checkpoint.keep_last)
+                accelerator.wait_for_everyone()
+        result.wandb = logger.wandb_location
+        _print_summary(result, logger)
+    finally:
+        logger.close()
+        if own_engine:
+            engine.close()
+    return result
+
+
+def _print_summary(result: TrainResult, logger: RunLogger) -> None:
+    h = result.history
+    if not h or not logger.enabled:
+        return
+    k = max(1, min(5, len(h) // 4))
+    first = _mean([r["reward/mean"] for r in h[:k]])
+    last = _mean([r["reward/mean"] for r in h[-k:]])
+    mae = _mean([r["parity/mae"] for r in h if "parity/mae" in r])
+    kl = _mean([r["parity/kl_k3"] for r in h if "parity/kl_k3" in r])
+    worst = max((r.get("parity/max_abs", 0.0) for r in h), default=0.0)
+    summary = {"summary/reward_first": first, "summary/reward_last": last, "summary/parity_mae_mean": mae,
+               "summary/parity_kl_k3_mean": kl}
+    logger.summary(summary)
+    print("\n=== parityrl run summary ===")
+    print(f"reward   first {k} step(s): {first:.3f}   last {k} step(s): {last:.3f}   change {last - first:+.3f}")
+    print(f"parity   mean |d| over the run: {mae:.2e}   mean kl_k3: {kl:.2e}   worst token |d|: {worst:.2e}")
+    print(f"checkpoint  {result.final_checkpoint}")
+    print(f"metrics     {logger.metrics_path}")
+    print(f"wandb       {logger.wandb_location}")

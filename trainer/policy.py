@@ -1,0 +1,77 @@
+"""The trained policy: loading (HF + PEFT LoRA) and its log-probs of completion tokens.
+
+The log-probs come from the backbone's last hidden states through
+``parity.fused_logprobs`` (chunked lm_head + log-softmax): the full
+[tokens x vocab] logits are never materialised, and the same pass feeds both
+the loss and the parity metrics.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from parity.logprobs import fused_logprobs
+from trainer.batch import TokenBatch
+from trainer.config import LoraConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token_id is None:
+        # Padding never reaches the loss (masked) nor attention (attention_mask), so any
+        # id works; EOS is the conventional choice.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+    return model.to(device)
+
+
+def add_lora(model, lora: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in lora.target_modules if m not in present]
+    if missing:
+        raise ValueError(f"model.lora.target_modules: {missing} not found in the model; "
+                         f"linear layers it has: {sorted(n for n in present if 'proj' in n or 'fc' in n)}")
+    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
+                         task_type="CAUSAL_LM")
+    # PEFT keeps the adapter weights in float32 (autocast_adapter_dtype) while the base
+    # stays in the model dtype: small updates are not rounded away in bf16.
+    return get_peft_model(model, cfg)
+
+
+def split_model(model):
+    """(backbone returning last hidden states, lm_head Linear) of a causal LM, PEFT-wrapped or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone = getattr(base, base.base_model_prefix, None)
+    lm_head = base.get_output_embeddings()
+    if backbone is None or lm_head is None:
+        raise TypeError(f"{type(base).__name__}: cannot find the backbone ({base.base_model_prefix!r}) and lm_head; "
+                        "parityrl needs a *ForCausalLM model")
+    return backbone, lm_head
+
+
+def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
+                        return_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs [S, C] (float32) of the batch's completion tokens under softmax(logits / temperature).
+
+    Gradients flow to the trainable parameters when grad is enabled.
+    """
+    backbone, lm_head = split_model(model)
+    out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                   use_cache=False)
+    p, c = batch.prompt_len, batch.targets.shape[1]
+    hidden = out.last_hidden_state[:, p - 1:p - 1 + c]
+    return fused_logprobs(hidden, lm_head.weight, batch.targets, bias=lm_head.bias, temperature=temperature,
+                          return_entropy=return_entropy, chunk_size=chunk_size)

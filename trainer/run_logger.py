@@ -1,0 +1,133 @@
+"""Per-step metrics to ``metrics.jsonl``, wandb and the console.
+
+``metrics.jsonl`` gets one JSON object per step with exactly the keys sent to
+wandb (plus ``step``); it is appended and flushed line by line, so a crash
+loses at most the step being written. After a resume, steps after the
+checkpoint appear twice; readers take the last occurrence of a step.
+
+wandb runs online when credentials exist (``WANDB_API_KEY`` or a netrc entry),
+offline otherwise (``wandb sync`` uploads it later); an online start that fails
+for lack of network falls back to offline instead of failing the run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+
+def _has_wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        rc = netrc.netrc(os.environ.get("NETRC", os.path.expanduser("~/.netrc")))
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+    return any("wandb" in host for host in rc.hosts)
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    env = os.environ.get("WANDB_MODE")
+    if env in ("online", "offline", "disabled"):
+        return env
+    if mode != "auto":
+        return mode
+    return "online" if _has_wandb_credentials() else "offline"
+
+
+def _finite_or_none(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN/inf; a null is visible and parseable
+    return v
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, *, config: dict, wandb_mode: str = "auto", project: str = "parityrl",
+                 entity: Optional[str] = None, name: str = "run", total_steps: int = 0, print_every: int = 1,
+                 enabled: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled  # False on non-main processes
+        self.total_steps = total_steps
+        self.print_every = print_every
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._t0 = time.time()
+        self._first_step: Optional[int] = None
+        self.wandb_run = None
+        self.wandb_mode = "disabled"
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.metrics_path, "a", buffering=1)
+        mode = resolve_wandb_mode(wandb_mode)
+        if mode != "disabled":
+            self.wandb_run, self.wandb_mode = self._start_wandb(mode, project, entity, name, config)
+
+    def _start_wandb(self, mode: str, project: str, entity: Optional[str], name: str, config: dict):
+        try:
+            import wandb
+        except ImportError:
+            warnings.warn("wandb is not installed; metrics go to metrics.jsonl only")
+            return None, "disabled"
+        wdir = self.run_dir
+        for attempt in ([mode, "offline"] if mode == "online" else [mode]):
+            try:
+                run = wandb.init(project=project, entity=entity, name=name, config=config, dir=str(wdir), mode=attempt,
+                                 settings=wandb.Settings(init_timeout=60, console="off", silent=True), reinit="finish_previous")
+                return run, attempt
+            except Exception as e:  # noqa: BLE001 - any wandb failure must not end training
+                warnings.warn(f"wandb {attempt} start failed ({type(e).__name__}: {e}); "
+                              + ("retrying offline" if attempt == "online" else "metrics go to metrics.jsonl only"))
+        return None, "disabled"
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._first_step is None:
+            self._first_step = step
+            self._t0 = time.time()
+        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        if step % self.print_every == 0 or step == self.total_steps:
+            self._print(step, metrics)
+
+    def _print(self, step: int, m: dict[str, Any]) -> None:
+        done = step - (self._first_step or step) + 1
+        elapsed = time.time() - self._t0
+        eta = elapsed / done * (self.total_steps - step) if done and self.total_steps else 0.0
+
+        def f(key: str, fmt: str) -> str:
+            v = m.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+        print(f"step {step:>4}/{self.total_steps}  reward {f('reward/mean', '.3f')}  "
+              f"parity mae {f('parity/mae', '.2e')} kl_k3 {f('parity/kl_k3', '.1e')}  "
+              f"loss {f('train/loss', '+.4f')}  rollout {f('perf/rollout_tokens_per_s', '.0f')} tok/s  "
+              f"step {f('perf/step_s', '.1f')}s  ETA {eta:.0f}s", flush=True, file=sys.stdout)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.enabled and self.wandb_run is not None:
+            for k, v in values.items():
+                self.wandb_run.summary[k] = v
+
+    @property
+    def wandb_location(self) -> str:
+        if self.wandb_run is None:
+            return "wandb disabled"
+        if self.wandb_mode == "online":
+            return getattr(self.wandb_run, "url", None) or "online run"
+        return f"{self.wandb_run.dir.rsplit('/files', 1)[0]} (offline: upload with `wandb sync` on that directory)"
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -1,0 +1,218 @@
+"""`parityrl sft`: supervised fine-tuning on prompt -> completion pairs.
+
+The first stage of the SFT -> RL pipeline (as in TRL's StackLLaMA example): it
+teaches the output format so that RL starts from a policy with non-zero
+reward. The built-in default model's warm start is exactly
+``parityrl sft recipes/sft_tiny.yaml``.
+
+Loss: mean negative log-likelihood of the completion tokens (prompt tokens are
+context only), computed through the same fused log-prob kernel as RL. This
+version pads (one prompt/completion pair per row); packing is a later addition.
+The output directory holds a plain HF model (a LoRA, if used, is merged into
+it) plus the tokenizer, written atomically.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from trainer.config import ModelConfig, RecipeError, build_config, load_recipe_dict, check_model_path
+
+
+@dataclass
+class SFTDataConfig:
+    source: str = "builtin:arithmetic"
+    split: str = "train"
+    prompt_column: str = "prompt"
+    # The target completion comes from a column, or from a function
+    # f(prompt, **columns) -> str given as "module:function". Exactly one is set.
+    completion_column: Optional[str] = None
+    completion_fn: Optional[str] = "trainer.tasks.arithmetic:sft_text"
+    num_examples: Optional[int] = None
+    use_chat_template: bool = True
+    max_prompt_tokens: int = 64
+    max_completion_tokens: int = 48
+    builtin_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SFTTrainConfig:
+    steps: int = 200
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class SFTConfig:
+    name: str = "sft"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
+    output_dir: str = "runs/{name}/model"
+    print_every: int = 20
+
+    @property
+    def out_path(self) -> Path:
+        return Path(self.output_dir.format(name=self.name))
+
+
+def load_sft_recipe(path, overrides=(), *, check_paths: bool = True) -> SFTConfig:
+    data, where = load_recipe_dict(path, overrides)
+    cfg = build_config(SFTConfig, data, where)
+    validate_sft(cfg, where, check_paths=check_paths)
+    return cfg
+
+
+def validate_sft(cfg: SFTConfig, where: str, *, check_paths: bool = True) -> None:
+    def need(ok: bool, key: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise RecipeError(f"{where}: {key} = {value!r}: expected {expected}")
+
+    d, t = cfg.data, cfg.train
+    need((d.completion_column is None) != (d.completion_fn is None), "data.completion_column", d.completion_column,
+         "exactly one of data.completion_column / data.completion_fn to be set")
+    need(d.completion_fn is None or (":" in d.completion_fn and all(d.completion_fn.split(":", 1))), "data.completion_fn",
+         d.completion_fn, "'module:function'")
+    need(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "an integer >= 1")
+    need(d.max_completion_tokens >= 1, "data.max_completion_tokens", d.max_completion_tokens, "an integer >= 1")
+    need(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
+    need(t.batch_size >= 1, "train.batch_size", t.batch_size, "an integer >= 1")
+    need(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "a number > 0")
+    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
+    need(t.lr_schedule in ("constant", "linear", "cosine"), "train.lr_schedule", t.lr_schedule, "one of constant, linear, cosine")
+    need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
+    if check_paths:
+        check_model_path(cfg.model.path, where)
+
+
+def make_scheduler(optimizer, schedule: str, warmup: int, total: int):
+    """LambdaLR: linear warm-up over ``warmup`` steps, then constant / linear decay / cosine decay to 0."""
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _pairs(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    from trainer.data import encode_prompts, load_prompt_dataset
+    from trainer.rewards import resolve_reward
+
+    d = cfg.data
+    ds = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=None,
+                             num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
+    rows = ds.to_list()
+    if d.completion_column is not None:
+        if d.completion_column not in ds.column_names:
+            raise RecipeError(f"data.completion_column = {d.completion_column!r}: no such column in {d.source}; "
+                              f"columns: {ds.column_names}")
+        completions = [str(r[d.completion_column]) for r in rows]
+    else:
+        fn = resolve_reward(d.completion_fn)  # same "module:function" resolution
+        completions = [fn(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in rows]
+    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], use_chat_template=d.use_chat_template,
+                                max_prompt_tokens=d.max_prompt_tokens)
+    completion_ids = []
+    for i, text in enumerate(completions):
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(ids) > d.max_completion_tokens:
+            raise ValueError(f"{d.source}: example {i}: completion has {len(ids)} tokens, more than "
+                             f"data.max_completion_tokens = {d.max_completion_tokens}")
+        completion_ids.append(ids)
+    return prompt_ids, completion_ids
+
+
+def run_sft(cfg: SFTConfig) -> Path:
+    """Train and write the model to ``cfg.out_path``; returns that path."""
+    from trainer.batch import build_token_batch
+    from trainer.default_model import resolve_model_path
+    from trainer.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
+
+    torch.manual_seed(cfg.train.seed)
+    rng = random.Random(cfg.train.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_base_model(model_dir, cfg.model.dtype, device)
+    if cfg.model.lora.enabled:
+        model = add_lora(model, cfg.model.lora)
+    prompt_ids, completion_ids = _pairs(cfg, tokenizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Full fine-tuning keeps master weights in the model dtype; for bf16 that means
+    # small updates round away, so the warm start trains a float32 copy when lora is off.
+    if not cfg.model.lora.enabled and cfg.model.dtype == "bfloat16":
+        model = model.float()
+        params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+    sched = make_scheduler(opt, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+    order: list[int] = []
+    t0 = time.time()
+    history = []
+    for step in range(1, cfg.train.steps + 1):
+        idx = []
+        while len(idx) < cfg.train.batch_size:
+            if not order:
+                order = list(range(len(prompt_ids)))
+                rng.shuffle(order)
+            idx.append(order.pop())
+        batch = build_token_batch([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
+                                  tokenizer.pad_token_id, device=device)
+        lp, _ = completion_logprobs(model, batch, temperature=1.0)
+        loss = -(lp * batch.mask).sum() / batch.mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        history.append(loss.item())
+        if step % cfg.print_every == 0 or step == cfg.train.steps:
+            print(f"sft step {step:>4}/{cfg.train.steps}  loss {loss.item():.4f}  "
+                  f"({time.time() - t0:.0f}s)", flush=True)
+    if cfg.model.lora.enabled:
+        model = model.merge_and_unload()
+    model = model.to(dtype=getattr(torch, cfg.model.dtype))
+    out = cfg.out_path
+    save_model_dir(model, tokenizer, out, extra={"sft_loss_first": history[0], "sft_loss_last": history[-1],
+                                                 "sft_steps": cfg.train.steps, "base_model": model_dir})
+    return out
+
+
+def save_model_dir(model, tokenizer, out: Path, extra: Optional[dict] = None) -> None:
+    """Save an HF model + tokenizer to ``out`` atomically (temp dir, then rename)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if extra:
+        (tmp / "parityrl_sft.json").write_text(json.dumps(extra, indent=2))
+    if out.exists():
+        backup = out.parent / f".old_{out.name}_{os.getpid()}"
+        os.replace(out, backup)
+        os.replace(tmp, out)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
