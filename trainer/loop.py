@@ -76,11 +76,12 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
                                  ref_logprobs=ref_lp, normalizer=norm), a)
         backward(out.loss)
         loss_total += out.loss.item()
-        n_rows = micro.mask.shape[0]
-        for k, v in out.metrics.items():  # row-weighted so the batch value does not depend on micro-batching
-            totals[k] = totals.get(k, 0.0) + v * n_rows
+        # Each metric, like the loss, is this micro-batch's share of the whole-batch value
+        # (global normaliser), so the sum over micro-batches is the batch value.
+        for k, v in out.metrics.items():
+            totals[k] = totals.get(k, 0.0) + v
         train_lp[rows, :c] = lp.detach()
-    metrics = {k: v / len(batch) for k, v in totals.items()}
+    metrics = dict(totals)
     metrics["train/loss"] = loss_total
     return {"metrics": metrics, "train_logprobs": train_lp}
 

@@ -1,0 +1,168 @@
+"""Registries of advantage estimators and policy losses, and their uniform signatures.
+
+A new algorithm is one registered pure function plus a name in the recipe; the trainer
+looks functions up by name and never branches on it (the verl ``core_algos.py`` pattern).
+
+Uniform signatures (every registered function follows one of them):
+
+- advantage estimator: ``fn(batch: AdvantageInputs, cfg) -> Tensor[S, T]``
+  per-token advantages, exactly zero where ``batch.mask`` is 0.
+- policy loss: ``fn(batch: LossInputs, cfg) -> LossOutput``.
+
+``cfg`` is the algorithm's config object, duck-typed: each function documents the
+attributes it reads. ``S`` = sequences in the (micro-)batch, ``T`` = padded completion length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, TypeVar
+
+import torch
+
+from trainer.algorithms.aggregation import LossNormalizer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Registry(Generic[F]):
+    """A name -> function table that refuses duplicates and lists valid names on a miss."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._fns: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator: ``@ADVANTAGES.register("grpo")``. Raises ValueError on a duplicate name."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} registry: name must be a non-empty string, got {name!r}")
+
+        def decorator(fn: F) -> F:
+            if name in self._fns:
+                # Silent overwrite would let an import order decide which algorithm runs.
+                raise ValueError(
+                    f"{self.kind} registry: name {name!r} is already registered "
+                    f"(by {self._fns[name].__module__}.{self._fns[name].__qualname__})"
+                )
+            if not callable(fn):
+                raise ValueError(f"{self.kind} registry: {name!r} must register a callable, got {fn!r}")
+            self._fns[name] = fn
+            return fn
+
+        return decorator
+
+    def get(self, name: str) -> F:
+        """The function registered as ``name``; ValueError listing the valid names otherwise."""
+        try:
+            return self._fns[name]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names()) or '(none registered)'}"
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._fns)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fns
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, names={self.names()})"
+
+
+def _check_2d(owner: str, name: str, value: torch.Tensor | None, shape: torch.Size) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{owner}.{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.shape != shape:
+        raise ValueError(f"{owner}.{name} has shape {tuple(value.shape)}, expected {tuple(shape)} [S, T]")
+
+
+@dataclass
+class AdvantageInputs:
+    """What an advantage estimator sees.
+
+    rewards: [S] one scalar score per sequence.
+    mask: [S, T] 1 (or True) on completion tokens, 0 on padding.
+    group_size: completions per prompt; samples are group-contiguous (sample ``i``
+        answers prompt ``i // group_size``), as produced by ``rollout.types.Rollouts``.
+    values: [S, T] optional critic values (PPO/GAE).
+    token_rewards: [S, T] optional per-token rewards (PPO/GAE, KL-in-reward).
+    """
+
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    group_size: int
+    values: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.mask.dim() != 2:
+            raise ValueError(f"AdvantageInputs.mask must be 2-D [S, T], got shape {tuple(self.mask.shape)}")
+        s = self.mask.shape[0]
+        if self.rewards.shape != (s,):
+            raise ValueError(
+                f"AdvantageInputs.rewards has shape {tuple(self.rewards.shape)}, expected ({s},) [S] to match mask"
+            )
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"AdvantageInputs.group_size must be an int >= 1, got {self.group_size!r}")
+        if s % self.group_size:
+            raise ValueError(
+                f"AdvantageInputs: {s} sequences is not a multiple of group_size={self.group_size}"
+            )
+        _check_2d("AdvantageInputs", "values", self.values, self.mask.shape)
+        _check_2d("AdvantageInputs", "token_rewards", self.token_rewards, self.mask.shape)
+
+
+@dataclass
+class LossInputs:
+    """What a policy loss sees: one micro-batch of whole sequences.
+
+    logprobs: [S, T] current policy's log-prob of each sampled token (requires grad).
+    old_logprobs: [S, T] log-probs under the policy that produced the data (treated as constants).
+    advantages: [S, T] per-token advantages (constants).
+    mask: [S, T] 1 (or True) on completion tokens, 0 on padding. Values of the other
+        tensors at padding are ignored, even if NaN/inf.
+    normalizer: the GLOBAL denominators of the whole rollout batch (see
+        ``aggregation.LossNormalizer``), so micro-batch losses sum to the full-batch loss.
+    ref_logprobs: [S, T] optional reference policy log-probs for a KL penalty (constants).
+    is_weights: [S, T] optional rollout->trainer importance weights (TIS/MIS; constants)
+        multiplying the per-token loss.
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    normalizer: LossNormalizer
+    ref_logprobs: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs.dim() != 2:
+            raise ValueError(f"LossInputs.logprobs must be 2-D [S, T], got shape {tuple(self.logprobs.shape)}")
+        shape = self.logprobs.shape
+        for name in ("old_logprobs", "advantages", "mask", "ref_logprobs", "is_weights"):
+            _check_2d("LossInputs", name, getattr(self, name), shape)
+        if not isinstance(self.normalizer, LossNormalizer):
+            raise TypeError(
+                f"LossInputs.normalizer must be a LossNormalizer, got {type(self.normalizer).__name__}"
+            )
+
+
+@dataclass
+class LossOutput:
+    """A policy loss's result for one micro-batch.
+
+    loss: scalar tensor to call ``.backward()`` on.
+    metrics: floats under ``train/``. Every metric is this micro-batch's CONTRIBUTION
+        under the global normaliser, so summing a key over the micro-batches (and ranks)
+        of one optimizer step gives the full-batch value -- the same rule as ``loss``.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+ADVANTAGES: Registry[Callable[[AdvantageInputs, Any], torch.Tensor]] = Registry("advantage estimator")
+POLICY_LOSSES: Registry[Callable[[LossInputs, Any], LossOutput]] = Registry("policy loss")
