@@ -205,7 +205,7 @@ def save_model_dir(model, tokenizer, out: Path, extra: Optional[dict] = None) ->
     tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if extra:
         (tmp / "parityrl_sft.json").write_text(json.dumps(extra, indent=2))
