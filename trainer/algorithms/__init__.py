@@ -3,11 +3,35 @@
 Importing this package registers every built-in algorithm. The trainer does
 ``ADVANTAGES.get(name)(AdvantageInputs(...), cfg)`` and
 ``POLICY_LOSSES.get(name)(LossInputs(...), cfg)`` and never branches on ``name``.
+
+Registered names (advantage estimator / policy loss): grpo, dr_grpo, gspo, rloo,
+reinforce_pp_baseline, pmd_mean, pmd_part, ppo. DAPO is grpo + settings + the dynamic-sampling
+filter (``filters.groups_with_signal``), see ``filters``.
 """
 from trainer.algorithms import grpo  # noqa: F401  (registers "grpo")
+from trainer.algorithms import dr_grpo, gspo, pmd, ppo, reinforce_pp, rloo  # noqa: F401  (register the rest)
 from trainer.algorithms.aggregation import AGG_MODES, LossNormalizer, aggregate
+from trainer.algorithms.dr_grpo import dr_grpo_advantages, dr_grpo_loss
+from trainer.algorithms.filters import groups_with_signal
 from trainer.algorithms.grpo import GRPOConfig, clipped_surrogate, grpo_advantages, grpo_loss
+from trainer.algorithms.gspo import GSPOConfig, gspo_loss
 from trainer.algorithms.kl import kl_k1, kl_k2, kl_k3
+from trainer.algorithms.pmd import PMDConfig, pmd_loss, pmd_part_advantages
+from trainer.algorithms.ppo import (
+    AdaptiveKLController,
+    FixedKLController,
+    PPOConfig,
+    approx_kl,
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    make_kl_controller,
+    ppo_advantages,
+    ppo_loss,
+    ppo_returns,
+    ppo_token_rewards,
+    value_clip_frac,
+)
 from trainer.algorithms.registry import (
     ADVANTAGES,
     POLICY_LOSSES,
@@ -16,22 +40,52 @@ from trainer.algorithms.registry import (
     LossOutput,
     Registry,
 )
+from trainer.algorithms.reinforce_pp import reinforce_pp_baseline_advantages
+from trainer.algorithms.rloo import RLOOConfig, rloo_advantages, rloo_loss, sequence_clipped_surrogate
+from trainer.algorithms.sequence import whiten
 
 __all__ = [
     "ADVANTAGES",
     "AGG_MODES",
     "POLICY_LOSSES",
+    "AdaptiveKLController",
     "AdvantageInputs",
+    "FixedKLController",
     "GRPOConfig",
+    "GSPOConfig",
     "LossInputs",
     "LossNormalizer",
     "LossOutput",
+    "PMDConfig",
+    "PPOConfig",
+    "RLOOConfig",
     "Registry",
     "aggregate",
+    "approx_kl",
     "clipped_surrogate",
+    "clipped_value_loss",
+    "dr_grpo_advantages",
+    "dr_grpo_loss",
+    "explained_variance",
+    "gae",
+    "groups_with_signal",
     "grpo_advantages",
     "grpo_loss",
+    "gspo_loss",
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "make_kl_controller",
+    "pmd_loss",
+    "pmd_part_advantages",
+    "ppo_advantages",
+    "ppo_loss",
+    "ppo_returns",
+    "ppo_token_rewards",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+    "rloo_loss",
+    "sequence_clipped_surrogate",
+    "value_clip_frac",
+    "whiten",
 ]

@@ -128,6 +128,12 @@ class LossInputs:
     ref_logprobs: [S, T] optional reference policy log-probs for a KL penalty (constants).
     is_weights: [S, T] optional rollout->trainer importance weights (TIS/MIS; constants)
         multiplying the per-token loss.
+    values: [S, T] optional current critic values V (requires grad; PPO's value loss).
+    old_values: [S, T] optional critic values when the data was collected (constants; the
+        centre of PPO's value clip).
+    returns: [S, T] optional value targets R, e.g. GAE advantages + old values (constants).
+    entropy: [S, T] optional per-token policy entropy (requires grad; PPO's entropy bonus).
+    Losses that need an optional field raise a ValueError naming it when it is None.
     """
 
     logprobs: torch.Tensor
@@ -137,12 +143,17 @@ class LossInputs:
     normalizer: LossNormalizer
     ref_logprobs: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.logprobs.dim() != 2:
             raise ValueError(f"LossInputs.logprobs must be 2-D [S, T], got shape {tuple(self.logprobs.shape)}")
         shape = self.logprobs.shape
-        for name in ("old_logprobs", "advantages", "mask", "ref_logprobs", "is_weights"):
+        for name in ("old_logprobs", "advantages", "mask", "ref_logprobs", "is_weights",
+                     "values", "old_values", "returns", "entropy"):
             _check_2d("LossInputs", name, getattr(self, name), shape)
         if not isinstance(self.normalizer, LossNormalizer):
             raise TypeError(
