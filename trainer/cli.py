@@ -68,10 +68,19 @@ def _sft(args) -> int:
     return 0
 
 
+def quiet_third_party() -> None:
+    """Keep the console for parityrl's progress lines; engines' own logs stay available by setting the variables."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def main(argv: list[str] | None = None) -> int:
     # vLLM runs in this process next to the trainer; its V1 engine must not fork a
     # worker process (set before vllm is imported anywhere).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    quiet_third_party()
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)

@@ -146,7 +146,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
 
             # ---------------------------------------------------- rollout
             t = time.perf_counter()
-            rows = batcher.next_batch()
+            rows = next(batcher)
             prompts = [r["prompt"] for r in rows]
             prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
                                         max_prompt_tokens=d.max_prompt_tokens)

@@ -89,8 +89,7 @@ class RunLogger:
         if not self.enabled:
             return
         if self._first_step is None:
-            self._first_step = step
-            self._t0 = time.time()
+            self._first_step = step  # t0 is the logger's creation: the first step's time counts
         row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:

@@ -4,6 +4,8 @@ import sys
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from trainer.cli import run_train
+    from trainer.cli import quiet_third_party, run_train
+
+    quiet_third_party()
 
     sys.exit(run_train(prog="trainer.train"))
