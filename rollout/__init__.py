@@ -1,0 +1,23 @@
+"""Rollout engines behind one interface (``rollout.base.RolloutEngine``) and the weight sync into them.
+
+- ``VLLMEngine``: in-process vLLM, the default (``rollout.vllm_engine``).
+- ``HFEngine``: Transformers ``generate``, the reference and fallback (``rollout.hf_engine``).
+- ``merged_lora_weights`` / ``full_weights``: what a sync sends (``rollout.weight_export``).
+
+Nothing here imports vllm or transformers until an engine is built.
+"""
+from rollout.hf_engine import HFEngine
+from rollout.types import Rollouts, SamplingSpec
+from rollout.vllm_engine import VLLMEngine
+from rollout.weight_export import full_weights, iter_merged_lora_weights, merged_lora_weights, payload_bytes
+
+__all__ = [
+    "HFEngine",
+    "Rollouts",
+    "SamplingSpec",
+    "VLLMEngine",
+    "full_weights",
+    "iter_merged_lora_weights",
+    "merged_lora_weights",
+    "payload_bytes",
+]

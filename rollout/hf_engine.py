@@ -1,0 +1,154 @@
+"""Hugging Face ``generate`` as a rollout engine: the reference and the fallback.
+
+Same interface and conventions as ``rollout.vllm_engine.VLLMEngine``: token ids
+in, group-contiguous ``Rollouts`` out, and for every sampled token the log-prob
+under the distribution it was sampled from:
+
+    log_softmax(mask_{top-k, top-p}(logits / temperature))[token]
+
+i.e. HF's processed ``scores`` (temperature, then top-k, then top-p: masked
+tokens at -inf, the kept ones renormalised). That is vLLM's
+``logprobs_mode="processed_logprobs"`` too, so with top-k/top-p off both are
+log_softmax(logits / T).
+
+Prompts are left-padded into one batch (chunked by ``max_batch_size``); the
+model's own generation_config is set aside during the call so that defaults
+such as a repetition penalty cannot change the distribution silently.
+Reproducible: the global torch RNG is seeded per chunk from ``spec.seed`` inside
+``torch.random.fork_rng``, leaving the caller's RNG state untouched.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from rollout.types import Rollouts, SamplingSpec
+from rollout.vllm_engine import sample_seed, validate_request
+
+
+class HFEngine:
+    """A ``transformers`` causal LM behind the ``rollout.base.RolloutEngine`` interface.
+
+    model: a loaded ``PreTrainedModel`` (used as is, e.g. the trainer's own policy)
+        or a local HF directory / hub id to load.
+    dtype: dtype to load a model from a path with (ignored for a loaded model).
+    device: where to load it ("cpu", "cuda").
+    eos_ids: stop tokens; default: the model's generation_config / config EOS ids.
+    max_batch_size: sequences per ``generate`` call.
+    """
+
+    def __init__(self, model, *, dtype: str = "bfloat16", device: str = "cpu",
+                 eos_ids: Sequence[int] | None = None, max_batch_size: int = 256) -> None:
+        if isinstance(model, (str, Path)):
+            from transformers import AutoModelForCausalLM
+
+            torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+            if not isinstance(torch_dtype, torch.dtype):
+                raise ValueError(f"dtype = {dtype!r}: expected a torch dtype name such as 'bfloat16'")
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype).to(device)
+        if not hasattr(model, "generate"):
+            raise TypeError(f"model: expected a transformers PreTrainedModel or a path, got {type(model).__name__}")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size = {max_batch_size!r}: expected an integer >= 1")
+        self.model = model.eval()
+        self.max_batch_size = max_batch_size
+        gen, cfg = getattr(model, "generation_config", None), model.config
+        if eos_ids is None:
+            eos = getattr(gen, "eos_token_id", None)
+            eos = cfg.eos_token_id if eos is None else eos
+            eos_ids = [] if eos is None else (eos if isinstance(eos, (list, tuple)) else [eos])
+        self.eos_ids = [int(e) for e in eos_ids]
+        pad = getattr(gen, "pad_token_id", None)
+        pad = getattr(cfg, "pad_token_id", None) if pad is None else pad
+        self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        self.max_model_len = getattr(cfg, "max_position_embeddings", None)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
+        """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n."""
+        validate_request(prompt_ids, spec, self.max_model_len)
+        rows = [list(p) for p in prompt_ids for _ in range(spec.n)]
+        completion_ids, logprobs, finish = [], [], []
+        for chunk, start in enumerate(range(0, len(rows), self.max_batch_size)):
+            c, lp, f = self._generate_chunk(rows[start:start + self.max_batch_size], spec,
+                                            seed=sample_seed(spec.seed, chunk))
+            completion_ids += c
+            logprobs += lp
+            finish += f
+        return Rollouts(prompt_ids=rows, completion_ids=completion_ids, rollout_logprobs=logprobs,
+                        finish_reasons=finish, group_size=spec.n)
+
+    def _generation_config(self, spec: SamplingSpec):
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            do_sample=True, num_beams=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+            max_new_tokens=spec.max_new_tokens, min_new_tokens=0, eos_token_id=self.eos_ids or None,
+            pad_token_id=self.pad_id, output_scores=True, return_dict_in_generate=True, use_cache=True,
+        )
+
+    @torch.no_grad()
+    def _generate_chunk(self, rows: list[list[int]], spec: SamplingSpec, seed: int):
+        """rows: [B][P_b] prompts (already repeated n times). Returns completions, log-probs, finish reasons."""
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):  # left padding: the next token is always at position -1
+            input_ids[b, width - len(r):] = torch.tensor(r)
+            attention_mask[b, width - len(r):] = 1
+        saved_config = self.model.generation_config
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            self.model.generation_config = self._generation_config(spec)
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                out = self.model.generate(input_ids=input_ids.to(self.device),
+                                          attention_mask=attention_mask.to(self.device))
+        finally:
+            self.model.generation_config = saved_config
+        new = out.sequences[:, width:]                            # [B, T]
+        # out.scores: T x [B, V] processed logits; reduce step by step rather than stacking [B, T, V].
+        lp = torch.stack([torch.log_softmax(s.float(), dim=-1).gather(-1, new[:, t:t + 1]).squeeze(-1)
+                          for t, s in enumerate(out.scores)], dim=1).cpu()  # [B, T]
+        new = new.cpu()
+        eos = torch.tensor(self.eos_ids, dtype=torch.long)
+        completions, logprobs, finish = [], [], []
+        for b in range(len(rows)):
+            hits = torch.isin(new[b], eos).nonzero()
+            end = int(hits[0]) + 1 if len(hits) else new.shape[1]  # keep the EOS token itself
+            completions.append(new[b, :end].tolist())
+            logprobs.append(lp[b, :end].tolist())
+            finish.append("stop" if len(hits) else "length")
+        return completions, logprobs, finish
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the model's parameters by HF name (cast to each parameter's dtype)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        updates = list(named_tensors)
+        unknown = [n for n, _ in updates if n not in params]
+        if unknown:
+            raise ValueError(f"named_tensors: unknown parameter names {unknown[:6]} (expected HF names such as "
+                             f"{next(iter(params))!r})")
+        bad = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in updates if t.shape != params[n].shape]
+        if bad:
+            raise ValueError(f"named_tensors: shape mismatch (name, given, expected): {bad[:4]}")
+        with torch.no_grad():
+            for name, tensor in updates:
+                params[name].copy_(tensor.detach().to(device=params[name].device, dtype=params[name].dtype))
+
+    def sleep(self, level: int = 1) -> None:
+        """Nothing to free: the model is the caller's."""
+
+    def wake_up(self) -> None:
+        """See ``sleep``."""
+
+    def close(self) -> None:
+        """Drop the reference to the model."""
+        self.model = None

@@ -1,0 +1,218 @@
+"""Export the trainer's current weights under Hugging Face names for an engine sync.
+
+The trainer holds a PEFT LoRA model; the rollout engine holds plain (merged)
+weights. A sync sends, for every LoRA-wrapped module, the effective weight
+
+    W = W_base + sum_{a in active adapters} scaling_a * (B_a @ A_a)      [out, in]
+
+(transposed when ``fan_in_fan_out``; Hu et al. 2021, "LoRA",
+https://arxiv.org/abs/2106.09685, eq. 3) under the base model's parameter name,
+e.g. ``model.layers.0.self_attn.q_proj.weight``.
+
+The merge is computed here, out of place, never with ``merge_adapter()`` /
+``unmerge_adapter()``: that round trip adds and subtracts the delta in the
+base weight's storage dtype, so a BF16 base would drift by a rounding error
+every sync. The arithmetic is done in float32 and rounded to ``dtype`` once,
+which is exactly what a merged checkpoint (``merge_and_unload`` in float32,
+then saved in BF16) would hold.
+
+Fused modules: vLLM stores q/k/v as one ``qkv_proj`` and gate/up as one
+``gate_up_proj``, and its in-place reload rebuilds a fused module from
+whatever shards it is given (the missing shards come back as uninitialised
+memory). So when LoRA targets only some members of such a group, the others
+are sent as well, with their (unchanged) weights: see ``fused_groups``.
+
+Everything is a generator underneath (one module at a time) so that a
+ZeRO-3 trainer can gather one module's shards, export it, and release it:
+pass ``gather`` (e.g. ``lambda ps: deepspeed.zero.GatheredParameters(ps)``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+Gather = Callable[[Sequence[nn.Parameter]], ContextManager]
+
+# Hugging Face leaf names that vLLM fuses into one module (Llama, Mistral, Qwen2/3, ...).
+DEFAULT_FUSED_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
+
+
+def _no_gather(params: Sequence[nn.Parameter]) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def _lora_types() -> tuple[type, type]:
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return LoraLayer, AuxiliaryTrainingWrapper
+
+
+def _hf_root(peft_model: nn.Module) -> nn.Module:
+    """The wrapped Transformers model, whose module names are the HF names."""
+    get_base = getattr(peft_model, "get_base_model", None)
+    if get_base is None:
+        raise TypeError(
+            f"peft_model: expected a peft.PeftModel (with get_base_model()), got {type(peft_model).__name__}; "
+            "use full_weights() for a plain model"
+        )
+    return get_base()
+
+
+def _merged_lora_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """W_base + sum_a scaling_a * delta_a, in float32, rounded to ``dtype`` once.
+
+    Linear: lora_A[a].weight [r, in], lora_B[a].weight [out, r], delta = B @ A [out, in]
+    (transposed to [in, out] when fan_in_fan_out, matching the base weight).
+    Embedding: lora_embedding_A[a] [r, vocab], lora_embedding_B[a] [dim, r],
+    delta = (B @ A).T [vocab, dim].
+    Adapters already merged into the base (``merged_adapters``) are not added again;
+    with adapters disabled the forward uses the base weight, and so does this.
+    """
+    base = module.get_base_layer().weight
+    merged = base.detach().to(torch.float32, copy=True)
+    if module.disable_adapters:
+        return merged.to(dtype)
+    for adapter in module.active_adapters:
+        if adapter in module.merged_adapters:
+            continue
+        variant = getattr(module, "lora_variant", {}).get(adapter)
+        if variant is not None or getattr(module, "use_dora", {}).get(adapter):
+            raise NotImplementedError(
+                f"adapter {adapter!r} uses a LoRA variant ({type(variant).__name__}, e.g. DoRA); "
+                "its merge is not W + s*B@A and is not supported by merged_lora_weights"
+            )
+        scaling = float(module.scaling[adapter])
+        if adapter in getattr(module, "lora_A", {}):
+            lora_b = module.lora_B[adapter]
+            if getattr(lora_b, "bias", None) is not None:
+                raise NotImplementedError(f"adapter {adapter!r} has lora_bias=True; merging it changes the base bias")
+            delta = lora_b.weight.detach().float() @ module.lora_A[adapter].weight.detach().float()
+            if module.fan_in_fan_out:
+                delta = delta.T
+        elif adapter in getattr(module, "lora_embedding_A", {}):
+            delta = (module.lora_embedding_B[adapter].detach().float() @ module.lora_embedding_A[adapter].detach().float()).T
+        else:
+            continue  # adapter not applied to this module
+        if delta.shape != merged.shape:
+            raise NotImplementedError(
+                f"LoRA module of type {type(module).__name__}: delta shape {tuple(delta.shape)} != "
+                f"base weight shape {tuple(merged.shape)}; only Linear and Embedding LoRA layers are supported"
+            )
+        # delta * scaling, then add: the same float32 operations as PEFT's merge, so
+        # the result is bitwise what merge_and_unload() of a float32 copy holds.
+        merged.add_(delta * scaling)
+    return merged.to(dtype)
+
+
+def _module_params(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.parameters())
+
+
+def _effective_weights(name: str, module: nn.Module, dtype: torch.dtype) -> NamedTensors:
+    """The weights the model's forward uses for ``module``, under HF names."""
+    lora_layer, aux_wrapper = _lora_types()
+    if isinstance(module, lora_layer):
+        return [(f"{name}.weight", _merged_lora_weight(module, dtype))]
+    if isinstance(module, aux_wrapper):
+        if type(module).__name__ != "ModulesToSaveWrapper":
+            raise NotImplementedError(f"{name}: PEFT wrapper {type(module).__name__} is not supported for export")
+        active = module.active_adapters
+        inner = module.original_module if module.disable_adapters or not active else module.modules_to_save[active[0]]
+        return [(f"{name}.{p}", t.detach().to(dtype)) for p, t in inner.named_parameters()]
+    return [(f"{name}.{p}", t.detach().to(dtype)) for p, t in module.named_parameters(recurse=False)]
+
+
+def _group_of(leaf: str, fused_groups: Sequence[Sequence[str]]) -> Sequence[str] | None:
+    for group in fused_groups:
+        if leaf in group:
+            return group
+    return None
+
+
+def iter_merged_lora_weights(
+    peft_model: nn.Module,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    fused_groups: Sequence[Sequence[str]] = DEFAULT_FUSED_GROUPS,
+    gather: Gather | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, weight) for every module a PEFT model changes, module by module.
+
+    Yields: LoRA-wrapped modules' merged weights (see ``_merged_lora_weight``),
+    ``modules_to_save`` copies under their base names, and the unchanged siblings
+    of any LoRA-targeted member of a ``fused_groups`` group (pass ``()`` for an
+    engine that does not fuse). Group members are yielded together, modules in
+    model order, so an engine that rebuilds one layer at a time sees it whole.
+    Tensors without a dtype change may alias the model's storage: consume them
+    before the next optimizer step. The model is not modified.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
+    lora_layer, aux_wrapper = _lora_types()
+    gather = gather or _no_gather
+    root = _hf_root(peft_model)
+    changed = [
+        name
+        for name, m in root.named_modules()
+        if isinstance(m, (lora_layer, aux_wrapper)) and not _inside_wrapper(name, root, aux_wrapper)
+    ]
+    done: set[str] = set()
+    for name in changed:
+        if name in done:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        group = _group_of(leaf, fused_groups)
+        members = [name] if group is None else [f"{parent}.{g}" if parent else g for g in group]
+        for member in members:
+            try:
+                module = root.get_submodule(member)
+            except AttributeError:
+                continue  # this architecture does not have that sibling
+            done.add(member)
+            with torch.no_grad(), gather(_module_params(module)):
+                yield from _effective_weights(member, module, dtype)
+
+
+def _inside_wrapper(name: str, root: nn.Module, aux_wrapper: type) -> bool:
+    """True for modules nested inside a ModulesToSaveWrapper (its copies and original)."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        if isinstance(root.get_submodule(".".join(parts[:i])), aux_wrapper):
+            return True
+    return False
+
+
+def merged_lora_weights(
+    peft_model: nn.Module,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    fused_groups: Sequence[Sequence[str]] = DEFAULT_FUSED_GROUPS,
+    gather: Gather | None = None,
+) -> NamedTensors:
+    """List form of ``iter_merged_lora_weights`` (same arguments)."""
+    return list(iter_merged_lora_weights(peft_model, dtype=dtype, fused_groups=fused_groups, gather=gather))
+
+
+def full_weights(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> NamedTensors:
+    """Every parameter of a plain Transformers model, under its HF name, cast to ``dtype``.
+
+    Tied parameters appear once (under the first name, usually the input
+    embedding), which is what vLLM expects for tied checkpoints.
+    """
+    if hasattr(model, "peft_config"):
+        raise TypeError("model: this is a PEFT model; use merged_lora_weights() to get base-model names")
+    with torch.no_grad():
+        return [(name, p.detach().to(dtype)) for name, p in model.named_parameters()]
+
+
+def payload_bytes(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Total size of the tensors in bytes (for logging the sync size)."""
+    return sum(t.numel() * t.element_size() for _, t in named_tensors)

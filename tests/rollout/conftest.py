@@ -1,0 +1,53 @@
+"""Fixtures for the engine tests: an HF reference of the session's tiny model, a scorer, weight restoring.
+
+The tiny model and the one vLLM engine of the session come from tests/conftest.py
+(``tiny_model_dir``, ``vllm_engine``).
+"""
+import pytest
+import torch
+
+
+def forward_logprobs(model, prompt_ids, completion_ids, temperature):
+    """Log-prob of each completion token under log_softmax(logits / T) of a plain HF forward.
+
+    prompt_ids, completion_ids: [S][P_i], [S][C_i]. Returns [S][C_i] float lists.
+    One unpadded forward per sample: no padding or KV-cache effects in the reference.
+    """
+    out = []
+    with torch.no_grad():
+        for p, c in zip(prompt_ids, completion_ids):
+            ids = torch.tensor([list(p) + list(c)], device=model.device)
+            logits = model(ids).logits[0, len(p) - 1:len(p) + len(c) - 1].float() / temperature
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(p):, None]).squeeze(-1)
+            out.append(lp.cpu().tolist())
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_logprobs():
+    """``forward_logprobs`` as a fixture (test modules do not import conftest)."""
+    return forward_logprobs
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dir):
+    """The session's tiny model in Transformers, BF16 like the engine. Tests must not modify it."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture
+def restored_engine(vllm_engine, hf_reference):
+    """The shared engine; every weight is reloaded from the reference afterwards."""
+    from rollout.weight_export import full_weights
+
+    yield vllm_engine
+    vllm_engine.load_weights(full_weights(hf_reference, dtype=torch.bfloat16))
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    """Eight prompts of different lengths over the tiny vocabulary (ids 6..511, no special tokens)."""
+    g = torch.Generator().manual_seed(123)
+    return [[1] + torch.randint(6, 512, (4 + 3 * i,), generator=g).tolist() for i in range(8)]
