@@ -254,6 +254,12 @@ class VLLMEngine:
         self._dist_was_initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
         from vllm import LLM
 
+        # Chunked prefill is off: vLLM 0.32 rewinds the per-request generator of a
+        # seeded request whose prefill is split over steps (``gen.set_offset``), which
+        # the CPU torch.Generator does not support -> RuntimeError as soon as a batch's
+        # prompt tokens exceed max_num_batched_tokens (seen with 64 prompts x n=8).
+        # Seeded requests are how rollouts stay reproducible, so prefill stays whole.
+        llm_kwargs.setdefault("enable_chunked_prefill", False)
         # Without a tokenizer, vLLM's chat-template warm-up fails and logs a traceback: expected here.
         with _preserve_rng(), _drop_log("vllm.renderers.base", "Chat template warmup failed", not load_tokenizer):
             self._llm = LLM(self.model, dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,

@@ -230,3 +230,12 @@ def test_merged_lora_sync_matches_the_peft_forward(restored_engine, hf_reference
     print(f"after LoRA sync: MAE {err.mean():.4g} (max {err.max():.4g}); without the sync: MAE {stale:.4g}")
     assert err.mean() < MAE_BOUND
     assert stale > MISMATCH_FLOOR
+
+
+@pytest.mark.slow
+def test_large_seeded_batch_does_not_chunk_prefill(vllm_engine):
+    # 96 prompts x n=8 x ~40 prompt tokens exceeds vLLM's default batched-token budget;
+    # with chunked prefill on, seeded requests crash the CPU sampler (Generator offset).
+    prompts = [[1] + [7 + (i % 50)] * 40 for i in range(96)]
+    r = vllm_engine.generate(prompts, SamplingSpec(n=8, temperature=1.0, max_new_tokens=2, seed=3))
+    assert len(r) == 96 * 8

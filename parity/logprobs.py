@@ -1,0 +1,595 @@
+"""Chunked fused lm_head + log-softmax: per-token log-probs (and entropy) without [N, V] logits.
+
+The trainer needs, for every sampled token, ``log softmax((h @ W.T + b) / T)[target]`` and
+often the entropy of the same distribution. Materialising the [N, V] logits costs
+N * V * (2 + 4 + 4) bytes in bf16 (logits, their float32 copy, the saved log-softmax),
+e.g. 1.3 GB for 4096 tokens x 32k vocab, several GB for 128k vocabularies. This module
+computes the same numbers in tiles:
+
+* forward: row chunks of ``chunk`` tokens against the full vocabulary; only O(N)
+  statistics survive the chunk (log-sum-exp, entropy);
+* backward: tiles of ``chunk`` rows x ``vocab_block`` vocabulary entries; the logits
+  are recomputed from ``hidden`` and ``weight`` and the softmax is rebuilt from the
+  saved log-sum-exp, so each tile is independent. The weight gradient is accumulated
+  in float32 for one vocabulary block at a time (``vocab_block x H`` floats) and cast
+  to the weight's dtype when the block is done (or, when all rows fit one tile, written
+  by a single matmul per block, with no accumulation to do).
+
+Matmuls run in the input dtype (bf16 stays bf16: that is where AVX512-BF16/AMX units
+and the GPU's tensor cores are); only the logits tile is upcast, to float32 (float64
+for float64 inputs, which gradcheck uses), for log-sum-exp, softmax and entropy.
+
+Cost, in units of one N x H x V matmul: the naive version does 1 forward and 2 backward
+(1 backward with a frozen lm_head). Keeping only O(N) state costs one recomputation:
+forward 1, backward 3 (recompute, d hidden, d weight) -- 4/3 of the naive matmul work
+when the lm_head is trained, partly paid back by never touching [N, V] fresh memory.
+
+Frozen lm_head (LoRA, this project's default): when only ``hidden`` needs a gradient
+and no entropy is asked for, the forward also computes G = d logprob / d hidden per row
+(one extra matmul while the softmax tile is still at hand; G is [N, H] float32) and the
+backward is G scaled by the upstream gradient -- 2 matmuls in total, like the naive
+version. This is exact for any upstream gradient because row i of d(hidden) depends only
+on row i of the upstream gradient (unlike the weight gradient, which Liger-Kernel
+precomputes under a scalar-loss assumption; see linkedin/Liger-Kernel issue #1298).
+Callers that only want values should run under ``torch.no_grad()`` so that this extra
+matmul is skipped.
+
+Formulas (z = (h W^T + b) / T, p = softmax(z), lse = log sum exp z):
+  logprob_i   = z_{i,t_i} - lse_i
+  entropy_i   = -sum_j p_ij log p_ij = lse_i - sum_j p_ij z_ij
+  d logprob_i / d z_ij = 1[j = t_i] - p_ij
+  d entropy_i / d z_ij = -p_ij (log p_ij + entropy_i)
+  d / d logits = (d / d z) / T
+
+References: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models"
+(arXiv:2411.09009) for the recompute-in-tiles idea; Liger-Kernel's
+fused_linear_cross_entropy for the chunked CPU/GPU layout.
+
+Backends: only the chunked torch implementation exists. ``_backend_for`` is the single
+place where a CUDA/Triton kernel would be chosen later; it must keep the same
+contract (inputs, outputs, O(N) saved state).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = [
+    "IGNORE_INDEX",
+    "DEFAULT_MEMORY_BUDGET_BYTES",
+    "MIN_CHUNK_ROWS",
+    "fused_logprobs",
+    "naive_logprobs",
+]
+
+IGNORE_INDEX = -100
+
+# Memory budget, in bytes of float32 tile. The forward holds one [chunk, V] float32 tile
+# (chunk = budget / 4V: 512 rows at V = 32k, 128 at V = 128k) plus its input-dtype twin,
+# ~1.5x the budget. The backward tile gets half the budget (see _backward_tile_shape) and
+# a float32 weight-gradient accumulator, when one is needed, a quarter. Measured with
+# bench/bench_logprobs.py on the 2-core CPU: bf16 matmuls with >= 128 rows run at the
+# full rate, and the peak extra memory stays near 1/10 of the naive version's at
+# N = 4096, V = 32k (107-166 MiB vs 1033-1547 MiB).
+DEFAULT_MEMORY_BUDGET_BYTES = 64 * 2**20
+
+# Out-of-memory retries halve the tile down to this many rows (or vocabulary entries)
+# and then give up by re-raising: smaller tiles only waste time.
+MIN_CHUNK_ROWS = 16
+
+_Result = Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+# ----------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------
+
+
+def fused_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_size: Optional[int] = None,
+    vocab_chunk_size: Optional[int] = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> _Result:
+    """Log-probs of ``targets`` (and entropy) under softmax((hidden @ weight.T + bias) / T), chunked.
+
+    Args:
+        hidden: [N, H] or [B, T, H] last hidden states (float32/bf16/fp16/float64).
+        weight: [V, H] lm_head weight, same dtype and device as ``hidden``.
+        targets: [N] or [B, T] integer token ids in [0, V), or ``ignore_index``
+            (padding / prompt): those positions get log-prob 0, entropy 0 and no gradient,
+            and cost no compute.
+        bias: optional [V] lm_head bias, added in float32.
+        temperature: T > 0; the sampler's temperature, so log-probs match the engine's.
+        return_entropy: also return the per-token entropy (differentiable).
+        chunk_size: tokens per tile in both passes; None sizes tiles from
+            ``DEFAULT_MEMORY_BUDGET_BYTES`` (forward ``budget // (4 V)`` rows; backward
+            see ``_backward_tile_shape``).
+        vocab_chunk_size: vocabulary entries per backward tile (also bounds the float32
+            weight-gradient accumulator to ``vocab_chunk_size x H``); None: automatic.
+        ignore_index: target value meaning "no token here".
+
+    Returns:
+        (logprobs, entropy): both shaped like ``targets``, float32 (float64 for float64
+        inputs); entropy is None unless ``return_entropy``.
+
+    Out of memory in a tile (``torch.OutOfMemoryError``, or a RuntimeError saying "out of
+    memory" / "can't allocate memory") halves the tile and redoes the pass with a
+    warning, down to ``MIN_CHUNK_ROWS``; below that the error is re-raised.
+    """
+    flat_h, flat_t, bias, out_shape = _validate(
+        hidden, weight, targets, bias, temperature, chunk_size, vocab_chunk_size, ignore_index
+    )
+    n_tokens = flat_t.shape[0]
+    compute_dtype = _compute_dtype(hidden.dtype)
+
+    valid = flat_t != ignore_index
+    all_valid = bool(valid.all())
+    if all_valid:
+        rows_h, rows_t = flat_h, flat_t
+    else:
+        # Padded batches: run the kernel on the valid rows only and scatter back.
+        idx = valid.nonzero().squeeze(1)
+        rows_h, rows_t = flat_h.index_select(0, idx), flat_t.index_select(0, idx)
+
+    if rows_t.numel() == 0:
+        # Still route through hidden/weight (empty slices: free) so that backward() works.
+        zero = (flat_h[:0].sum() + weight[:0].sum()).to(compute_dtype)
+        lp = zero.expand(n_tokens).clone()
+        ent = lp.clone() if return_entropy else None
+        return lp.reshape(out_shape), (ent.reshape(out_shape) if ent is not None else None)
+
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (rows_h, weight, bias)
+    )
+    # See module docstring: precompute d logprob / d hidden only when it is the whole backward.
+    precompute = (
+        needs_grad
+        and rows_h.requires_grad
+        and not weight.requires_grad
+        and not (bias is not None and bias.requires_grad)
+        and not return_entropy
+    )
+    fn = _backend_for(rows_h)
+    lp, ent = fn.apply(
+        rows_h, weight, bias, rows_t, float(temperature), bool(return_entropy),
+        chunk_size or 0, vocab_chunk_size or 0, bool(precompute),
+    )
+    if not return_entropy:
+        ent = None
+    if not all_valid:
+        lp = lp.new_zeros(n_tokens).index_copy(0, idx, lp)
+        if ent is not None:
+            ent = ent.new_zeros(n_tokens).index_copy(0, idx, ent)
+    return lp.reshape(out_shape), (ent.reshape(out_shape) if ent is not None else None)
+
+
+def naive_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_size: Optional[int] = None,
+    vocab_chunk_size: Optional[int] = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> _Result:
+    """Reference: full logits, ``log_softmax(logits.float()).gather``; same contract as ``fused_logprobs``.
+
+    Materialises [N, V] logits in the input dtype, then in float32 (float64 for float64
+    inputs); autograd does the backward. ``chunk_size``/``vocab_chunk_size`` are accepted
+    and ignored so the two functions are interchangeable.
+    """
+    del chunk_size, vocab_chunk_size
+    _, _, bias, _ = _validate(hidden, weight, targets, bias, temperature, None, None, ignore_index)
+    compute_dtype = _compute_dtype(hidden.dtype)
+    logits = (hidden @ weight.T).to(compute_dtype)
+    if bias is not None:
+        logits = logits + bias.to(compute_dtype)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    valid = targets != ignore_index
+    safe_t = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    lp = logp.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1)
+    lp = torch.where(valid, lp, torch.zeros_like(lp))
+    ent = None
+    if return_entropy:
+        ent = -(logp.exp() * logp).sum(-1)
+        ent = torch.where(valid, ent, torch.zeros_like(ent))
+    return lp, ent
+
+
+# ----------------------------------------------------------------------------------
+# Validation and sizing
+# ----------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _validate(hidden, weight, targets, bias, temperature, chunk_size, vocab_chunk_size, ignore_index):
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
+        raise ValueError(
+            f"hidden: expected a [N, H] or [B, T, H] tensor, got "
+            f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}"
+        )
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden: expected a floating dtype, got {hidden.dtype}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight: expected a [V, H] tensor, got shape {tuple(getattr(weight, 'shape', ()))}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight: hidden size {weight.shape[1]} (shape {tuple(weight.shape)}) does not match "
+            f"hidden's last dimension {hidden.shape[-1]}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}; cast one of them "
+            f"(the matmul runs in the input dtype)"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(f"weight: on {weight.device}, hidden on {hidden.device}")
+    if not isinstance(targets, torch.Tensor) or targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets: expected shape {tuple(hidden.shape[:-1])} (hidden's leading dims), got "
+            f"{tuple(getattr(targets, 'shape', ()))}"
+        )
+    if targets.is_floating_point() or targets.dtype == torch.bool:
+        raise ValueError(f"targets: expected an integer dtype, got {targets.dtype}")
+    vocab = weight.shape[0]
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        raise ValueError(
+            f"targets: {int(bad.sum())} ids outside [0, {vocab}) (and not ignore_index={ignore_index}), "
+            f"e.g. {int(targets[bad][0])}"
+        )
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (vocab,):
+            raise ValueError(f"bias: expected shape ({vocab},), got {tuple(getattr(bias, 'shape', ()))}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected a finite number > 0, got {temperature!r}")
+    for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1).long()
+    return flat_h, flat_t, bias, targets.shape
+
+
+def _auto_chunk_rows(cols: int, budget_bytes: int) -> int:
+    """Rows per tile so that one float32 [rows, cols] tile fits ``budget_bytes`` (multiple of 16)."""
+    rows = budget_bytes // (4 * cols)
+    return max(MIN_CHUNK_ROWS, rows - rows % MIN_CHUNK_ROWS)
+
+
+def _auto_vocab_block(hidden_size: int, budget_bytes: int) -> int:
+    """Vocabulary entries per backward tile: the float32 accumulator [block, H] gets budget / 4."""
+    return max(1024, budget_bytes // 4 // (4 * hidden_size))
+
+
+def _backward_tile_shape(n: int, vocab: int, hidden_size: int, chunk: int, vblock: int) -> Tuple[int, int]:
+    """(rows, vocab_block) of the backward tiles; ``chunk``/``vblock`` of 0 mean automatic.
+
+    Backward tiles are independent given lse, so the vocabulary is always blocked. The
+    tile gets half the budget. When all N rows fit one tile with a vocabulary block of at
+    least 1024, that is preferred: each weight-gradient block is then a single matmul
+    written straight into the gradient, with no float32 accumulator and no cast.
+    Otherwise the float32 accumulator [vocab_block, H] gets a quarter of the budget.
+    """
+    tile_budget = DEFAULT_MEMORY_BUDGET_BYTES // 2
+    if not chunk and not vblock:
+        one_chunk_block = tile_budget // (4 * n)
+        if one_chunk_block >= min(1024, vocab):
+            return n, min(vocab, one_chunk_block)
+    vblock = min(vocab, vblock or _auto_vocab_block(hidden_size, DEFAULT_MEMORY_BUDGET_BYTES))
+    rows = min(n, chunk or _auto_chunk_rows(vblock, tile_budget))
+    return rows, vblock
+
+
+def _is_oom(err: BaseException) -> bool:
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    msg = str(err).lower()
+    # The CPU allocator says "can't allocate memory", CUDA/XPU say "out of memory".
+    return isinstance(err, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
+
+
+def _retry_halving(run, rows: int, vblock: int, what: str, split_vocab: bool):
+    """Call ``run(rows, vblock)``; on OOM halve the tile (rows first, then the vocab block) and retry.
+
+    Each retry redoes the whole pass from fresh accumulators, so a failure part-way
+    through can never leave a partially accumulated result behind.
+    """
+    while True:
+        try:
+            return run(rows, vblock)
+        except RuntimeError as err:
+            if not _is_oom(err):
+                raise
+            if rows // 2 >= MIN_CHUNK_ROWS:
+                new_rows, new_vblock = rows // 2, vblock
+            elif split_vocab and vblock // 2 >= MIN_CHUNK_ROWS:
+                new_rows, new_vblock = rows, vblock // 2
+            else:
+                raise
+            tile = lambda r, v: f"{r} x {v if split_vocab else 'V'}"
+            warnings.warn(
+                f"fused_logprobs {what}: out of memory with a {tile(rows, vblock)} tile; retrying with "
+                f"{tile(new_rows, new_vblock)} ({err.__class__.__name__}: {str(err)[:120]})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            rows, vblock = new_rows, new_vblock
+
+
+# ----------------------------------------------------------------------------------
+# Tiles (module-level so tests can inject failures)
+# ----------------------------------------------------------------------------------
+#
+# Every pass allocates its tile buffers once and reuses them: on this class of machine a
+# fresh 64 MiB tensor costs more in page faults than the arithmetic done on it (measured:
+# bf16 matmul into a new [256, 65536] tensor 113 ms, into a reused one 49 ms; exp 80 ms
+# vs 8 ms), which is also why the naive version pays more than its FLOPs suggest.
+
+
+class _Buffers:
+    """Reusable tile buffers of one pass; ``None`` fields are not needed by the pass.
+
+    Tiles are stored flat so that a ragged last tile [r, v] is still a contiguous view.
+    """
+
+    def __init__(self, rows, cols, hidden_size, in_dtype, compute_dtype, device, *, exp, grad_h, grad_w):
+        self.z = torch.empty(rows * cols, dtype=compute_dtype, device=device)
+        # Input-dtype tile: the matmul's output, then the input-dtype copy of d/dlogits.
+        same = in_dtype == compute_dtype
+        self.zin = self.z if same else torch.empty(rows * cols, dtype=in_dtype, device=device)
+        self.e = torch.empty(rows * cols, dtype=compute_dtype, device=device) if exp else None
+        self.gh = torch.empty(rows, hidden_size, dtype=in_dtype, device=device) if grad_h else None
+        self.gw = torch.empty(cols, hidden_size, dtype=in_dtype, device=device) if grad_w else None
+        # Float staging for _accumulate: 1M elements (4 MiB) is past the point of diminishing returns.
+        self.stage = torch.empty(min(2**20, max(rows, cols) * hidden_size), dtype=compute_dtype, device=device)
+
+    @staticmethod
+    def tile(flat: torch.Tensor, r: int, v: int) -> torch.Tensor:
+        return flat[: r * v].view(r, v)
+
+
+def _scaled_logits(h, w, bias_c, temperature, buf):
+    """float [r, v] tile of (h w^T + b) / T; the matmul stays in h's dtype."""
+    r, v = h.shape[0], w.shape[0]
+    z, zin = buf.tile(buf.z, r, v), buf.tile(buf.zin, r, v)
+    torch.mm(h, w.T, out=zin)
+    if buf.zin is not buf.z:
+        z.copy_(zin)
+    if bias_c is not None:
+        z += bias_c
+    if temperature != 1.0:
+        z *= 1.0 / temperature
+    return z
+
+
+def _to_input_dtype(x, buf):
+    """Input-dtype version of the float tile ``x`` (a copy into the reused buffer if dtypes differ)."""
+    if buf.zin is buf.z:  # float32/float64 inputs: x already is the input-dtype tile
+        return x
+    return buf.tile(buf.zin, *x.shape).copy_(x)
+
+
+def _accumulate(acc, x, stage, first: bool):
+    """acc (float) = x if first else acc + x, for a lower-precision x, without temporaries.
+
+    A mixed-dtype ``acc += x`` makes torch allocate a float copy of x on every call (page
+    faults on each; ~5x slower than the add itself), so x is cast into the reused flat
+    float buffer ``stage`` one block at a time.
+    """
+    if first or acc.dtype == x.dtype:
+        return acc.copy_(x) if first else acc.add_(x)
+    step = max(1, stage.numel() // acc.shape[1])
+    for s in range(0, acc.shape[0], step):
+        e = min(acc.shape[0], s + step)
+        acc[s:e] += stage[: (e - s) * acc.shape[1]].view(e - s, acc.shape[1]).copy_(x[s:e])
+    return acc
+
+
+def _forward_tile(h, weight, bias_c, t, temperature, want_entropy, want_grad_h, buf):
+    """One row chunk against the full vocabulary.
+
+    Returns (logprob [r], lse [r], entropy [r] or None, G [r, H] or None) where
+    G = ((onehot(t) - p) / T) @ weight = d logprob / d hidden.
+    """
+    z = _scaled_logits(h, weight, bias_c, temperature, buf)
+    z_t = z.gather(1, t.unsqueeze(1)).squeeze(1)
+    m = z.amax(dim=1, keepdim=True)
+    z -= m  # z' = z - max, so exp never overflows
+    if want_entropy:
+        e = torch.exp(z, out=buf.tile(buf.e, *z.shape))
+        s = e.sum(dim=1)
+        # entropy = lse - sum p z = log s - sum(e z') / s  (the max cancels)
+        ent = torch.log(s) - torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1) / s
+    else:
+        e = z.exp_()
+        s = e.sum(dim=1)
+        ent = None
+    lse = m.squeeze(1) + torch.log(s)
+    logprob = z_t - lse
+    grad_h = None
+    if want_grad_h:
+        g = e.div_(s.unsqueeze(1)).neg_()  # -p
+        g.scatter_add_(1, t.unsqueeze(1), torch.ones_like(z_t).unsqueeze(1))
+        if temperature != 1.0:
+            g *= 1.0 / temperature
+        grad_h = torch.mm(_to_input_dtype(g, buf), weight, out=buf.gh[: h.shape[0]]).to(lse.dtype)
+    return logprob, lse, ent, grad_h
+
+
+def _backward_tile(h, w_blk, b_blk_c, t, v0, lse, ent, g_lp, g_ent, temperature, buf):
+    """Minus the gradient of sum(g_lp * logprob + g_ent * entropy) w.r.t. the tile's raw logits.
+
+    Rows ``h`` [r, H] against vocabulary block ``w_blk`` [v, H] starting at ``v0``.
+    Returns float [r, v] (a view of ``buf.z``):
+        (p * (g_lp + g_ent * (log p + entropy)) - g_lp * onehot) / T
+    The sign is flipped because it saves a full pass over the tile; the caller negates
+    the much smaller accumulated gradients once at the end.
+    """
+    logp = _scaled_logits(h, w_blk, b_blk_c, temperature, buf).sub_(lse.unsqueeze(1))
+    if g_ent is not None:
+        p = torch.exp(logp, out=buf.tile(buf.e, *logp.shape))
+        coef = logp.add_(ent.unsqueeze(1)).mul_(g_ent.unsqueeze(1))
+        if g_lp is not None:
+            coef += g_lp.unsqueeze(1)
+        neg_grad = coef.mul_(p)
+    else:
+        neg_grad = logp.exp_().mul_(g_lp.unsqueeze(1))
+    if g_lp is not None:
+        local = t - v0
+        rows = ((local >= 0) & (local < w_blk.shape[0])).nonzero().squeeze(1)
+        neg_grad.index_put_((rows, local[rows]), -g_lp[rows], accumulate=True)
+    if temperature != 1.0:
+        neg_grad *= 1.0 / temperature
+    return neg_grad
+
+
+def _forward_pass(hidden, weight, bias, targets, temperature, want_entropy, precompute, rows):
+    cd = _compute_dtype(hidden.dtype)
+    n, (vocab, hsize) = hidden.shape[0], weight.shape
+    rows = min(rows, n)
+    buf = _Buffers(rows, vocab, hsize, hidden.dtype, cd, hidden.device,
+                   exp=want_entropy, grad_h=precompute, grad_w=False)
+    bias_c = bias.to(cd) if bias is not None else None
+    lp = torch.empty(n, dtype=cd, device=hidden.device)
+    lse = torch.empty_like(lp)
+    ent = torch.empty_like(lp) if want_entropy else None
+    gh = torch.empty(n, hsize, dtype=cd, device=hidden.device) if precompute else None
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        out = _forward_tile(hidden[r0:r1], weight, bias_c, targets[r0:r1], temperature, want_entropy, precompute, buf)
+        lp[r0:r1], lse[r0:r1] = out[0], out[1]
+        if want_entropy:
+            ent[r0:r1] = out[2]
+        if precompute:
+            gh[r0:r1] = out[3]
+    return lp, lse, ent, gh
+
+
+def _backward_pass(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, temperature, need, rows, vblock):
+    need_h, need_w, need_b = need
+    cd = lse.dtype
+    n, (vocab, hsize) = hidden.shape[0], weight.shape
+    rows, vb = min(rows, n), min(vblock, vocab)
+    buf = _Buffers(rows, vb, hsize, hidden.dtype, cd, hidden.device,
+                   exp=g_ent is not None, grad_h=need_h, grad_w=need_w and rows < n)
+    bias_c = bias.to(cd) if bias is not None else None
+    # _backward_tile returns minus d/dlogits: gh and gb accumulate minus their gradient and
+    # are negated once at the end; the weight gradient uses -hidden ([N, H], cheap) instead.
+    gh = torch.empty(n, hsize, dtype=cd, device=hidden.device) if need_h else None
+    neg_hidden = -hidden if need_w else None
+    gw = torch.empty_like(weight) if need_w else None
+    one_chunk = rows >= n  # then each weight-gradient block is one matmul: no float accumulator
+    gw_acc = torch.empty(vb, hsize, dtype=cd, device=hidden.device) if need_w and not one_chunk else None
+    gb = torch.zeros(vocab, dtype=cd, device=hidden.device) if need_b else None
+    for v0 in range(0, vocab, vb):
+        v1 = min(vocab, v0 + vb)
+        w_blk = weight[v0:v1]
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            neg_grad = _backward_tile(
+                hidden[r0:r1], w_blk, bias_c[v0:v1] if bias_c is not None else None, targets[r0:r1], v0,
+                lse[r0:r1], ent[r0:r1] if ent is not None else None,
+                g_lp[r0:r1] if g_lp is not None else None, g_ent[r0:r1] if g_ent is not None else None,
+                temperature, buf,
+            )
+            if need_b:
+                gb[v0:v1] += neg_grad.sum(0)
+            grad_in = _to_input_dtype(neg_grad, buf)
+            if need_h:
+                part = torch.mm(grad_in, w_blk, out=buf.gh[: r1 - r0])
+                _accumulate(gh[r0:r1], part, buf.stage, first=v0 == 0)
+            if need_w and one_chunk:
+                torch.mm(grad_in.T, neg_hidden, out=gw[v0:v1])
+            elif need_w:
+                part = torch.mm(grad_in.T, neg_hidden[r0:r1], out=buf.gw[: v1 - v0])
+                _accumulate(gw_acc[: v1 - v0], part, buf.stage, first=r0 == 0)
+        if need_w and not one_chunk:
+            gw[v0:v1] = gw_acc[: v1 - v0]
+    if need_h:
+        gh.neg_()
+    if need_b:
+        gb.neg_()
+    return gh, gw, gb
+
+
+# ----------------------------------------------------------------------------------
+# Autograd function (chunked torch backend)
+# ----------------------------------------------------------------------------------
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Inputs are flat: hidden [N, H], targets [N] all valid (the wrapper drops ignored rows).
+
+    ``chunk``/``vblock`` of 0 mean "from the memory budget".
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, want_entropy, chunk, vblock, precompute):
+        vocab, hsize = weight.shape
+        rows = chunk or _auto_chunk_rows(vocab, DEFAULT_MEMORY_BUDGET_BYTES)
+        run = lambda r, _v: _forward_pass(hidden, weight, bias, targets, temperature, want_entropy, precompute, r)
+        lp, lse, ent, gh = _retry_halving(run, min(rows, hidden.shape[0]), vocab, "forward", split_vocab=False)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, gh)
+        ctx.temperature, ctx.chunk, ctx.vblock, ctx.precompute = temperature, chunk, vblock, precompute
+        ctx.set_materialize_grads(False)
+        if ent is None:
+            ent = torch.zeros(0, dtype=lp.dtype, device=lp.device)
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, lse, ent, gh = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        none = (None,) * 6
+        if ent is None or (g_ent is not None and g_ent.numel() == 0):
+            g_ent = None
+        g_lp = g_lp.to(lse.dtype) if g_lp is not None else None
+        g_ent = g_ent.to(lse.dtype) if g_ent is not None else None
+        if g_lp is None and g_ent is None:
+            return (None, None, None) + none
+        if ctx.precompute:
+            # Only hidden needs a gradient and there is no entropy term: G * g_lp.
+            grad_h = (gh * g_lp.unsqueeze(1)).to(hidden.dtype) if g_lp is not None else None
+            return (grad_h, None, None) + none
+
+        vocab, hsize = weight.shape
+        rows, vblock = _backward_tile_shape(hidden.shape[0], vocab, hsize, ctx.chunk, ctx.vblock)
+        run = lambda r, v: _backward_pass(
+            hidden, weight, bias, targets, lse, ent, g_lp, g_ent, ctx.temperature, need, r, v
+        )
+        gh, gw, gb = _retry_halving(run, rows, vblock, "backward", split_vocab=True)
+        grad_h = gh.to(hidden.dtype) if gh is not None else None
+        grad_b = gb.to(bias.dtype) if gb is not None else None
+        return (grad_h, gw, grad_b) + none
+
+
+def _backend_for(hidden: torch.Tensor):
+    """The autograd Function implementing the kernel for ``hidden``'s device.
+
+    Only the chunked torch implementation exists; a Triton kernel for CUDA would be
+    returned here for ``hidden.is_cuda`` and must honour the same apply() signature.
+    """
+    del hidden
+    return _ChunkedLogProbs
