@@ -19,6 +19,12 @@ from typing import Any, Literal, Optional
 import yaml
 
 
+# Algorithms the step loop can run today. Others (ppo, pmd_mean, gspo, ...) are registered
+# as tested pure functions, but need recipe fields (tau, gamma, ...) or inputs (a critic)
+# that the loop does not provide yet, so a recipe naming them is refused up front.
+LOOP_ALGORITHMS = ("grpo",)
+
+
 class RecipeError(ValueError):
     """A recipe that cannot run. The message names file, key, value and expectation."""
 
@@ -348,8 +354,11 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     a, r, t = cfg.algorithm, cfg.rollout, cfg.train
     from trainer.algorithms import ADVANTAGES, POLICY_LOSSES
 
-    need(a.name in ADVANTAGES.names() and a.name in POLICY_LOSSES.names(), "algorithm.name", a.name,
-         "one of " + ", ".join(sorted(set(ADVANTAGES.names()) & set(POLICY_LOSSES.names()))))
+    registered = set(ADVANTAGES.names()) & set(POLICY_LOSSES.names())
+    need(a.name in registered, "algorithm.name", a.name, "one of " + ", ".join(LOOP_ALGORITHMS))
+    need(a.name in LOOP_ALGORITHMS, "algorithm.name", a.name,
+         "one of " + ", ".join(LOOP_ALGORITHMS) + f" ({a.name!r} exists as pure functions in trainer/algorithms "
+         "but is not wired into the training loop yet: its recipe fields and inputs are missing)")
     need(a.group_size >= 2, "algorithm.group_size", a.group_size,
          "an integer >= 2 (GRPO's advantage compares completions of the same prompt)")
     need(a.eps > 0, "algorithm.eps", a.eps, "a number > 0")

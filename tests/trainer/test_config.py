@@ -41,6 +41,7 @@ def test_defaults_and_overrides(tmp_path):
     ("rollout: {temperature: 0}\n", ["rollout.temperature = 0", "> 0"]),
     ("rollout: {top_p: 0.9}\n", ["rollout.top_p = 0.9", "top-p"]),
     ("algorithm: {name: ppo2}\n", ["algorithm.name = 'ppo2'", "grpo"]),
+    ("algorithm: {name: pmd_mean}\n", ["algorithm.name = 'pmd_mean'", "not wired into the training loop"]),
     ("reward: {functions: {acc: not_a_spec}}\n", ["reward.functions.acc = 'not_a_spec'", "module:function"]),
     ("reward: {weights: {nope: 1.0}}\n", ["reward.weights.nope", "exact_answer"]),
     ("model: {lora: {target_modules: [q_proj, lm_head]}}\n", ["model.lora.target_modules", "lm_head"]),

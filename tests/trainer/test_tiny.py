@@ -261,23 +261,37 @@ def test_bad_params(tmp_path, kwargs, message):
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.slow
-def test_loads_and_generates_in_vllm(base, tok, monkeypatch):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+_VLLM_CHECK = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True,
+          kv_cache_memory_bytes=256 * 1024 * 1024)
+out = llm.generate([TokensPrompt(prompt_token_ids=json.loads(sys.argv[2]))],
+                   SamplingParams(max_tokens=8, logprobs=0, seed=0))
+s = out[0].outputs[0]
+print(json.dumps({"ids": list(s.token_ids), "lps": [next(iter(d.values())).logprob for d in s.logprobs]}))
+"""
 
-    llm = LLM(
-        model=str(base), dtype="bfloat16", max_model_len=256, seed=0, enforce_eager=True,
-        kv_cache_memory_bytes=256 * 1024 * 1024,
-    )  # fmt: skip
+
+@pytest.mark.slow
+def test_loads_and_generates_in_vllm(base, tok):
+    # In a subprocess: a second vLLM engine in the test process would tear down the
+    # distributed state of the session's shared engine when it is destroyed.
+    import json
+    import os
+    import subprocess
+    import sys
+
     ids = tok.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=8, logprobs=0, seed=0))
-    sample = out[0].outputs[0]
-    assert 1 <= len(sample.token_ids) <= 8
-    assert all(0 <= t < 512 for t in sample.token_ids)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run([sys.executable, "-c", _VLLM_CHECK, str(base), json.dumps(list(ids))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sample = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 1 <= len(sample["ids"]) <= 8
+    assert all(0 <= t < 512 for t in sample["ids"])
     # Near-uniform random init: each sampled token's log-prob is close to -ln(512) = -6.24.
-    lps = [next(iter(d.values())).logprob for d in sample.logprobs]
-    assert all(-8.0 < lp < -4.5 for lp in lps)
+    assert all(-8.0 < lp < -4.5 for lp in sample["lps"])
