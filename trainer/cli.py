@@ -51,7 +51,11 @@ def _train(args) -> int:
         return 2
     from trainer.loop import train
 
-    train(cfg, resume=args.resume)
+    try:
+        train(cfg, resume=args.resume)
+    except (FileExistsError, FileNotFoundError) as e:  # run-directory state: a user decision, not a crash
+        print(f"parityrl: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
