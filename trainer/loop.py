@@ -98,6 +98,12 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
 
     # ---------------------------------------------------------------- setup
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    if accelerator.num_processes > 1:
+        # The policy forward calls the backbone directly (to feed the fused log-prob
+        # kernel), which bypasses DDP's gradient hooks; each rank would also need its
+        # own prompt shard and engine. Refused until data parallel is built properly.
+        raise NotImplementedError(f"{accelerator.num_processes} processes: multi-process data parallel is not "
+                                  "supported yet; launch with one process (accelerate launch --num_processes 1)")
     set_seed(cfg.train.seed)
     run_dir = cfg.run_dir
     model_dir = resolve_model_path(cfg.model.path)
