@@ -6,8 +6,6 @@ never branches on it.
 """
 from __future__ import annotations
 
-import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
