@@ -116,8 +116,19 @@ class TrainConfig:
 
 
 @dataclass
+class CorrectionSection:
+    # Importance weights between trainer and rollout policy, multiplied into the
+    # per-token loss (parity.correction): none | tis | mis | seq_mis.
+    mode: Literal["none", "tis", "mis", "seq_mis"] = "none"
+    tis_cap: float = 2.0  # tis: w = min(rho, tis_cap)
+    low: float = 0.5  # mis / seq_mis: keep tokens (sequences) with rho in [low, high]
+    high: float = 2.0
+
+
+@dataclass
 class ParityConfig:
     chunk_size: Optional[int] = None  # rows of [chunk x vocab] logits at a time; None = from a memory budget
+    correction: CorrectionSection = field(default_factory=CorrectionSection)
 
 
 @dataclass
@@ -411,6 +422,10 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
              "a weight for a name listed in reward.functions (" + ", ".join(cfg.reward.functions) + ")")
     need(cfg.parity.chunk_size is None or cfg.parity.chunk_size >= 1, "parity.chunk_size", cfg.parity.chunk_size,
          "null or an integer >= 1")
+    try:
+        correction_config(cfg)
+    except ValueError as e:
+        raise RecipeError(f"{where}: parity.correction.{e}") from None
     need(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "an integer >= 0")
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "an integer >= 1")
     need(cfg.logging.print_every >= 1, "logging.print_every", cfg.logging.print_every, "an integer >= 1")
@@ -456,6 +471,14 @@ def _check_paths(cfg: RunConfig, where: str) -> None:
             f"{where}: rollout.max_new_tokens = {cfg.rollout.max_new_tokens}: data.max_prompt_tokens "
             f"({cfg.data.max_prompt_tokens}) + max_new_tokens = {need_len} exceeds the model's context of {max_pos} tokens"
         )
+
+
+def correction_config(cfg: RunConfig):
+    """The recipe's correction section as parity.correction's own (validating) config."""
+    from parity.correction import CorrectionConfig
+
+    c = cfg.parity.correction
+    return CorrectionConfig(mode=c.mode, tis_cap=c.tis_cap, low=c.low, high=c.high)
 
 
 def to_dict(cfg) -> dict:

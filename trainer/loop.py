@@ -13,11 +13,12 @@ from typing import Optional
 
 import torch
 
+from parity.correction import importance_weights
 from parity.metrics import compare
 from trainer import checkpoint as ckpt
 from trainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs, LossNormalizer
 from trainer.batch import TokenBatch, batch_from_rollouts
-from trainer.config import RunConfig, to_dict
+from trainer.config import RunConfig, correction_config, to_dict
 from trainer.engines import make_engine, sampling_spec, sync_weights
 from trainer.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
 from trainer.run_logger import RunLogger
@@ -54,6 +55,7 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
     a = cfg.algorithm
     loss_fn = POLICY_LOSSES.get(a.name)
     norm = LossNormalizer.from_mask(batch.mask, max_len=cfg.rollout.max_new_tokens)
+    correction = correction_config(cfg)
     mb = cfg.train.micro_batch_size
     train_lp = torch.zeros_like(batch.rollout_logprobs)
     totals: dict[str, float] = {}
@@ -70,8 +72,13 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
             with torch.no_grad(), model.disable_adapter():
                 ref_lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
                                                 chunk_size=cfg.parity.chunk_size)
+        # Rollout/trainer mismatch correction: weights are local to a token (tis, mis) or a
+        # row (seq_mis), so computing them per micro-batch equals computing them once.
+        is_w = None
+        if correction.mode != "none":
+            is_w, _ = importance_weights(lp.detach(), micro.rollout_logprobs, micro.mask, correction)
         out = loss_fn(LossInputs(logprobs=lp, old_logprobs=lp.detach(), advantages=advantages[rows, :c], mask=micro.mask,
-                                 ref_logprobs=ref_lp, normalizer=norm), a)
+                                 ref_logprobs=ref_lp, is_weights=is_w, normalizer=norm), a)
         backward(out.loss)
         loss_total += out.loss.item()
         # Each metric, like the loss, is this micro-batch's share of the whole-batch value
@@ -81,6 +88,8 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
         train_lp[rows, :c] = lp.detach()
     metrics = dict(totals)
     metrics["train/loss"] = loss_total
+    if correction.mode != "none":  # the fractions and ESS of the whole batch
+        metrics.update(importance_weights(train_lp, batch.rollout_logprobs, batch.mask, correction)[1])
     return {"metrics": metrics, "train_logprobs": train_lp}
 
 

@@ -46,6 +46,8 @@ def test_defaults_and_overrides(tmp_path):
     ("reward: {weights: {nope: 1.0}}\n", ["reward.weights.nope", "exact_answer"]),
     ("model: {lora: {target_modules: [q_proj, lm_head]}}\n", ["model.lora.target_modules", "lm_head"]),
     ("[1, 2]\n", ["expected a mapping"]),
+    ("parity: {correction: {mode: tis, tis_cap: -1}}\n", ["parity.correction.tis_cap", "> 0", "-1"]),
+    ("parity: {correction: {mode: icepop}}\n", ["parity.correction.mode = 'icepop'", "seq_mis"]),
 ])
 def test_bad_values_are_named(tmp_path, text, needles):
     p = write(tmp_path, text)

@@ -101,3 +101,14 @@ def test_short_run_raises_reward(tmp_path, tiny_model_dir, vllm_engine):
     assert first > 0.05, r  # the warm start gives a non-zero reward to improve on
     assert last > first + 0.1, r
     assert max(h["parity/mae"] for h in res.history) < PARITY_MAE_BOUND
+
+
+def test_tis_correction_in_the_loop(tmp_path, tiny_model_dir, vllm_engine):
+    # With the engine in sync, rho ~ 1 on almost every token: TIS at cap 2 clips nothing
+    # and the effective sample size stays ~1; the weights reach the loss (grad flows).
+    res = train(cfg_for(tmp_path, "tis", "train.steps=2", "parity.correction.mode=tis"), engine=vllm_engine)
+    for h in res.history:
+        assert h["correction/frac_clipped"] < 0.01
+        assert h["correction/ess"] > 0.99
+        assert h["correction/num_tokens"] == h["parity/num_tokens"]
+        assert h["train/grad_norm"] > 0
