@@ -155,6 +155,7 @@ class LoggingConfig:
     run_dir: str = "runs/{name}"
     wandb: WandbConfig = field(default_factory=WandbConfig)
     print_every: int = 1
+    breakdown_every: int = 10  # parity breakdown tables to wandb every N steps (the jsonl file gets every step)
 
 
 @dataclass
@@ -428,6 +429,7 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
         raise RecipeError(f"{where}: parity.correction.{e}") from None
     need(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "an integer >= 0")
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "an integer >= 1")
+    need(cfg.logging.breakdown_every >= 1, "logging.breakdown_every", cfg.logging.breakdown_every, "an integer >= 1")
     need(cfg.logging.print_every >= 1, "logging.print_every", cfg.logging.print_every, "an integer >= 1")
     try:
         str(cfg.run_dir)

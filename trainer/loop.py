@@ -21,6 +21,7 @@ from trainer.batch import TokenBatch, batch_from_rollouts
 from trainer.config import RunConfig, correction_config, to_dict
 from trainer.engines import make_engine, sampling_spec, sync_weights
 from trainer.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
+from trainer.parity_report import append_breakdown, step_breakdown, wandb_tables
 from trainer.run_logger import RunLogger
 from trainer.sft import make_scheduler
 
@@ -58,13 +59,17 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
     correction = correction_config(cfg)
     mb = cfg.train.micro_batch_size
     train_lp = torch.zeros_like(batch.rollout_logprobs)
+    entropy = torch.zeros_like(batch.rollout_logprobs)
     totals: dict[str, float] = {}
     loss_total = 0.0
     for start in range(0, len(batch), mb):
         rows = slice(start, start + mb)
         micro = batch.select(rows)
         c = micro.targets.shape[1]
-        lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature, chunk_size=cfg.parity.chunk_size)
+        # Entropy comes from the same kernel pass (no gradient is asked of it): it feeds the
+        # breakdown of the mismatch by trainer entropy.
+        lp, ent = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
+                                      chunk_size=cfg.parity.chunk_size, return_entropy=True)
         ref_lp = None
         if a.kl_coef > 0:
             # The reference policy is the base model: the same weights with the adapter off,
@@ -86,11 +91,12 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
         for k, v in out.metrics.items():
             totals[k] = totals.get(k, 0.0) + v
         train_lp[rows, :c] = lp.detach()
+        entropy[rows, :c] = ent.detach()
     metrics = dict(totals)
     metrics["train/loss"] = loss_total
     if correction.mode != "none":  # the fractions and ESS of the whole batch
         metrics.update(importance_weights(train_lp, batch.rollout_logprobs, batch.mask, correction)[1])
-    return {"metrics": metrics, "train_logprobs": train_lp}
+    return {"metrics": metrics, "train_logprobs": train_lp, "entropy": entropy}
 
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
@@ -205,6 +211,12 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # The train log-probs are from the pre-update policy, the one that generated
             # the rollouts (if the previous sync worked): this is what the metrics measure.
             m.update(compare(out["train_logprobs"], batch.rollout_logprobs, batch.mask))
+            if accelerator.is_main_process:
+                breakdown = step_breakdown(out["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
+                                           tokenizer, entropy=out["entropy"])
+                append_breakdown(run_dir, step, breakdown)
+                if logger.wandb_run is not None and step % cfg.logging.breakdown_every == 0:
+                    logger.wandb_run.log(wandb_tables(breakdown), step=step)
 
             # ---------------------------------------------------- weight sync
             t = time.perf_counter()

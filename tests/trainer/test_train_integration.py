@@ -112,3 +112,11 @@ def test_tis_correction_in_the_loop(tmp_path, tiny_model_dir, vllm_engine):
         assert h["correction/ess"] > 0.99
         assert h["correction/num_tokens"] == h["parity/num_tokens"]
         assert h["train/grad_norm"] > 0
+    # the per-step breakdown file: one line per step, each table present, token text attached
+    import json
+
+    lines = [json.loads(x) for x in (res.run_dir / "parity_breakdown.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    assert {"by_position", "by_rollout_prob", "by_entropy", "worst_tokens"} <= lines[0].keys()
+    assert sum(r["num_tokens"] for r in lines[0]["by_position"]) == res.history[0]["parity/num_tokens"]
+    assert all(isinstance(w["token"], str) for w in lines[0]["worst_tokens"])
