@@ -49,13 +49,16 @@ def _train(args) -> int:
     except RecipeError as e:
         print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
         return 2
-    from trainer.loop import train
+    from trainer.loop import ParityLimitExceeded, train
 
     try:
         train(cfg, resume=args.resume)
     except (FileExistsError, FileNotFoundError) as e:  # run-directory state: a user decision, not a crash
         print(f"parityrl: {e}", file=sys.stderr)
         return 2
+    except ParityLimitExceeded as e:
+        print(f"parityrl: stopped: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -129,6 +129,10 @@ class CorrectionSection:
 class ParityConfig:
     chunk_size: Optional[int] = None  # rows of [chunk x vocab] logits at a time; None = from a memory budget
     correction: CorrectionSection = field(default_factory=CorrectionSection)
+    # Limits on the step's mismatch (null = none); checked before the optimizer step.
+    max_mae: Optional[float] = None
+    max_kl_k3: Optional[float] = None
+    on_violation: Literal["warn", "stop"] = "warn"  # stop: raise before applying the step's update
 
 
 @dataclass
@@ -423,6 +427,9 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
              "a weight for a name listed in reward.functions (" + ", ".join(cfg.reward.functions) + ")")
     need(cfg.parity.chunk_size is None or cfg.parity.chunk_size >= 1, "parity.chunk_size", cfg.parity.chunk_size,
          "null or an integer >= 1")
+    for key in ("max_mae", "max_kl_k3"):
+        v = getattr(cfg.parity, key)
+        need(v is None or v > 0, f"parity.{key}", v, "null or a number > 0")
     try:
         correction_config(cfg)
     except ValueError as e:

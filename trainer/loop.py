@@ -7,6 +7,7 @@ never branches on it.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -14,6 +15,7 @@ from typing import Optional
 import torch
 
 from parity.correction import importance_weights
+from parity.guards import threshold_violations
 from parity.metrics import compare
 from trainer import checkpoint as ckpt
 from trainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs, LossNormalizer
@@ -97,6 +99,21 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
     if correction.mode != "none":  # the fractions and ESS of the whole batch
         metrics.update(importance_weights(train_lp, batch.rollout_logprobs, batch.mask, correction)[1])
     return {"metrics": metrics, "train_logprobs": train_lp, "entropy": entropy}
+
+
+class ParityLimitExceeded(RuntimeError):
+    """The step's rollout/trainer mismatch broke a recipe limit with ``parity.on_violation: stop``."""
+
+
+def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict) -> None:
+    problems = threshold_violations(m, max_mae=cfg.parity.max_mae, max_kl_k3=cfg.parity.max_kl_k3)
+    if not problems:
+        return
+    msg = f"step {step}: " + "; ".join(problems)
+    if cfg.parity.on_violation == "stop":
+        raise ParityLimitExceeded(msg + " (parity.on_violation: stop; this step's update was not applied, "
+                                  "the last checkpoint is intact)")
+    warnings.warn(msg, stacklevel=2)
 
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
@@ -200,23 +217,26 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             model.train()
             out = policy_gradient_pass(model, batch, advantages, cfg, accelerator.backward)
             m.update(out["metrics"])
-            m["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
-            m["train/lr"] = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            m["perf/train_s"] = time.perf_counter() - t
 
             # ---------------------------------------------------- parity (same pass as the loss)
             # The train log-probs are from the pre-update policy, the one that generated
             # the rollouts (if the previous sync worked): this is what the metrics measure.
             m.update(compare(out["train_logprobs"], batch.rollout_logprobs, batch.mask))
+            _enforce_parity_limits(cfg, step, m)
             if accelerator.is_main_process:
                 breakdown = step_breakdown(out["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
                                            tokenizer, entropy=out["entropy"])
                 append_breakdown(run_dir, step, breakdown)
                 if logger.wandb_run is not None and step % cfg.logging.breakdown_every == 0:
                     logger.wandb_run.log(wandb_tables(breakdown), step=step)
+
+            # ---------------------------------------------------- optimizer step
+            m["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
+            m["train/lr"] = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            m["perf/train_s"] = time.perf_counter() - t
 
             # ---------------------------------------------------- weight sync
             t = time.perf_counter()

@@ -47,6 +47,8 @@ def test_defaults_and_overrides(tmp_path):
     ("model: {lora: {target_modules: [q_proj, lm_head]}}\n", ["model.lora.target_modules", "lm_head"]),
     ("[1, 2]\n", ["expected a mapping"]),
     ("parity: {correction: {mode: tis, tis_cap: -1}}\n", ["parity.correction.tis_cap", "> 0", "-1"]),
+    ("parity: {max_mae: 0}\n", ["parity.max_mae = 0.0", "> 0"]),
+    ("parity: {on_violation: abort}\n", ["parity.on_violation = 'abort'", "'stop'"]),
     ("parity: {correction: {mode: icepop}}\n", ["parity.correction.mode = 'icepop'", "seq_mis"]),
 ])
 def test_bad_values_are_named(tmp_path, text, needles):

@@ -120,3 +120,17 @@ def test_tis_correction_in_the_loop(tmp_path, tiny_model_dir, vllm_engine):
     assert {"by_position", "by_rollout_prob", "by_entropy", "worst_tokens"} <= lines[0].keys()
     assert sum(r["num_tokens"] for r in lines[0]["by_position"]) == res.history[0]["parity/num_tokens"]
     assert all(isinstance(w["token"], str) for w in lines[0]["worst_tokens"])
+
+
+def test_parity_limit_stops_before_the_bad_update(tmp_path, tiny_model_dir, vllm_engine):
+    from trainer.checkpoint import latest_checkpoint
+    from trainer.loop import ParityLimitExceeded
+
+    cfg = cfg_for(tmp_path, "guard", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false",
+                  "checkpoint.every=1", f"parity.max_mae={3 * PARITY_MAE_BOUND}", "parity.on_violation=stop")
+    with pytest.raises(ParityLimitExceeded, match=r"parity/mae = .* exceeds the recipe's limit 0.03") as e:
+        train(cfg, engine=vllm_engine)
+    stopped_at = int(str(e.value).split()[1].rstrip(":"))
+    assert stopped_at >= 2  # step 1 scores untouched weights
+    assert latest_checkpoint(cfg.run_dir).name == f"step_{stopped_at - 1:06d}"
+    assert len((cfg.run_dir / "metrics.jsonl").read_text().splitlines()) == stopped_at - 1
