@@ -122,6 +122,28 @@ def clipped_surrogate(
     return -torch.minimum(ratio * advantages, clipped * advantages), ratio
 
 
+def add_kl_and_is_weights(pg: torch.Tensor, lp: torch.Tensor, batch: LossInputs, cfg: Any, valid: torch.Tensor,
+                          clean, metrics: dict, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token tail shared by the clipped losses: + kl_coef * k3(ref, lp), then * is_weights.
+
+    Returns (per_token loss, is-weighted pg); logs ``train/kl_ref`` (unweighted token mean of
+    k3) into ``metrics`` when a reference is given. ``clean`` zeroes padding and detaches.
+    A configured penalty without a reference is an error, never silently skipped.
+    """
+    per_token = pg
+    if batch.ref_logprobs is not None:
+        kl = kl_k3(lp, clean(batch.ref_logprobs))
+        metrics["train/kl_ref"] = aggregate(kl.detach(), valid, "token_mean", batch.normalizer).item()
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+    elif cfg.kl_coef > 0:
+        raise ValueError(f"{who}: cfg.kl_coef={cfg.kl_coef} > 0 but LossInputs.ref_logprobs is None")
+    if batch.is_weights is not None:
+        w = clean(batch.is_weights)
+        per_token, pg = per_token * w, pg * w
+    return per_token, pg
+
+
 @POLICY_LOSSES.register("grpo")
 def grpo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     """GRPO policy loss on one micro-batch (DeepSeekMath Eq. 3 with DAPO/Dr. GRPO options).
@@ -159,18 +181,7 @@ def grpo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     pg, ratio = clipped_surrogate(lp, clean(batch.old_logprobs), adv, cfg.clip_eps_low, cfg.clip_eps_high)
 
     metrics: dict[str, float] = {}
-    per_token = pg
-    if batch.ref_logprobs is not None:
-        kl = kl_k3(lp, clean(batch.ref_logprobs))
-        metrics["train/kl_ref"] = aggregate(kl.detach(), valid, "token_mean", batch.normalizer).item()
-        if cfg.kl_coef > 0:
-            per_token = per_token + cfg.kl_coef * kl
-    elif cfg.kl_coef > 0:
-        raise ValueError(f"grpo_loss: cfg.kl_coef={cfg.kl_coef} > 0 but LossInputs.ref_logprobs is None")
-    if batch.is_weights is not None:
-        w = clean(batch.is_weights)
-        per_token, pg = per_token * w, pg * w
-
+    per_token, pg = add_kl_and_is_weights(pg, lp, batch, cfg, valid, clean, metrics, who="grpo_loss")
     loss = aggregate(per_token, valid, cfg.loss_agg, batch.normalizer)
 
     with torch.no_grad():

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from trainer.algorithms.aggregation import aggregate
-from trainer.algorithms.grpo import LOG_RATIO_CLAMP, clipped_surrogate, grpo_advantages
-from trainer.algorithms.kl import kl_k3
+from trainer.algorithms.grpo import LOG_RATIO_CLAMP, add_kl_and_is_weights, clipped_surrogate, grpo_advantages
 from trainer.algorithms.registry import ADVANTAGES, POLICY_LOSSES, LossInputs, LossOutput
 from trainer.algorithms.sequence import sequence_lengths, sequence_log_ratio
 
@@ -106,18 +105,7 @@ def gspo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     pg, ratio = clipped_surrogate(log_s_tok, torch.zeros_like(log_s_tok), adv, cfg.clip_eps_low, cfg.clip_eps_high)
 
     metrics: dict[str, float] = {}
-    per_token = pg
-    if batch.ref_logprobs is not None:
-        kl = kl_k3(lp, clean(batch.ref_logprobs))
-        metrics["train/kl_ref"] = aggregate(kl.detach(), valid, "token_mean", batch.normalizer).item()
-        if cfg.kl_coef > 0:
-            per_token = per_token + cfg.kl_coef * kl
-    elif cfg.kl_coef > 0:
-        raise ValueError(f"gspo_loss: cfg.kl_coef={cfg.kl_coef} > 0 but LossInputs.ref_logprobs is None")
-    if batch.is_weights is not None:
-        w = clean(batch.is_weights)
-        per_token, pg = per_token * w, pg * w
-
+    per_token, pg = add_kl_and_is_weights(pg, lp, batch, cfg, valid, clean, metrics, who="gspo_loss")
     loss = aggregate(per_token, valid, GSPO_LOSS_AGG, batch.normalizer)
 
     with torch.no_grad():
