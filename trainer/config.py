@@ -463,13 +463,15 @@ def check_model_path(mp: str, where: str) -> None:
 
 
 def _check_paths(cfg: RunConfig, where: str) -> None:
+    from trainer.data import looks_like_path  # the data loader's own rule for "this is a file"
+
     mp = cfg.model.path
     check_model_path(mp, where)
     src = cfg.data.source
     if src.startswith("builtin:"):
         if src != "builtin:arithmetic":
             raise RecipeError(f"{where}: data.source = {src!r}: unknown built-in dataset; expected 'builtin:arithmetic'")
-    elif _looks_local(src) or src.endswith((".json", ".jsonl", ".parquet")):
+    elif _looks_local(src) or looks_like_path(src):
         if not Path(src).expanduser().exists():
             raise RecipeError(f"{where}: data.source = {src!r}: no such file or directory")
 

@@ -71,7 +71,7 @@ def load_prompt_dataset(
         ds = _load_builtin(source, split, num_examples, seed, builtin_kwargs or {})
     else:
         path = Path(source).expanduser()
-        if path.exists() or _looks_like_path(source):
+        if path.exists() or looks_like_path(source):
             ds = _load_local(path, split)
         else:
             ds = _as_dataset(datasets.load_dataset(source, split=split), source, split)
@@ -96,7 +96,7 @@ def _load_builtin(source: str, split: str, num_examples: int | None, seed: int, 
     return BUILTIN_DATASETS[name](n, seed=seed, split=split, **kwargs)
 
 
-def _looks_like_path(source: str) -> bool:
+def looks_like_path(source: str) -> bool:
     return source.startswith(("/", "./", "../", "~", ".\\")) or Path(source).suffix.lower() in _PATH_LIKE_SUFFIXES
 
 

@@ -11,28 +11,14 @@ Any other ``model.path`` (local directory or hub id) is returned unchanged.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import inspect
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WARM_START_RECIPE = REPO_ROOT / "recipes" / "sft_tiny.yaml"
 BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base")
-
-
-@contextmanager
-def _build_lock(cache: Path, name: str):
-    """Serialise builds between processes (two ranks, or a test session and a demo)."""
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f".{name}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def builtin_max_positions(name: str) -> Optional[int]:
@@ -58,7 +44,11 @@ def ensure_warm_started_tiny() -> Path:
         return out
     from trainer.sft import load_sft_recipe, run_sft
 
-    with _build_lock(out.parent, out.name):
+    from trainer.tiny import file_lock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Serialise builds between processes (two ranks, or a test session and a demo).
+    with file_lock(out.parent / f".{out.name}.lock"):
         if (out / "config.json").is_file():  # another process finished it while we waited
             return out
         print(f"building the default model (once): warm start {WARM_START_RECIPE.name} -> {out}", flush=True)

@@ -171,7 +171,7 @@ def ensure_tiny_base(cache_dir: str | Path | None = None, **params: int) -> Path
     if (target / _MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f"{target.name}.lock"):
+    with file_lock(target.parent / f"{target.name}.lock"):
         if (target / _MARKER).is_file():  # another process built it while we waited
             return target
         if target.exists():  # left by something other than build_tiny_base: not trusted
@@ -302,7 +302,7 @@ def _build_model(params: dict, tokenizer):
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def file_lock(path: Path):
     """Exclusive advisory lock (fcntl.flock); a no-op where fcntl does not exist."""
     try:
         import fcntl
