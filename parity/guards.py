@@ -13,10 +13,14 @@ from typing import Mapping, Optional
 
 
 def threshold_violations(metrics: Mapping[str, float], *, max_mae: Optional[float] = None,
-                         max_kl_k3: Optional[float] = None) -> list[str]:
-    """Messages for each limit exceeded (a NaN metric counts as a breach); [] when within limits or unset."""
+                         max_kl_k3: Optional[float] = None, prefix: str = "parity/") -> list[str]:
+    """Messages for each limit exceeded (a NaN metric counts as a breach); [] when within limits or unset.
+
+    ``prefix``: the metric family checked, ``parity/`` (the step's rollouts) or ``probe/``
+    (the fixed-prompt probe after a weight sync, ``trainer.probe``).
+    """
     out = []
-    for key, limit in (("parity/mae", max_mae), ("parity/kl_k3", max_kl_k3)):
+    for key, limit in ((prefix + "mae", max_mae), (prefix + "kl_k3", max_kl_k3)):
         if limit is None or key not in metrics:
             continue  # no limit, or no valid tokens this step (compare omits the key)
         value = float(metrics[key])

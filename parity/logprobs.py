@@ -63,6 +63,7 @@ __all__ = [
     "DEFAULT_MEMORY_BUDGET_BYTES",
     "MIN_CHUNK_ROWS",
     "fused_logprobs",
+    "fused_gather_logprobs",
     "naive_logprobs",
 ]
 
@@ -172,6 +173,53 @@ def fused_logprobs(
         if ent is not None:
             ent = ent.new_zeros(n_tokens).index_copy(0, idx, ent)
     return lp.reshape(out_shape), (ent.reshape(out_shape) if ent is not None else None)
+
+
+@torch.no_grad()
+def fused_gather_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Log-probs of ``k`` given token ids per row, chunked like ``fused_logprobs``; no gradient.
+
+    Args:
+        hidden: [N, H] or [B, T, H]; weight: [V, H]; bias: optional [V].
+        ids: [N, k] or [B, T, k] token ids in [0, V) (e.g. the engine's top-k at each position).
+    Returns:
+        float32 (float64 for float64 inputs) log-probs shaped like ``ids``:
+        ``log softmax((hidden @ weight.T + bias) / T)[ids]``.
+
+    The logits tile is computed by the same code as ``fused_logprobs``'s forward
+    (``_scaled_logits``: matmul in the input dtype, then float32), so a token's value here
+    equals the one ``fused_logprobs`` gives it. Used for the top-k KL metric only.
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() != hidden.dim() or ids.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(f"ids: expected shape {tuple(hidden.shape[:-1])} + (k,), got {tuple(getattr(ids, 'shape', ()))}")
+    k = ids.shape[-1]
+    flat_h, _, bias, _ = _validate(hidden, weight, ids[..., 0] if k else ids.new_zeros(hidden.shape[:-1]), bias,
+                                   temperature, chunk_size, None, IGNORE_INDEX)
+    flat_ids = ids.reshape(-1, k).long()
+    vocab = weight.shape[0]
+    if k and bool(((flat_ids < 0) | (flat_ids >= vocab)).any()):
+        raise ValueError(f"ids: values outside [0, {vocab})")
+    cd = _compute_dtype(hidden.dtype)
+    n = flat_h.shape[0]
+    out = torch.empty(n, k, dtype=cd, device=hidden.device)
+    if n == 0 or k == 0:
+        return out.reshape(ids.shape)
+    rows = min(n, chunk_size or _auto_chunk_rows(vocab, DEFAULT_MEMORY_BUDGET_BYTES))
+    buf = _Buffers(rows, vocab, weight.shape[1], hidden.dtype, cd, hidden.device, exp=False, grad_h=False, grad_w=False)
+    bias_c = bias.to(cd) if bias is not None else None
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        z = _scaled_logits(flat_h[r0:r1], weight, bias_c, float(temperature), buf)
+        out[r0:r1] = z.gather(1, flat_ids[r0:r1]) - torch.logsumexp(z, dim=1, keepdim=True)
+    return out.reshape(ids.shape)
 
 
 def naive_logprobs(

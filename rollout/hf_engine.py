@@ -74,15 +74,17 @@ class HFEngine:
         """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n."""
         validate_request(prompt_ids, spec, self.max_model_len)
         rows = [list(p) for p in prompt_ids for _ in range(spec.n)]
-        completion_ids, logprobs, finish = [], [], []
+        completion_ids, logprobs, finish, top_ids, top_lps = [], [], [], [], []
         for chunk, start in enumerate(range(0, len(rows), self.max_batch_size)):
-            c, lp, f = self._generate_chunk(rows[start:start + self.max_batch_size], spec,
-                                            seed=sample_seed(spec.seed, chunk))
+            c, lp, f, ti, tl = self._generate_chunk(rows[start:start + self.max_batch_size], spec,
+                                                    seed=sample_seed(spec.seed, chunk))
             completion_ids += c
             logprobs += lp
             finish += f
+            top_ids += ti
+            top_lps += tl
         return Rollouts(prompt_ids=rows, completion_ids=completion_ids, rollout_logprobs=logprobs,
-                        finish_reasons=finish, group_size=spec.n)
+                        finish_reasons=finish, group_size=spec.n, topk_ids=top_ids, topk_logprobs=top_lps)
 
     def _generation_config(self, spec: SamplingSpec):
         from transformers import GenerationConfig
@@ -95,7 +97,10 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_chunk(self, rows: list[list[int]], spec: SamplingSpec, seed: int):
-        """rows: [B][P_b] prompts (already repeated n times). Returns completions, log-probs, finish reasons."""
+        """rows: [B][P_b] prompts (already repeated n times).
+
+        Returns completions, log-probs, finish reasons and (if ``spec.logprobs_topk``) top-k ids and log-probs.
+        """
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -114,18 +119,31 @@ class HFEngine:
             self.model.generation_config = saved_config
         new = out.sequences[:, width:]                            # [B, T]
         # out.scores: T x [B, V] processed logits; reduce step by step rather than stacking [B, T, V].
-        lp = torch.stack([torch.log_softmax(s.float(), dim=-1).gather(-1, new[:, t:t + 1]).squeeze(-1)
-                          for t, s in enumerate(out.scores)], dim=1).cpu()  # [B, T]
+        k = spec.logprobs_topk
+        lp, top_v, top_i = [], [], []
+        for t, s in enumerate(out.scores):
+            logp = torch.log_softmax(s.float(), dim=-1)
+            lp.append(logp.gather(-1, new[:, t:t + 1]).squeeze(-1))
+            if k:
+                v, i = torch.topk(logp, k, dim=-1)
+                top_v.append(v)
+                top_i.append(i)
+        lp = torch.stack(lp, dim=1).cpu()  # [B, T]
+        if k:
+            top_v, top_i = torch.stack(top_v, dim=1).cpu(), torch.stack(top_i, dim=1).cpu()  # [B, T, k]
         new = new.cpu()
         eos = torch.tensor(self.eos_ids, dtype=torch.long)
-        completions, logprobs, finish = [], [], []
+        completions, logprobs, finish, top_ids, top_lps = [], [], [], [], []
         for b in range(len(rows)):
             hits = torch.isin(new[b], eos).nonzero()
             end = int(hits[0]) + 1 if len(hits) else new.shape[1]  # keep the EOS token itself
             completions.append(new[b, :end].tolist())
             logprobs.append(lp[b, :end].tolist())
             finish.append("stop" if len(hits) else "length")
-        return completions, logprobs, finish
+            if k:
+                top_ids.append(top_i[b, :end].tolist())
+                top_lps.append(top_v[b, :end].tolist())
+        return completions, logprobs, finish, top_ids, top_lps
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -20,6 +20,9 @@ class SamplingSpec:
     max_new_tokens: completion length cap; finish_reason "length" when hit.
     seed: base seed; an engine derives per-request seeds from it so that a
         run is reproducible given the same weights.
+    logprobs_topk: k > 0 also returns, per completion position, the engine's k most
+        likely token ids and their (processed) log-probs: the input of the top-k KL
+        (``parity.metrics.topk_kl``). 0 = off.
     """
 
     n: int = 1
@@ -28,6 +31,7 @@ class SamplingSpec:
     top_k: int = 0
     max_new_tokens: int = 64
     seed: int = 0
+    logprobs_topk: int = 0
 
 
 @dataclass
@@ -40,6 +44,11 @@ class Rollouts:
         engine's (temperature-scaled) distribution.
     finish_reasons: [S] "stop" (EOS / stop token) or "length" (hit max_new_tokens).
     group_size: n; len(samples) == num_prompts * group_size.
+    completion_texts: [S] decoded completions, if the engine has a tokenizer (else empty).
+    topk_ids, topk_logprobs: [S][C_i][k] the engine's k most likely tokens at each
+        completion position and their log-probs (same distribution as
+        rollout_logprobs), most likely first; empty lists unless
+        ``SamplingSpec.logprobs_topk`` = k > 0.
     """
 
     prompt_ids: list[list[int]]
@@ -48,6 +57,8 @@ class Rollouts:
     finish_reasons: list[str]
     group_size: int
     completion_texts: list[str] = field(default_factory=list)
+    topk_ids: list[list[list[int]]] = field(default_factory=list)
+    topk_logprobs: list[list[list[float]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         s = len(self.completion_ids)
@@ -57,8 +68,30 @@ class Rollouts:
         for i, (c, lp) in enumerate(zip(self.completion_ids, self.rollout_logprobs)):
             if len(c) != len(lp):
                 raise ValueError(f"Rollouts sample {i}: {len(c)} completion tokens but {len(lp)} log-probs")
+        if self.topk_ids or self.topk_logprobs:
+            self._check_topk()
         if self.group_size < 1 or s % self.group_size:
             raise ValueError(f"Rollouts: {s} samples is not a multiple of group_size={self.group_size}")
+
+    def _check_topk(self) -> None:
+        if len(self.topk_ids) != len(self) or len(self.topk_logprobs) != len(self):
+            raise ValueError(f"Rollouts.topk_ids / topk_logprobs have {len(self.topk_ids)} / {len(self.topk_logprobs)} "
+                             f"samples, expected {len(self)}")
+        k = self.topk
+        for i, (c, ids, lps) in enumerate(zip(self.completion_ids, self.topk_ids, self.topk_logprobs)):
+            if len(ids) != len(c) or len(lps) != len(c):
+                raise ValueError(f"Rollouts sample {i}: {len(c)} completion tokens but {len(ids)} top-k id rows and "
+                                 f"{len(lps)} top-k log-prob rows")
+            if any(len(r) != k for r in ids) or any(len(r) != k for r in lps):
+                raise ValueError(f"Rollouts sample {i}: every top-k row must hold k = {k} entries")
+
+    @property
+    def topk(self) -> int:
+        """k of the top-k log-probs (0 when none were returned)."""
+        for rows in self.topk_ids:
+            if rows:
+                return len(rows[0])
+        return 0
 
     def __len__(self) -> int:
         return len(self.completion_ids)

@@ -73,6 +73,8 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], spec: SamplingSpec, ma
         (isinstance(spec.top_k, int) and spec.top_k >= 0, "spec.top_k", spec.top_k, "an integer >= 0 (0 = off)"),
         (isinstance(spec.max_new_tokens, int) and spec.max_new_tokens >= 1, "spec.max_new_tokens",
          spec.max_new_tokens, "an integer >= 1"),
+        (isinstance(spec.logprobs_topk, int) and spec.logprobs_topk >= 0, "spec.logprobs_topk", spec.logprobs_topk,
+         "an integer >= 0 (0 = off)"),
     ]
     for ok, name, value, expected in checks:
         if not ok:
@@ -191,18 +193,41 @@ def _quiet_partial_reload():
             lg.setLevel(level)
 
 
-def _sampled_logprobs(completion) -> list[float]:
-    """Log-prob of each sampled token from vLLM's FlatLogprobs (or list-of-dicts) output."""
+def _to_engine_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast a synced tensor to the engine dtype, except block-FP8 weights and their float32 scales.
+
+    Hook for the CUDA FP8 recipes (``rollout.fp8_export.fp8_block_weights``): the
+    engine's ``Fp8LinearMethod`` stores float8_e4m3fn weights and float32
+    ``weight_scale_inv``; casting either to BF16 would corrupt them.
+    """
+    if t.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv"):
+        return t
+    return t.to(dtype)
+
+
+def _sampled_logprobs(completion, topk: int = 0):
+    """(sampled-token log-probs, top-k ids, top-k log-probs) from vLLM's FlatLogprobs output.
+
+    vLLM's sampler writes, per position, the sampled token first and then the top-k
+    tokens in rank order (``Sampler.gather_logprobs``); FlatLogprobs keeps that run
+    as is, duplicates included (``vllm/logprobs.py: append_logprobs_for_next_position``).
+    """
     ids, lps = list(completion.token_ids), completion.logprobs
     if lps is None or len(lps) != len(ids):
         raise RuntimeError(f"vLLM returned {None if lps is None else len(lps)} log-prob positions for {len(ids)} tokens")
-    if hasattr(lps, "start_indices"):  # FlatLogprobs: one (token, logprob) run per position
-        out = []
-        for pos, tok in enumerate(ids):
-            lo, hi = lps.start_indices[pos], lps.end_indices[pos]
-            out.append(next(lps.logprobs[k] for k in range(lo, hi) if lps.token_ids[k] == tok))
-        return out
-    return [lps[pos][tok].logprob for pos, tok in enumerate(ids)]
+    if not hasattr(lps, "start_indices"):
+        raise RuntimeError("expected vLLM FlatLogprobs (SamplingParams(flat_logprobs=True)); got a list of dicts")
+    sampled, top_ids, top_lps = [], [], []
+    for pos, tok in enumerate(ids):
+        lo, hi = lps.start_indices[pos], lps.end_indices[pos]
+        if hi - lo != 1 + topk or lps.token_ids[lo] != tok:
+            raise RuntimeError(f"vLLM log-probs at position {pos}: expected the sampled token {tok} then {topk} top "
+                               f"tokens, got ids {lps.token_ids[lo:hi]}")
+        sampled.append(lps.logprobs[lo])
+        if topk:
+            top_ids.append(list(lps.token_ids[lo + 1:hi]))
+            top_lps.append(list(lps.logprobs[lo + 1:hi]))
+    return sampled, top_ids, top_lps
 
 
 class VLLMEngine:
@@ -299,25 +324,29 @@ class VLLMEngine:
                 prompts.append(TokensPrompt(prompt_token_ids=list(p)))
                 params.append(SamplingParams(
                     n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                    max_tokens=spec.max_new_tokens, logprobs=0, flat_logprobs=True,
+                    max_tokens=spec.max_new_tokens, logprobs=spec.logprobs_topk, flat_logprobs=True,
                     seed=sample_seed(spec.seed, i * spec.n + j), stop_token_ids=list(self.eos_ids),
                     detokenize=self.load_tokenizer))
         with _preserve_rng():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
 
-        completion_ids, logprobs, finish, texts = [], [], [], []
+        completion_ids, logprobs, finish, texts, top_ids, top_lps = [], [], [], [], [], []
         for k, out in enumerate(outputs):
             c = out.outputs[0]
             if c.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"sample {k}: vLLM finished with reason {c.finish_reason!r}")
             completion_ids.append(list(c.token_ids))
-            logprobs.append(_sampled_logprobs(c))
+            sampled, ids_k, lps_k = _sampled_logprobs(c, spec.logprobs_topk)
+            logprobs.append(sampled)
+            top_ids.append(ids_k)
+            top_lps.append(lps_k)
             finish.append(c.finish_reason)
             texts.append(c.text or "")
         return Rollouts(
             prompt_ids=[list(prompt_ids[k // spec.n]) for k in range(len(outputs))],
             completion_ids=completion_ids, rollout_logprobs=logprobs, finish_reasons=finish,
             group_size=spec.n, completion_texts=texts if self.load_tokenizer else [],
+            topk_ids=top_ids if spec.logprobs_topk else [], topk_logprobs=top_lps if spec.logprobs_topk else [],
         )
 
     # ---- weights ----------------------------------------------------------------------------
@@ -332,7 +361,7 @@ class VLLMEngine:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], torch.Tensor)):
                 raise TypeError(f"named_tensors: expected (str, torch.Tensor) pairs, got {type(item).__name__}")
-            named.append((item[0], item[1].detach().to(self.torch_dtype)))
+            named.append((item[0], _to_engine_dtype(item[0], item[1].detach(), self.torch_dtype)))
         if not named:
             return
         self._check_update(named)

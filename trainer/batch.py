@@ -25,6 +25,8 @@ class TokenBatch:
     targets: completion token ids, IGNORE past each completion's end.
     mask: 1.0 on real completion tokens. rollout_logprobs: 0.0 where mask is 0.
     prompt_len: P (so hidden[:, P-1 : P-1+C] predicts targets).
+    topk_ids, topk_logprobs: [S, C, k] the engine's top-k tokens and log-probs at each
+        completion position (0 where mask is 0), or None when the engine returned none.
     """
 
     input_ids: torch.Tensor
@@ -34,6 +36,8 @@ class TokenBatch:
     mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     prompt_len: int
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -51,11 +55,24 @@ class TokenBatch:
             input_ids=self.input_ids[idx, cols], attention_mask=am[:, cols], position_ids=self.position_ids[idx, cols],
             targets=self.targets[idx, :c], mask=mask[:, :c], rollout_logprobs=self.rollout_logprobs[idx, :c],
             prompt_len=p - first_real,
+            topk_ids=None if self.topk_ids is None else self.topk_ids[idx, :c],
+            topk_logprobs=None if self.topk_logprobs is None else self.topk_logprobs[idx, :c],
         )
 
 
 def batch_from_rollouts(rollouts: Rollouts, pad_id: int, device: torch.device | str = "cpu") -> TokenBatch:
-    return build_token_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id, rollouts.rollout_logprobs, device)
+    batch = build_token_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id, rollouts.rollout_logprobs, device)
+    k = rollouts.topk
+    if k:
+        s, c = batch.mask.shape
+        ids = torch.zeros((s, c, k), dtype=torch.long)
+        lps = torch.zeros((s, c, k), dtype=torch.float32)
+        for i, (ti, tl) in enumerate(zip(rollouts.topk_ids, rollouts.topk_logprobs)):
+            if ti:
+                ids[i, :len(ti)] = torch.tensor(ti, dtype=torch.long)
+                lps[i, :len(tl)] = torch.tensor(tl, dtype=torch.float32)
+        batch.topk_ids, batch.topk_logprobs = ids.to(device), lps.to(device)
+    return batch
 
 
 def build_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,

@@ -133,6 +133,13 @@ class ParityConfig:
     max_mae: Optional[float] = None
     max_kl_k3: Optional[float] = None
     on_violation: Literal["warn", "stop"] = "warn"  # stop: raise before applying the step's update
+    # Full-distribution parity: the engine's top-k log-probs per position -> parity/topk_kl
+    # (a lower bound on the full KL; parity.metrics.topk_kl). 0 = off: it costs the engine
+    # a top-k per token and the trainer a gather.
+    topk: int = 0
+    # Fixed prompts (the dataset's first N) generated and scored after every weight sync
+    # and before step 1 -> probe/* (trainer/probe.py); limits above apply to them too. 0 = off.
+    probe_prompts: int = 4
 
 
 @dataclass
@@ -268,12 +275,35 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
     raise TypeError(f"config.py: unsupported annotation {tp!r} for {key}")
 
 
+# Sampling options a user may expect but the trainer cannot reproduce in its log-probs:
+# they change the distribution the engine samples from in ways that depend on the
+# sequence so far (penalties), force or suppress tokens (min_tokens suppresses EOS,
+# logit_bias, bad_words), or truncate it (min_p). The engine's log-probs would then
+# not be log softmax(logits / T) and every parity metric would measure the sampler,
+# not the numerics -- the negative-KL trouble of the StackLLaMA write-up
+# (https://huggingface.co/blog/stackllama, "a negative KL"). Refused with the reason.
+UNREPRODUCIBLE_SAMPLING = {
+    "rollout.repetition_penalty": "a repetition penalty rescales logits by the sequence so far",
+    "rollout.presence_penalty": "a presence penalty shifts logits by the sequence so far",
+    "rollout.frequency_penalty": "a frequency penalty shifts logits by the sequence so far",
+    "rollout.min_tokens": "min_tokens suppresses EOS for the first tokens (EOS gets probability 0)",
+    "rollout.min_p": "min_p truncates the distribution by a probability threshold",
+    "rollout.logit_bias": "a logit bias adds constants the trainer does not add",
+    "rollout.bad_words": "bad_words forbids tokens (probability 0 in the engine only)",
+    "rollout.allowed_token_ids": "allowed_token_ids masks the vocabulary in the engine only",
+}
+
+
 def _build(cls: type, data: dict, prefix: str, where: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names and key in UNREPRODUCIBLE_SAMPLING:
+            raise RecipeError(f"{where}: {key} = {v!r}: not supported: {UNREPRODUCIBLE_SAMPLING[key]}, so the trainer "
+                              "could not score the sampled tokens under the distribution they were drawn from "
+                              "(parity metrics and importance ratios would measure the sampler). Remove the key.")
         if k not in names:
             raise RecipeError(f"{where}: unknown key {key!r}; valid keys here: {', '.join(names)}")
         kwargs[k] = _convert(v, hints[k], key, where)
@@ -386,11 +416,17 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0 (greedy decoding has no log-probs to learn from)")
     need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a number in (0, 1]")
     need(r.top_k >= 0, "rollout.top_k", r.top_k, "an integer >= 0 (0 = off)")
-    # The trainer scores tokens under softmax(logits / T) over the full vocabulary; a
-    # truncated sampler (top-p / top-k) samples from a different distribution, which
-    # would be mis-measured as mismatch. Refused until the parity module handles it.
-    need(r.top_p == 1.0, "rollout.top_p", r.top_p, "1.0: the trainer cannot yet reproduce top-p truncation in its log-probs")
-    need(r.top_k == 0, "rollout.top_k", r.top_k, "0: the trainer cannot yet reproduce top-k truncation in its log-probs")
+    # The trainer scores tokens under softmax(logits / T) over the full vocabulary. The
+    # engine reports processed log-probs (after truncation, renormalised over the kept
+    # tokens), so with top-p / top-k the two sides would describe different
+    # distributions and the difference would be mis-read as numerical mismatch;
+    # reproducing the truncation needs whole sorted rows, which the chunked kernel avoids.
+    need(r.top_p == 1.0, "rollout.top_p", r.top_p,
+         "1.0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-p "
+         "truncation (the engine's processed log-probs are renormalised over the kept tokens)")
+    need(r.top_k == 0, "rollout.top_k", r.top_k,
+         "0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-k "
+         "truncation (the engine's processed log-probs are renormalised over the kept tokens)")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
     need(r.kv_cache_memory_bytes >= 16 * 1024**2, "rollout.kv_cache_memory_bytes", r.kv_cache_memory_bytes, "at least 16 MiB")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a number in (0, 1)")
@@ -409,6 +445,12 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     need(lora.r >= 1, "model.lora.r", lora.r, "an integer >= 1")
     need(lora.alpha > 0, "model.lora.alpha", lora.alpha, "a number > 0")
     need(0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "a number in [0, 1)")
+    # The training log-probs are the parity metrics' train side and the importance
+    # ratios' numerator: dropout would make them random, and the mismatch measured
+    # would be dropout noise, not numerics.
+    need(lora.dropout == 0, "model.lora.dropout", lora.dropout,
+         "0 for RL training: dropout makes the trainer's log-probs random, so the parity metrics and the "
+         "importance ratios would measure dropout noise (use it in `parityrl sft`)")
     need(len(lora.target_modules) > 0, "model.lora.target_modules", lora.target_modules, "a non-empty list of module names")
     # The train-side log-probs read the lm_head weight directly (fused kernel); a LoRA on
     # it would be silently ignored there, so it is refused.
@@ -430,6 +472,10 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     for key in ("max_mae", "max_kl_k3"):
         v = getattr(cfg.parity, key)
         need(v is None or v > 0, f"parity.{key}", v, "null or a number > 0")
+    # The top-k costs a [tokens, k] transfer per step; beyond a few hundred the rest
+    # bucket is negligible anyway and vLLM's sampler slows down (torch.topk on the vocab).
+    need(0 <= cfg.parity.topk <= 256, "parity.topk", cfg.parity.topk, "an integer in [0, 256] (0 = off)")
+    need(cfg.parity.probe_prompts >= 0, "parity.probe_prompts", cfg.parity.probe_prompts, "an integer >= 0 (0 = off)")
     try:
         correction_config(cfg)
     except ValueError as e:

@@ -18,7 +18,9 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int):
 
         return VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=max_model_len, seed=cfg.train.seed,
                           kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
-                          enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs)
+                          enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs,
+                          # vLLM refuses requests for more log-probs than max_logprobs (default 20).
+                          max_logprobs=max(20, cfg.parity.topk))
     if r.engine == "hf":
         from rollout.hf_engine import HFEngine
 
@@ -30,7 +32,8 @@ def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
     r = cfg.rollout
     # A per-step seed makes a resumed run sample exactly what an uninterrupted one would.
     return SamplingSpec(n=cfg.algorithm.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                        max_new_tokens=r.max_new_tokens, seed=cfg.train.seed * 1_000_003 + step)
+                        max_new_tokens=r.max_new_tokens, seed=cfg.train.seed * 1_000_003 + step,
+                        logprobs_topk=cfg.parity.topk)
 
 
 def sync_weights(engine, policy) -> dict[str, float]:

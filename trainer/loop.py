@@ -23,6 +23,7 @@ from trainer.batch import TokenBatch, batch_from_rollouts
 from trainer.config import RunConfig, correction_config, to_dict
 from trainer.engines import make_engine, sampling_spec, sync_weights
 from trainer.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
+from trainer.probe import run_probe
 from trainer.parity_report import append_breakdown, step_breakdown, wandb_tables
 from trainer.run_logger import RunLogger
 from trainer.sft import make_scheduler
@@ -62,6 +63,7 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
     mb = cfg.train.micro_batch_size
     train_lp = torch.zeros_like(batch.rollout_logprobs)
     entropy = torch.zeros_like(batch.rollout_logprobs)
+    train_topk = None if batch.topk_ids is None else torch.zeros_like(batch.topk_logprobs)
     totals: dict[str, float] = {}
     loss_total = 0.0
     for start in range(0, len(batch), mb):
@@ -70,8 +72,9 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
         c = micro.targets.shape[1]
         # Entropy comes from the same kernel pass (no gradient is asked of it): it feeds the
         # breakdown of the mismatch by trainer entropy.
-        lp, ent = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
-                                      chunk_size=cfg.parity.chunk_size, return_entropy=True)
+        lp, ent, *top = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
+                                            chunk_size=cfg.parity.chunk_size, return_entropy=True,
+                                            topk_ids=micro.topk_ids)
         ref_lp = None
         if a.kl_coef > 0:
             # The reference policy is the base model: the same weights with the adapter off,
@@ -94,26 +97,36 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
             totals[k] = totals.get(k, 0.0) + v
         train_lp[rows, :c] = lp.detach()
         entropy[rows, :c] = ent.detach()
+        if train_topk is not None:
+            train_topk[rows, :c] = top[0]
     metrics = dict(totals)
     metrics["train/loss"] = loss_total
     if correction.mode != "none":  # the fractions and ESS of the whole batch
         metrics.update(importance_weights(train_lp, batch.rollout_logprobs, batch.mask, correction)[1])
-    return {"metrics": metrics, "train_logprobs": train_lp, "entropy": entropy}
+    return {"metrics": metrics, "train_logprobs": train_lp, "entropy": entropy, "train_topk_logprobs": train_topk}
 
 
 class ParityLimitExceeded(RuntimeError):
     """The step's rollout/trainer mismatch broke a recipe limit with ``parity.on_violation: stop``."""
 
 
-def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict) -> None:
-    problems = threshold_violations(m, max_mae=cfg.parity.max_mae, max_kl_k3=cfg.parity.max_kl_k3)
+def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = "parity/", when: str = "") -> None:
+    problems = threshold_violations(m, max_mae=cfg.parity.max_mae, max_kl_k3=cfg.parity.max_kl_k3, prefix=prefix)
     if not problems:
         return
-    msg = f"step {step}: " + "; ".join(problems)
+    msg = f"step {step}{when}: " + "; ".join(problems)
     if cfg.parity.on_violation == "stop":
-        raise ParityLimitExceeded(msg + " (parity.on_violation: stop; this step's update was not applied, "
-                                  "the last checkpoint is intact)")
+        consequence = ("this step's update was not applied" if prefix == "parity/" else
+                       "the engine disagrees with the trainer on the fixed probe prompts; no further rollout was made "
+                       "with these weights")
+        raise ParityLimitExceeded(f"{msg} (parity.on_violation: stop; {consequence}; the last checkpoint is intact)")
     warnings.warn(msg, stacklevel=2)
+
+
+def _probe(engine, model, probe_ids, cfg: RunConfig, tokenizer, device) -> dict:
+    if not probe_ids:
+        return {}
+    return run_probe(engine, model, probe_ids, cfg, pad_id=tokenizer.pad_token_id, device=device)
 
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
@@ -175,7 +188,19 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                        entity=cfg.logging.wandb.entity, name=cfg.name, total_steps=cfg.train.steps,
                        print_every=cfg.logging.print_every, enabled=accelerator.is_main_process)
     result = TrainResult(run_dir=run_dir)
+    # The probe's prompts: the dataset's first rows, the same every step and after a resume.
+    n_probe = min(cfg.parity.probe_prompts, len(dataset))
+    probe_ids = encode_prompts(tokenizer, [dataset[i]["prompt"] for i in range(n_probe)],
+                               use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens) if n_probe else []
     try:
+        # Probe before the first step: the engine must already agree with the trainer.
+        m0 = _probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device)
+        if m0:
+            print(f"probe before step {start_step + 1}: mae {m0.get('probe/mae', float('nan')):.2e}  "
+                  f"kl_k3 {m0.get('probe/kl_k3', float('nan')):.1e}  on {int(m0['probe/num_tokens'])} tokens", flush=True)
+            if start_step == 0:  # a resumed run has logged this step already; wandb steps only increase
+                logger.log(0, m0, echo=False)
+            _enforce_parity_limits(cfg, start_step, m0, prefix="probe/", when=" (probe before training)")
         for step in range(start_step + 1, cfg.train.steps + 1):
             t_step = time.perf_counter()
             m: dict[str, float] = {}
@@ -221,7 +246,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # ---------------------------------------------------- parity (same pass as the loss)
             # The train log-probs are from the pre-update policy, the one that generated
             # the rollouts (if the previous sync worked): this is what the metrics measure.
-            m.update(compare(out["train_logprobs"], batch.rollout_logprobs, batch.mask))
+            m.update(compare(out["train_logprobs"], batch.rollout_logprobs, batch.mask,
+                             train_topk_logprobs=out["train_topk_logprobs"], rollout_topk_logprobs=batch.topk_logprobs))
             _enforce_parity_limits(cfg, step, m)
             if accelerator.is_main_process:
                 breakdown = step_breakdown(out["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
@@ -243,10 +269,16 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             if cfg.rollout.sync_weights:
                 m.update(sync_weights(engine, policy))
             m["perf/sync_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            m.update(_probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device))
+            if probe_ids:
+                m["perf/probe_s"] = time.perf_counter() - t
             m["perf/step_s"] = time.perf_counter() - t_step
 
             logger.log(step, m)
             result.history.append({"step": step, **m})
+            # After logging (the step's record keeps the probe values), before the checkpoint.
+            _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)")
 
             # ---------------------------------------------------- checkpoint
             every = cfg.checkpoint.every

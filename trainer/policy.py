@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from parity.logprobs import fused_logprobs
+from parity.logprobs import fused_gather_logprobs, fused_logprobs
 from trainer.batch import TokenBatch
 from trainer.config import LoraConfig
 
@@ -63,15 +63,22 @@ def split_model(model):
 
 
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
-                        return_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                        return_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None):
     """Log-probs [S, C] (float32) of the batch's completion tokens under softmax(logits / temperature).
 
-    Gradients flow to the trainable parameters when grad is enabled.
+    Gradients flow to the trainable parameters when grad is enabled. Returns
+    (logprobs, entropy or None); with ``topk_ids`` [S, C, k] also, third, the
+    (gradient-free) log-probs of those ids from the same forward pass.
     """
     backbone, lm_head = split_model(model)
     out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                    use_cache=False)
     p, c = batch.prompt_len, batch.targets.shape[1]
     hidden = out.last_hidden_state[:, p - 1:p - 1 + c]
-    return fused_logprobs(hidden, lm_head.weight, batch.targets, bias=lm_head.bias, temperature=temperature,
-                          return_entropy=return_entropy, chunk_size=chunk_size)
+    lp, ent = fused_logprobs(hidden, lm_head.weight, batch.targets, bias=lm_head.bias, temperature=temperature,
+                             return_entropy=return_entropy, chunk_size=chunk_size)
+    if topk_ids is None:
+        return lp, ent
+    top = fused_gather_logprobs(hidden.detach(), lm_head.weight.detach(), topk_ids, temperature=temperature,
+                                bias=None if lm_head.bias is None else lm_head.bias.detach(), chunk_size=chunk_size)
+    return lp, ent, top

@@ -85,17 +85,24 @@ class RunLogger:
                               + ("retrying offline" if attempt == "online" else "metrics go to metrics.jsonl only"))
         return None, "disabled"
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], *, echo: bool = True) -> None:
+        """Append one step's metrics (and print the progress line every ``print_every`` steps, if ``echo``)."""
         if not self.enabled:
+            return
+        if not echo:
+            self._write(step, metrics)
             return
         if self._first_step is None:
             self._first_step = step  # t0 is the logger's creation: the first step's time counts
+        self._write(step, metrics)
+        if step % self.print_every == 0 or step == self.total_steps:
+            self._print(step, metrics)
+
+    def _write(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
-        if step % self.print_every == 0 or step == self.total_steps:
-            self._print(step, metrics)
 
     def _print(self, step: int, m: dict[str, Any]) -> None:
         done = step - (self._first_step or step) + 1

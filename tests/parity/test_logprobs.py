@@ -399,3 +399,45 @@ def test_no_op_materialises_more_than_one_tile(frozen):
     with _LargestTensor() as naive:  # the detector does see full logits
         naive_logprobs(h, w, targets, bias=bias)[0].sum().backward()
     assert naive.largest >= 64 * 1000
+
+
+# ---- fused_gather_logprobs (the trainer side of the top-k KL) --------------------------------------
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+def test_gather_logprobs_equal_the_full_log_softmax(dtype, atol):
+    from parity.logprobs import fused_gather_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    n, h, v, k = 37, 16, 101, 6
+    hidden = torch.randn(2, n, h, generator=g).to(dtype)
+    weight = torch.randn(v, h, generator=g).to(dtype)
+    bias = torch.randn(v, generator=g)
+    ids = torch.randint(0, v, (2, n, k), generator=g)
+    got = fused_gather_logprobs(hidden, weight, ids, bias=bias, temperature=0.7, chunk_size=8)
+    # Reference: the matmul in the input dtype (like the kernel), the rest in float32.
+    full = torch.log_softmax(((hidden @ weight.T).float() + bias) / 0.7, -1)
+    assert got.shape == ids.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, full.gather(-1, ids), atol=atol, rtol=0)
+
+
+def test_gather_logprobs_agree_with_fused_logprobs_bitwise():
+    # Same tile code: a target's value is identical in both functions (bf16 included),
+    # so the top-k KL and the sampled-token metrics see one trainer distribution.
+    from parity.logprobs import fused_gather_logprobs, fused_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(50, 32, generator=g).bfloat16()
+    weight = torch.randn(300, 32, generator=g).bfloat16()
+    targets = torch.randint(0, 300, (50,), generator=g)
+    lp, _ = fused_logprobs(hidden, weight, targets, temperature=0.9, chunk_size=16)
+    got = fused_gather_logprobs(hidden, weight, targets[:, None], temperature=0.9, chunk_size=16)
+    assert torch.equal(got[:, 0], lp)
+
+
+def test_gather_logprobs_refuses_bad_ids():
+    from parity.logprobs import fused_gather_logprobs
+
+    hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match="outside"):
+        fused_gather_logprobs(hidden, weight, torch.full((4, 2), 10))
+    with pytest.raises(ValueError, match="ids: expected shape"):
+        fused_gather_logprobs(hidden, weight, torch.zeros(3, 2, dtype=torch.long))

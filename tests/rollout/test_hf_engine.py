@@ -155,3 +155,28 @@ def test_bf16_session_model_matches_forward(tiny_model_dir, hf_reference, prompt
     err = abs_errors(r.rollout_logprobs, hf_logprobs(hf_reference, r.prompt_ids, r.completion_ids, 0.7))
     print(f"HF engine (BF16, left-padded, KV cache) vs HF forward, T=0.7: MAE {err.mean():.4g}, max {err.max():.4g}")
     assert err.mean() < 0.02  # same bound as vLLM's (tests/rollout/test_vllm_engine.py)
+
+
+def _full_logprobs(model, r, temperature):
+    """[S][C_i, V] log_softmax(logits / T) of an unpadded forward at every completion position."""
+    out = []
+    with torch.no_grad():
+        for p, c in zip(r.prompt_ids, r.completion_ids):
+            z = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1].float() / temperature
+            out.append(torch.log_softmax(z, -1))
+    return out
+
+
+def test_topk_logprobs_are_the_distributions_top_k(model):
+    engine = HFEngine(model, eos_ids=[])
+    r = engine.generate(PROMPTS, SamplingSpec(n=2, temperature=0.8, max_new_tokens=6, seed=2, logprobs_topk=4))
+    assert r.topk == 4 and len(r.topk_ids) == len(r)
+    for full, ids, lps, sampled in zip(_full_logprobs(model, r, 0.8), r.topk_ids, r.topk_logprobs, r.rollout_logprobs):
+        ids, lps = torch.tensor(ids), torch.tensor(lps)  # [C, 4]
+        ref_v, ref_i = full.topk(4, dim=-1)
+        assert torch.equal(ids, ref_i)
+        torch.testing.assert_close(lps, ref_v, atol=1e-4, rtol=0)
+        assert bool((lps[:, :-1] >= lps[:, 1:]).all())  # most likely first
+        assert bool((torch.tensor(sampled) <= lps[:, 0] + 1e-6).all())
+    plain = engine.generate(PROMPTS, SamplingSpec(n=2, temperature=0.8, max_new_tokens=6, seed=2))
+    assert plain.topk == 0 and plain.topk_ids == [] and plain.completion_ids == r.completion_ids

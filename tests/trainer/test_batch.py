@@ -36,3 +36,19 @@ def test_select_trims_columns_and_keeps_alignment():
 def test_empty_completion_is_all_masked():
     b = build_token_batch([[5, 6]], [[]], pad_id=0)
     assert b.mask.sum() == 0 and b.targets.tolist() == [[IGNORE]]
+
+
+def test_topk_fields_are_padded_and_follow_select():
+    r = Rollouts(prompt_ids=[[1, 2], [3]], completion_ids=[[5, 6, 7], [8]],
+                 rollout_logprobs=[[-1.0, -2.0, -3.0], [-0.5]], finish_reasons=["length", "stop"], group_size=1,
+                 topk_ids=[[[5, 9], [6, 4], [7, 3]], [[8, 2]]],
+                 topk_logprobs=[[[-0.1, -2.0], [-0.2, -2.1], [-0.3, -2.2]], [[-0.4, -2.3]]])
+    b = batch_from_rollouts(r, pad_id=0)
+    assert b.topk_ids.shape == (2, 3, 2) and b.topk_logprobs.shape == (2, 3, 2)
+    assert b.topk_ids[0].tolist() == [[5, 9], [6, 4], [7, 3]]
+    assert b.topk_ids[1].tolist() == [[8, 2], [0, 0], [0, 0]]  # padding: id 0, log-prob 0, masked
+    assert b.topk_logprobs[1, 1:].abs().sum() == 0
+    sub = b.select(slice(1, 2))
+    assert sub.topk_ids.shape == (1, 1, 2) and sub.topk_ids[0, 0].tolist() == [8, 2]
+    assert batch_from_rollouts(Rollouts(prompt_ids=[[1]], completion_ids=[[5]], rollout_logprobs=[[-1.0]],
+                                        finish_reasons=["stop"], group_size=1), 0).topk_ids is None

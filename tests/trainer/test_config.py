@@ -50,6 +50,16 @@ def test_defaults_and_overrides(tmp_path):
     ("parity: {max_mae: 0}\n", ["parity.max_mae = 0.0", "> 0"]),
     ("parity: {on_violation: abort}\n", ["parity.on_violation = 'abort'", "'stop'"]),
     ("parity: {correction: {mode: icepop}}\n", ["parity.correction.mode = 'icepop'", "seq_mis"]),
+    ("rollout: {top_k: 20}\n", ["rollout.top_k = 20", "top-k truncation"]),
+    # Sampling options the trainer cannot reproduce: refused with the reason, not as unknown keys.
+    ("rollout: {repetition_penalty: 1.1}\n", ["rollout.repetition_penalty = 1.1", "not supported",
+                                              "sequence so far", "parity metrics"]),
+    ("rollout: {min_tokens: 5}\n", ["rollout.min_tokens = 5", "suppresses EOS"]),
+    ("rollout: {logit_bias: {7: 2.0}}\n", ["rollout.logit_bias", "not supported"]),
+    ("model: {lora: {dropout: 0.05}}\n", ["model.lora.dropout = 0.05", "dropout noise"]),
+    ("parity: {topk: -1}\n", ["parity.topk = -1", "[0, 256]"]),
+    ("parity: {topk: 1000}\n", ["parity.topk = 1000", "[0, 256]"]),
+    ("parity: {probe_prompts: -2}\n", ["parity.probe_prompts = -2", ">= 0"]),
 ])
 def test_bad_values_are_named(tmp_path, text, needles):
     p = write(tmp_path, text)

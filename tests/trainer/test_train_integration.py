@@ -40,13 +40,28 @@ def lora_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_parity_before_and_after_synced_updates(tmp_path, tiny_model_dir, vllm_engine):
     # A learning rate high enough that the weights move a lot: the sync must keep up.
-    res = train(cfg_for(tmp_path, "synced", "train.steps=4", "train.learning_rate=2e-2"), engine=vllm_engine)
+    res = train(cfg_for(tmp_path, "synced", "train.steps=4", "train.learning_rate=2e-2", "parity.topk=5"),
+                engine=vllm_engine)
     maes = [h["parity/mae"] for h in res.history]
     # (a) step 1 scores the rollouts of the untouched base in both engines
     assert maes[0] < PARITY_MAE_BOUND, maes
     # (b) steps 2..4 scored rollouts generated after 1..3 weight syncs
     assert max(maes[1:]) < PARITY_MAE_BOUND, maes
     assert all(h["perf/sync_bytes"] > 0 for h in res.history)
+    # the fixed-prompt probe after every sync agrees too, and ran before step 1 (logged as step 0).
+    # Its mean is over 4 prompts x <= 24 tokens, so noisier than the step's; at this learning
+    # rate the policy also drifts far from the warm start, where the two numerics disagree
+    # more (measured: probe mae 4e-3 -> 1e-2 over the 4 steps, step mae 1e-3 -> 8.5e-3), hence 2x.
+    assert max(h["probe/mae"] for h in res.history) < 2 * PARITY_MAE_BOUND
+    assert all(h["probe/num_tokens"] > 0 for h in res.history)
+    import json
+
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and rows[0]["probe/mae"] < PARITY_MAE_BOUND and "parity/mae" not in rows[0]
+    # full-distribution parity on the engine's top-5 (+ rest): a lower bound on the KL, small when in sync
+    # (measured ~1e-5 to 1e-4 nats; 1e-3 is where a stale engine starts, see the next test)
+    assert all(0 <= h["parity/topk_kl"] < 1e-3 for h in res.history), [h["parity/topk_kl"] for h in res.history]
+    assert all(0 <= h["probe/topk_kl"] < 1e-3 for h in res.history)
     # the updates were real (otherwise (b) says nothing)
     b_norm = sum(v.float().norm() for k, v in lora_params(res.run_dir).items() if "lora_B" in k)
     assert b_norm > 0.1
@@ -55,12 +70,16 @@ def test_parity_before_and_after_synced_updates(tmp_path, tiny_model_dir, vllm_e
 def test_skipped_sync_is_detected(tmp_path, tiny_model_dir, vllm_engine):
     # (c) identical run, but the engine keeps the base weights: from step 2 on the
     # trainer scores tokens with an updated policy and the metrics must show it.
-    res = train(cfg_for(tmp_path, "stale", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false"),
-                engine=vllm_engine)
+    res = train(cfg_for(tmp_path, "stale", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false",
+                        "parity.topk=5"), engine=vllm_engine)
     maes = [h["parity/mae"] for h in res.history]
     assert maes[0] < PARITY_MAE_BOUND, maes  # nothing has been trained yet at step 1
     assert min(maes[2:]) > 3 * PARITY_MAE_BOUND, maes
     assert res.history[-1]["parity/kl_k3"] > 10 * res.history[0]["parity/kl_k3"]
+    assert res.history[-1]["parity/topk_kl"] > 10 * res.history[0]["parity/topk_kl"]
+    # the probe sees the stale engine one step earlier: right after step 1's (skipped) sync
+    probe = [h["probe/mae"] for h in res.history]
+    assert min(probe[1:]) > 3 * PARITY_MAE_BOUND and probe[0] > PARITY_MAE_BOUND, probe
 
 
 def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, vllm_engine):
@@ -122,12 +141,30 @@ def test_tis_correction_in_the_loop(tmp_path, tiny_model_dir, vllm_engine):
     assert all(isinstance(w["token"], str) for w in lines[0]["worst_tokens"])
 
 
+def test_probe_limit_stops_right_after_a_bad_sync(tmp_path, tiny_model_dir, vllm_engine):
+    from trainer.checkpoint import latest_checkpoint
+    from trainer.loop import ParityLimitExceeded
+
+    cfg = cfg_for(tmp_path, "probe_guard", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false",
+                  "checkpoint.every=1", f"parity.max_mae={PARITY_MAE_BOUND}", "parity.on_violation=stop")
+    with pytest.raises(ParityLimitExceeded, match=r"step 1 \(probe after the weight sync\): probe/mae = .* exceeds"):
+        train(cfg, engine=vllm_engine)
+    assert latest_checkpoint(cfg.run_dir) is None  # stopped before step 1's checkpoint
+    import json
+
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]  # the step's record, with the probe values, is kept
+    assert rows[1]["probe/mae"] > PARITY_MAE_BOUND
+
+
 def test_parity_limit_stops_before_the_bad_update(tmp_path, tiny_model_dir, vllm_engine):
     from trainer.checkpoint import latest_checkpoint
     from trainer.loop import ParityLimitExceeded
 
+    # Probe off: the step's own metrics are the guard.
     cfg = cfg_for(tmp_path, "guard", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false",
-                  "checkpoint.every=1", f"parity.max_mae={3 * PARITY_MAE_BOUND}", "parity.on_violation=stop")
+                  "checkpoint.every=1", f"parity.max_mae={3 * PARITY_MAE_BOUND}", "parity.on_violation=stop",
+                  "parity.probe_prompts=0")
     with pytest.raises(ParityLimitExceeded, match=r"parity/mae = .* exceeds the recipe's limit 0.03") as e:
         train(cfg, engine=vllm_engine)
     stopped_at = int(str(e.value).split()[1].rstrip(":"))

@@ -1,0 +1,26 @@
+"""rollout.types: the Rollouts container refuses inconsistent top-k fields."""
+import pytest
+
+from rollout.types import Rollouts
+
+
+def _rollouts(**kw):
+    base = dict(prompt_ids=[[1], [1]], completion_ids=[[5, 6], [7]], rollout_logprobs=[[-1.0, -2.0], [-0.5]],
+                finish_reasons=["length", "stop"], group_size=2)
+    return Rollouts(**{**base, **kw})
+
+
+def test_topk_fields_round_trip():
+    r = _rollouts(topk_ids=[[[5, 9], [6, 3]], [[7, 8]]], topk_logprobs=[[[-0.1, -2.0], [-0.3, -1.0]], [[-0.2, -3.0]]])
+    assert r.topk == 2
+    assert _rollouts().topk == 0
+
+
+@pytest.mark.parametrize("ids, lps, match", [
+    ([[[5, 9], [6, 3]]], [[[-0.1, -2.0], [-0.3, -1.0]]], "expected 2"),  # one sample missing
+    ([[[5, 9]], [[7, 8]]], [[[-0.1, -2.0]], [[-0.2, -3.0]]], "2 completion tokens but 1 top-k"),
+    ([[[5, 9], [6]], [[7, 8]]], [[[-0.1, -2.0], [-0.3]], [[-0.2, -3.0]]], "k = 2"),
+])
+def test_inconsistent_topk_is_refused(ids, lps, match):
+    with pytest.raises(ValueError, match=match):
+        _rollouts(topk_ids=ids, topk_logprobs=lps)
