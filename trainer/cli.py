@@ -1,16 +1,20 @@
-"""`parityrl` command line: train, sft.
+"""`parityrl` command line: train, sft, compare.
 
     parityrl train recipes/grpo_tiny.yaml [--set train.steps=5 ...] [--resume]
     parityrl sft recipes/sft_tiny.yaml [--set ...]
+    parityrl compare builtin:tiny prompts.txt --out reports/cmp [--engine hf] [--self-check]
     accelerate launch -m trainer.train recipes/grpo_tiny.yaml [--set ...]
 
 Recipes are validated before any model or engine starts; a bad recipe exits
-with status 2 and one line naming the file, key, value and expectation.
+with status 2 and one line naming the file, key, value and expectation; so do
+bad inputs to `compare` (missing file, wrong column, empty prompts, an existing
+non-empty --out without --overwrite).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from trainer.config import RecipeError
@@ -30,7 +34,51 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run directory")
     s = sub.add_parser("sft", help="supervised fine-tuning (the warm start before RL)")
     _add_recipe_args(s)
+    _add_compare_args(sub.add_parser(
+        "compare", help="engine vs trainer log-probs of the same sampled tokens: a report directory",
+        description="Generate with the engine, score the same tokens with the trainer (HF), and write "
+                    "summary.json, tokens.jsonl, samples.jsonl, report.xlsx and plots to --out."))
     return parser
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(text: str) -> int:
+    """'268435456', '256MiB', '1GiB', '512MB' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a byte count such as 268435456, 256MiB or 1GiB")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+def _add_compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="local Hugging Face model directory, or builtin:tiny")
+    p.add_argument("prompts", help="prompt file: .txt (one prompt per line) or .jsonl/.json/.parquet with a prompt column")
+    p.add_argument("--out", required=True, help="report directory (must be new or empty unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the report files in an existing --out")
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="generation engine (default vllm)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; the trainer scores with it too")
+    p.add_argument("--top-p", type=float, default=1.0, help="must stay 1.0 (the trainer cannot reproduce top-p)")
+    p.add_argument("--top-k", type=int, default=0, help="must stay 0 (the trainer cannot reproduce top-k)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("-n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="trainer and engine dtype")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--prompt-column", default="prompt", help="prompt column of a .jsonl/.json/.parquet file")
+    p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
+                   help="render prompts with the tokenizer's chat template (auto: if it has one)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse prompts longer than this")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="engine context (default: longest prompt + max new tokens)")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="vLLM CPU KV cache, e.g. 256MiB")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per trainer scoring micro-batch")
+    p.add_argument("--topk", type=int, default=0,
+                   help="also compare the engine's k most likely tokens per position: parity/topk_kl (0 = off)")
+    p.add_argument("--self-check", action="store_true",
+                   help="score the engine side with the trainer too: every error metric must be exactly 0 "
+                        "(validates the report pipeline); exit status 1 if not")
 
 
 def run_train(argv: list[str] | None = None, prog: str = "parityrl train") -> int:
@@ -75,6 +123,49 @@ def _sft(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    from trainer.compare import CompareError, run_compare
+
+    progress = lambda msg: print(msg, file=sys.stderr, flush=True)
+    try:
+        summary = run_compare(
+            args.model, args.prompts, args.out, engine=args.engine, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, max_new_tokens=args.max_new_tokens, n=args.n, seed=args.seed, dtype=args.dtype,
+            num_prompts=args.num_prompts, prompt_column=args.prompt_column,
+            use_chat_template={"auto": None, "on": True, "off": False}[args.chat_template],
+            max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len,
+            kv_cache_bytes=args.kv_cache_bytes, batch_size=args.batch_size, self_check=args.self_check, topk=args.topk,
+            overwrite=args.overwrite, progress=progress)
+    except (CompareError, FileExistsError, ImportError) as e:
+        print(f"parityrl compare: {e}", file=sys.stderr)
+        return 2
+    print(_compare_digest(summary, args.out))
+    check = summary.get("self_check_result")
+    if check is not None and not check["passed"]:
+        print(f"parityrl compare: SELF-CHECK FAILED: {check}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _compare_digest(summary: dict, out: str) -> str:
+    m = summary["metrics"]
+    fmt = lambda k, f=".3e": format(m[k], f) if k in m else "n/a"
+    lines = [
+        "=== parityrl compare ===",
+        f"engine {summary['settings']['engine']}  vs  trainer (HF)   {summary['num_prompts']} prompts, "
+        f"{summary['num_samples']} samples, {summary['num_tokens']} tokens"
+        + ("   [self-check]" if summary["self_check"] else ""),
+        f"mae {fmt('parity/mae')}   rmse {fmt('parity/rmse')}   max |d| {fmt('parity/max_abs')}   "
+        f"p99 |d| {fmt('parity/p99_abs')}",
+        f"kl_k3 {fmt('parity/kl_k3')}   pearson {fmt('parity/pearson', '.6f')}   "
+        f"prob_mae {fmt('parity/prob_mae')}   rho outside [0.9, 1.1] {fmt('parity/frac_rho_outside_0.9_1.1', '.4f')}",
+    ]
+    if "self_check_result" in summary:
+        lines.append(f"self-check {'passed' if summary['self_check_result']['passed'] else 'FAILED'}")
+    lines.append(f"report  {out}")
+    return "\n".join(lines)
+
+
 def quiet_third_party() -> None:
     """Keep the console for parityrl's progress lines; engines' own logs stay available by setting the variables."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -91,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)
+    if args.command == "compare":
+        return _compare(args)
     return _sft(args)
 
 
