@@ -22,7 +22,8 @@ import yaml
 # Algorithms the step loop can run today. Others (ppo, pmd_mean, gspo, ...) are registered
 # as tested pure functions, but need recipe fields (tau, gamma, ...) or inputs (a critic)
 # that the loop does not provide yet, so a recipe naming them is refused up front.
-LOOP_ALGORITHMS = ("grpo",)
+# Algorithms the step loop runs (algorithm.name); PPO needs a critic and is not wired yet.
+LOOP_ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp_baseline", "pmd_mean", "pmd_part")
 
 
 class RecipeError(ValueError):
@@ -82,6 +83,12 @@ class AlgorithmConfig:
     clip_eps_high: float = 0.2  # DAPO's clip-higher uses 0.28 (arXiv 2503.14476)
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     kl_coef: float = 0.0  # k3 penalty to the reference (the base with the adapter disabled)
+    tau: float = 0.01  # PMD's proximal (KL) weight; the authors use 0.01-0.1 (arXiv 2602.05933)
+    # Optimizer steps per rollout batch = epochs x mini_batches. With more than one, the
+    # batch is scored once first (pi_old: ratios and parity), then each mini-batch (a seeded
+    # shuffle per epoch) is one optimizer step.
+    epochs: int = 1
+    mini_batches: int = 1
 
 
 @dataclass
@@ -411,6 +418,16 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     need(0 <= a.clip_eps_low < 1, "algorithm.clip_eps_low", a.clip_eps_low, "a number in [0, 1)")
     need(a.clip_eps_high >= 0, "algorithm.clip_eps_high", a.clip_eps_high, "a number >= 0")
     need(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "a number >= 0")
+    need(a.tau > 0, "algorithm.tau", a.tau, "a number > 0 (PMD's KL weight; the authors use 0.01-0.1)")
+    if a.name.startswith("pmd"):
+        need(a.kl_coef == 0, "algorithm.kl_coef", a.kl_coef,
+             f"0 for {a.name}: PMD has no KL-to-reference term, tau is its proximal weight")
+    need(a.epochs >= 1, "algorithm.epochs", a.epochs, "an integer >= 1")
+    need(a.mini_batches >= 1, "algorithm.mini_batches", a.mini_batches, "an integer >= 1")
+    samples = r.prompts_per_step * a.group_size
+    need(samples % a.mini_batches == 0, "algorithm.mini_batches", a.mini_batches,
+         f"a divisor of the {samples} samples per step (rollout.prompts_per_step x algorithm.group_size), "
+         "so every optimizer step sees the same number of samples")
 
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "an integer >= 1")
     need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0 (greedy decoding has no log-probs to learn from)")

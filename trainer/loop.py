@@ -48,33 +48,79 @@ def _check_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor) -> None:
                            "score a token the engine considers impossible (check top_k/top_p and logprobs mode)")
 
 
-def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg: RunConfig, backward) -> dict:
+def _forward(model, micro: TokenBatch, cfg: RunConfig):
+    """(log-probs, entropy, top-k log-probs or None) of one micro-batch from one forward.
+
+    Entropy comes from the same kernel pass (no gradient is asked of it): it feeds the
+    breakdown of the mismatch by trainer entropy.
+    """
+    lp, ent, *top = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
+                                        chunk_size=cfg.parity.chunk_size, return_entropy=True, topk_ids=micro.topk_ids)
+    return lp, ent, (top[0] if top else None)
+
+
+class _Scores:
+    """Per-token trainer outputs of a whole batch, filled micro-batch by micro-batch."""
+
+    def __init__(self, batch: TokenBatch) -> None:
+        self.logprobs = torch.zeros_like(batch.rollout_logprobs)
+        self.entropy = torch.zeros_like(batch.rollout_logprobs)
+        self.topk = None if batch.topk_ids is None else torch.zeros_like(batch.topk_logprobs)
+
+    def put(self, rows: slice, lp, ent, top) -> None:
+        c = lp.shape[1]
+        self.logprobs[rows, :c] = lp.detach()
+        self.entropy[rows, :c] = ent.detach()
+        if self.topk is not None:
+            self.topk[rows, :c] = top
+
+    def as_dict(self) -> dict:
+        return {"train_logprobs": self.logprobs, "entropy": self.entropy, "train_topk_logprobs": self.topk}
+
+
+@torch.no_grad()
+def score_pass(model, batch: TokenBatch, cfg: RunConfig) -> dict:
+    """The trainer's log-probs (and entropy, top-k) of the batch under the current policy, no gradient.
+
+    With several optimizer steps per rollout batch this is pi_old: the policy that
+    generated the batch (if the last sync worked), scored once before any update. It is
+    the input of the parity metrics and the denominator of every update's ratio.
+    """
+    scores = _Scores(batch)
+    mb = cfg.train.micro_batch_size
+    for start in range(0, len(batch), mb):
+        rows = slice(start, start + mb)
+        scores.put(rows, *_forward(model, batch.select(rows), cfg))
+    return scores.as_dict()
+
+
+def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg: RunConfig, backward,
+                         old_logprobs: Optional[torch.Tensor] = None) -> dict:
     """Forward, loss and backward over micro-batches of ``batch``; returns metrics and the train log-probs.
+
+    ``old_logprobs`` [S, C]: pi_old's log-probs (``score_pass``) when this is one of several
+    updates on the batch; None = the single on-policy update, where pi_old is the policy
+    being differentiated (ratio 1, its log-probs detached) and this pass's detached
+    log-probs serve the parity metrics: no extra forward.
 
     The loss of each micro-batch is normalised by the WHOLE batch's token/sequence
     counts (``LossNormalizer``), so accumulating micro-batch gradients equals one
-    full-batch gradient. The detached train log-probs serve the parity metrics:
-    no extra forward.
+    full-batch gradient.
     """
     a = cfg.algorithm
     loss_fn = POLICY_LOSSES.get(a.name)
     norm = LossNormalizer.from_mask(batch.mask, max_len=cfg.rollout.max_new_tokens)
     correction = correction_config(cfg)
     mb = cfg.train.micro_batch_size
-    train_lp = torch.zeros_like(batch.rollout_logprobs)
-    entropy = torch.zeros_like(batch.rollout_logprobs)
-    train_topk = None if batch.topk_ids is None else torch.zeros_like(batch.topk_logprobs)
+    scores = _Scores(batch)
     totals: dict[str, float] = {}
     loss_total = 0.0
     for start in range(0, len(batch), mb):
         rows = slice(start, start + mb)
         micro = batch.select(rows)
         c = micro.targets.shape[1]
-        # Entropy comes from the same kernel pass (no gradient is asked of it): it feeds the
-        # breakdown of the mismatch by trainer entropy.
-        lp, ent, *top = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
-                                            chunk_size=cfg.parity.chunk_size, return_entropy=True,
-                                            topk_ids=micro.topk_ids)
+        lp, ent, top = _forward(model, micro, cfg)
+        old = lp.detach() if old_logprobs is None else old_logprobs[rows, :c]
         ref_lp = None
         if a.kl_coef > 0:
             # The reference policy is the base model: the same weights with the adapter off,
@@ -82,12 +128,13 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
             with torch.no_grad(), model.disable_adapter():
                 ref_lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
                                                 chunk_size=cfg.parity.chunk_size)
-        # Rollout/trainer mismatch correction: weights are local to a token (tis, mis) or a
-        # row (seq_mis), so computing them per micro-batch equals computing them once.
+        # Rollout/trainer mismatch correction between pi_old (the trainer's view of the
+        # behaviour policy) and the engine that sampled: weights are local to a token (tis,
+        # mis) or a row (seq_mis), so computing them per micro-batch equals doing it once.
         is_w = None
         if correction.mode != "none":
-            is_w, _ = importance_weights(lp.detach(), micro.rollout_logprobs, micro.mask, correction)
-        out = loss_fn(LossInputs(logprobs=lp, old_logprobs=lp.detach(), advantages=advantages[rows, :c], mask=micro.mask,
+            is_w, _ = importance_weights(old, micro.rollout_logprobs, micro.mask, correction)
+        out = loss_fn(LossInputs(logprobs=lp, old_logprobs=old, advantages=advantages[rows, :c], mask=micro.mask,
                                  ref_logprobs=ref_lp, is_weights=is_w, normalizer=norm), a)
         backward(out.loss)
         loss_total += out.loss.item()
@@ -95,15 +142,52 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
         # (global normaliser), so the sum over micro-batches is the batch value.
         for k, v in out.metrics.items():
             totals[k] = totals.get(k, 0.0) + v
-        train_lp[rows, :c] = lp.detach()
-        entropy[rows, :c] = ent.detach()
-        if train_topk is not None:
-            train_topk[rows, :c] = top[0]
+        scores.put(rows, lp, ent, top)
     metrics = dict(totals)
     metrics["train/loss"] = loss_total
     if correction.mode != "none":  # the fractions and ESS of the whole batch
-        metrics.update(importance_weights(train_lp, batch.rollout_logprobs, batch.mask, correction)[1])
-    return {"metrics": metrics, "train_logprobs": train_lp, "entropy": entropy, "train_topk_logprobs": train_topk}
+        old_all = scores.logprobs if old_logprobs is None else old_logprobs
+        metrics.update(importance_weights(old_all, batch.rollout_logprobs, batch.mask, correction)[1])
+    return {"metrics": metrics, **scores.as_dict()}
+
+
+def mini_batch_rows(num_samples: int, cfg: RunConfig, step: int, epoch: int) -> list[torch.Tensor]:
+    """Row indices of each mini-batch of one epoch: a seeded shuffle split into equal parts.
+
+    The shuffle depends on (train.seed, step, epoch) only, so a resumed run repeats it.
+    """
+    g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * 1009 + epoch)
+    perm = torch.randperm(num_samples, generator=g)
+    return list(perm.chunk(cfg.algorithm.mini_batches))
+
+
+def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: RunConfig, step: int, accelerator,
+                     optimizer, params) -> dict:
+    """``epochs`` x ``mini_batches`` optimizer steps on one rollout batch, ratios against pi_old.
+
+    Metrics are means over the updates; ``train/approx_kl_last`` is k3(pi_old || pi_theta)
+    on the last mini-batch before its step (how far the epochs moved the policy).
+    """
+    a = cfg.algorithm
+    sums: dict[str, float] = {}
+    for epoch in range(a.epochs):
+        for idx in mini_batch_rows(len(batch), cfg, step, epoch):
+            idx = idx.sort().values.to(batch.mask.device)
+            sub = batch.select(idx)
+            c = sub.targets.shape[1]
+            out = policy_gradient_pass(model, sub, advantages[idx, :c], cfg, accelerator.backward,
+                                       old_logprobs=old_logprobs[idx, :c])
+            out["metrics"]["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            for k, v in out["metrics"].items():
+                sums[k] = sums.get(k, 0.0) + v
+    n = a.epochs * a.mini_batches
+    metrics = {k: v / n for k, v in sums.items()}
+    d = (out["train_logprobs"] - old_logprobs[idx, :c]) * sub.mask
+    metrics["train/approx_kl_last"] = float(((torch.exp(d) - 1 - d) * sub.mask).sum() / sub.mask.sum().clamp(min=1))
+    metrics["train/updates"] = float(n)
+    return metrics
 
 
 class ParityLimitExceeded(RuntimeError):
@@ -240,10 +324,14 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # ---------------------------------------------------- forward / loss / backward
             t = time.perf_counter()
             model.train()
-            out = policy_gradient_pass(model, batch, advantages, cfg, accelerator.backward)
-            m.update(out["metrics"])
+            updates = cfg.algorithm.epochs * cfg.algorithm.mini_batches
+            if updates == 1:
+                out = policy_gradient_pass(model, batch, advantages, cfg, accelerator.backward)
+                m.update(out["metrics"])
+            else:
+                out = score_pass(model, batch, cfg)  # pi_old, before any update
 
-            # ---------------------------------------------------- parity (same pass as the loss)
+            # ---------------------------------------------------- parity (pi_old vs the engine)
             # The train log-probs are from the pre-update policy, the one that generated
             # the rollouts (if the previous sync worked): this is what the metrics measure.
             m.update(compare(out["train_logprobs"], batch.rollout_logprobs, batch.mask,
@@ -256,12 +344,16 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                 if logger.wandb_run is not None and step % cfg.logging.breakdown_every == 0:
                     logger.wandb_run.log(wandb_tables(breakdown), step=step)
 
-            # ---------------------------------------------------- optimizer step
-            m["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
+            # ---------------------------------------------------- optimizer step(s)
             m["train/lr"] = scheduler.get_last_lr()[0]
-            optimizer.step()
+            if updates == 1:
+                m["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                m.update(_several_updates(model, batch, advantages, out["train_logprobs"], cfg, step, accelerator,
+                                          optimizer, params))
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             m["perf/train_s"] = time.perf_counter() - t
 
             # ---------------------------------------------------- weight sync

@@ -171,3 +171,17 @@ def test_parity_limit_stops_before_the_bad_update(tmp_path, tiny_model_dir, vllm
     assert stopped_at >= 2  # step 1 scores untouched weights
     assert latest_checkpoint(cfg.run_dir).name == f"step_{stopped_at - 1:06d}"
     assert len((cfg.run_dir / "metrics.jsonl").read_text().splitlines()) == stopped_at - 1
+
+
+def test_pmd_mean_with_several_updates_per_batch(tmp_path, tiny_model_dir, vllm_engine):
+    # 2 epochs x 2 mini-batches: the batch is scored once (pi_old), parity compares that
+    # pass with the engine, and every update's ratio is against it.
+    res = train(cfg_for(tmp_path, "pmd", "algorithm.name=pmd_mean", "algorithm.tau=0.01", "algorithm.epochs=2",
+                        "algorithm.mini_batches=2", "train.steps=3", "train.learning_rate=5e-3"), engine=vllm_engine)
+    for h in res.history:
+        assert h["train/updates"] == 4
+        assert h["parity/mae"] < PARITY_MAE_BOUND, h["parity/mae"]
+        assert h["train/approx_kl_last"] > 0  # later updates see a policy that moved away from pi_old
+        assert h["train/grad_norm"] > 0
+    # PMD's regression target log(pi/pi_old) is non-zero after the first update
+    assert any(abs(h["train/seq_log_ratio_mean"]) > 0 for h in res.history)
