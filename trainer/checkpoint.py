@@ -57,8 +57,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, scheduler, state: dict, keep_last: int) -> Path:
-    """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``."""
+def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, scheduler, state: dict, keep_last: int,
+                    modules: Optional[dict] = None) -> Path:
+    """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``.
+
+    ``modules``: extra trainable modules outside the adapter (e.g. PPO's value head), saved
+    as ``<name>.pt`` state dicts.
+    """
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -70,6 +75,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, scheduler, st
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state(), tmp / "rng.pt")
+    for name, module in (modules or {}).items():
+        torch.save(module.state_dict(), tmp / f"{name}.pt")
     with open(tmp / _COMPLETE, "w") as f:
         json.dump({"step": step, **state}, f, indent=2)
         f.flush()
@@ -82,8 +89,9 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, scheduler, st
     return final
 
 
-def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> dict:
-    """Restore weights, optimizer, scheduler and RNG from ``path``; return its state.json."""
+def load_checkpoint(path: Path, *, model, optimizer, scheduler, modules: Optional[dict] = None) -> dict:
+    """Restore weights, optimizer, scheduler, RNG (and ``modules``, see ``save_checkpoint``) from ``path``;
+    return its state.json."""
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
@@ -95,6 +103,11 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> dict:
     missing = [k for k in getattr(result, "unexpected_keys", [])]
     if missing:
         raise RuntimeError(f"{path}/adapter: weights not found in the model: {missing[:5]}")
+    for name, module in (modules or {}).items():
+        if not (path / f"{name}.pt").is_file():
+            raise FileNotFoundError(f"{path}: no {name}.pt; this checkpoint was written by a run without a {name} "
+                                    "(another algorithm?)")
+        module.load_state_dict(torch.load(path / f"{name}.pt", weights_only=True))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -22,8 +23,10 @@ import yaml
 # Algorithms the step loop can run today. Others (ppo, pmd_mean, gspo, ...) are registered
 # as tested pure functions, but need recipe fields (tau, gamma, ...) or inputs (a critic)
 # that the loop does not provide yet, so a recipe naming them is refused up front.
-# Algorithms the step loop runs (algorithm.name); PPO needs a critic and is not wired yet.
-LOOP_ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp_baseline", "pmd_mean", "pmd_part")
+# Algorithms the step loop runs (algorithm.name).
+LOOP_ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp_baseline", "pmd_mean", "pmd_part", "ppo")
+# Algorithms with a learned critic (trainer/value_head.py): they score each batch before updating.
+CRITIC_ALGORITHMS = ("ppo",)
 
 
 class RecipeError(ValueError):
@@ -67,9 +70,21 @@ class DataConfig:
 
 
 @dataclass
+class RewardModelEntry:
+    # A reward model written by `parityrl train-rm` (a local HF sequence-classification
+    # directory, num_labels = 1), scoring prompt + completion (trainer/reward_model.py).
+    path: str = ""
+    batch_size: int = 32  # sequences per scoring forward
+    baseline: float = 0.0  # subtracted from every score
+    max_tokens: Optional[int] = None  # prompt + completion + EOS; null = the model's context; longer is an error
+
+
+@dataclass
 class RewardConfig:
     # name -> "module:function"; each f(prompts, completions, **columns) -> list[float]
     functions: dict[str, str] = field(default_factory=lambda: {"exact_answer": "trainer.tasks.arithmetic:exact_answer_reward"})
+    # name -> reward model; shares the name space (and reward/<name> metrics) with functions
+    models: dict[str, RewardModelEntry] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)  # missing names weigh 1.0
 
 
@@ -89,6 +104,17 @@ class AlgorithmConfig:
     # shuffle per epoch) is one optimizer step.
     epochs: int = 1
     mini_batches: int = 1
+    # PPO (trainer/algorithms/ppo.py; defaults follow TRL's PPOConfig, as in StackLLaMA):
+    gamma: float = 1.0  # GAE discount over completion tokens
+    lam: float = 0.95  # GAE lambda
+    whiten_advantages: bool = True
+    vf_coef: float = 0.1  # value-loss weight (the critic shares the policy's trunk)
+    value_clip: Optional[float] = 0.2  # null = unclipped value loss
+    ent_coef: float = 0.0  # entropy bonus
+    reward_kl_coef: float = 0.05  # beta of the per-token -beta*KL(pi || ref) in the reward
+    reward_kl_target: Optional[float] = None  # null = fixed beta; a number = adaptive controller (Ziegler: 6 nats)
+    reward_kl_horizon: int = 10000  # adaptive controller horizon, in samples
+    reward_kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimator in the reward (TRL: k1)
 
 
 @dataclass
@@ -412,8 +438,20 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     need(a.name in LOOP_ALGORITHMS, "algorithm.name", a.name,
          "one of " + ", ".join(LOOP_ALGORITHMS) + f" ({a.name!r} exists as pure functions in trainer/algorithms "
          "but is not wired into the training loop yet: its recipe fields and inputs are missing)")
-    need(a.group_size >= 2, "algorithm.group_size", a.group_size,
-         "an integer >= 2 (GRPO's advantage compares completions of the same prompt)")
+    if a.name in CRITIC_ALGORITHMS:
+        need(a.group_size >= 1, "algorithm.group_size", a.group_size, "an integer >= 1")
+        need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "a number in [0, 1]")
+        need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "a number in [0, 1]")
+        need(a.vf_coef >= 0, "algorithm.vf_coef", a.vf_coef, "a number >= 0")
+        need(a.value_clip is None or a.value_clip > 0, "algorithm.value_clip", a.value_clip, "null or a number > 0")
+        need(a.ent_coef >= 0, "algorithm.ent_coef", a.ent_coef, "a number >= 0")
+        need(a.reward_kl_coef >= 0, "algorithm.reward_kl_coef", a.reward_kl_coef, "a number >= 0")
+        need(a.reward_kl_target is None or a.reward_kl_target > 0, "algorithm.reward_kl_target", a.reward_kl_target,
+             "null (fixed beta) or a number > 0 (nats per sequence)")
+        need(a.reward_kl_horizon >= 1, "algorithm.reward_kl_horizon", a.reward_kl_horizon, "an integer >= 1")
+    else:
+        need(a.group_size >= 2, "algorithm.group_size", a.group_size,
+             "an integer >= 2 (GRPO's advantage compares completions of the same prompt)")
     need(a.eps > 0, "algorithm.eps", a.eps, "a number > 0")
     need(0 <= a.clip_eps_low < 1, "algorithm.clip_eps_low", a.clip_eps_low, "a number in [0, 1)")
     need(a.clip_eps_high >= 0, "algorithm.clip_eps_high", a.clip_eps_high, "a number >= 0")
@@ -478,12 +516,30 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "an integer >= 1")
     need(cfg.data.num_examples is None or cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples,
          "null or an integer >= 1")
-    need(len(cfg.reward.functions) > 0, "reward.functions", cfg.reward.functions, "at least one name: 'module:function'")
-    for name, spec in cfg.reward.functions.items():
+    rw = cfg.reward
+    need(len(rw.functions) + len(rw.models) > 0, "reward.functions", rw.functions,
+         "at least one name: 'module:function' (or a reward model under reward.models)")
+    for name, spec in rw.functions.items():
         need(":" in spec and all(spec.split(":", 1)), f"reward.functions.{name}", spec, "'module:function'")
-    for name in cfg.reward.weights:
-        need(name in cfg.reward.functions, f"reward.weights.{name}", cfg.reward.weights[name],
-             "a weight for a name listed in reward.functions (" + ", ".join(cfg.reward.functions) + ")")
+    for name, rm in rw.models.items():
+        key = f"reward.models.{name}"
+        need(name not in rw.functions, key, rm.path, f"a name not also used in reward.functions ({name!r} is both; "
+             "each name is one reward/<name> metric)")
+        need(bool(rm.path), f"{key}.path", rm.path, "the directory written by `parityrl train-rm`")
+        need(rm.batch_size >= 1, f"{key}.batch_size", rm.batch_size, "an integer >= 1")
+        need(math.isfinite(rm.baseline), f"{key}.baseline", rm.baseline, "a finite number")
+        # The scorer re-encodes the decoded prompt + completion and appends EOS; a rollout
+        # can be max_prompt_tokens + max_new_tokens long, so a smaller limit would fail mid-run.
+        longest = cfg.data.max_prompt_tokens + r.max_new_tokens + 1
+        need(rm.max_tokens is None or rm.max_tokens >= longest, f"{key}.max_tokens", rm.max_tokens,
+             f"null or at least data.max_prompt_tokens + rollout.max_new_tokens + 1 (EOS) = {longest}")
+        if check_paths:
+            need((Path(rm.path).expanduser() / "config.json").is_file(), f"{key}.path", rm.path,
+                 "a local reward-model directory with a config.json (written by `parityrl train-rm`)")
+    sources = list(rw.functions) + list(rw.models)
+    for name in rw.weights:
+        need(name in sources, f"reward.weights.{name}", rw.weights[name],
+             "a weight for a name listed in reward.functions or reward.models (" + ", ".join(sources) + ")")
     need(cfg.parity.chunk_size is None or cfg.parity.chunk_size >= 1, "parity.chunk_size", cfg.parity.chunk_size,
          "null or an integer >= 1")
     for key in ("max_mae", "max_kl_k3"):

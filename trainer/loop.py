@@ -2,7 +2,10 @@
 
 Read ``train`` top to bottom: setup, then one section per phase of a step. The
 algorithm is whatever ``algorithm.name`` selects in the registries; the loop
-never branches on it.
+never branches on its name, only on two capabilities: a learned critic (PPO:
+values and reference log-probs are scored before its advantages exist,
+``trainer/critic.py``) and several optimizer steps per rollout batch (pi_old is
+scored once first, ``score_pass``).
 """
 from __future__ import annotations
 
@@ -20,9 +23,12 @@ from parity.metrics import compare
 from trainer import checkpoint as ckpt
 from trainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs, LossNormalizer
 from trainer.batch import TokenBatch, batch_from_rollouts
-from trainer.config import RunConfig, correction_config, to_dict
+from trainer.config import CRITIC_ALGORITHMS, RunConfig, correction_config, to_dict
+from trainer.critic import NegativeKLWatch, make_kl_controller, ppo_targets
+from trainer.value_head import ValueHead
 from trainer.engines import make_engine, sampling_spec, sync_weights
-from trainer.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
+from trainer.policy import (add_lora, completion_hidden, completion_logprobs, load_base_model, load_tokenizer,
+                            logprobs_from_hidden)
 from trainer.probe import run_probe
 from trainer.parity_report import append_breakdown, step_breakdown, wandb_tables
 from trainer.run_logger import RunLogger
@@ -48,60 +54,81 @@ def _check_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor) -> None:
                            "score a token the engine considers impossible (check top_k/top_p and logprobs mode)")
 
 
-def _forward(model, micro: TokenBatch, cfg: RunConfig):
-    """(log-probs, entropy, top-k log-probs or None) of one micro-batch from one forward.
+def _forward(model, micro: TokenBatch, cfg: RunConfig, value_head=None):
+    """(log-probs, entropy, top-k log-probs or None, values or None) of one micro-batch from one forward.
 
-    Entropy comes from the same kernel pass (no gradient is asked of it): it feeds the
-    breakdown of the mismatch by trainer entropy.
+    Entropy comes from the same kernel pass: it feeds the breakdown of the mismatch by
+    trainer entropy and PPO's entropy bonus. Values: the critic on the same hidden states.
     """
-    lp, ent, *top = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
-                                        chunk_size=cfg.parity.chunk_size, return_entropy=True, topk_ids=micro.topk_ids)
-    return lp, ent, (top[0] if top else None)
+    hidden, lm_head = completion_hidden(model, micro)
+    lp, ent, *top = logprobs_from_hidden(hidden, lm_head, micro, temperature=cfg.rollout.temperature,
+                                         chunk_size=cfg.parity.chunk_size, return_entropy=True,
+                                         topk_ids=micro.topk_ids)
+    return lp, ent, (top[0] if top else None), (None if value_head is None else value_head(hidden))
 
 
 class _Scores:
     """Per-token trainer outputs of a whole batch, filled micro-batch by micro-batch."""
 
-    def __init__(self, batch: TokenBatch) -> None:
+    def __init__(self, batch: TokenBatch, values: bool = False) -> None:
         self.logprobs = torch.zeros_like(batch.rollout_logprobs)
         self.entropy = torch.zeros_like(batch.rollout_logprobs)
         self.topk = None if batch.topk_ids is None else torch.zeros_like(batch.topk_logprobs)
+        self.values = torch.zeros_like(batch.rollout_logprobs) if values else None
 
-    def put(self, rows: slice, lp, ent, top) -> None:
+    def put(self, rows: slice, lp, ent, top, values=None) -> None:
         c = lp.shape[1]
         self.logprobs[rows, :c] = lp.detach()
         self.entropy[rows, :c] = ent.detach()
         if self.topk is not None:
             self.topk[rows, :c] = top
+        if self.values is not None:
+            self.values[rows, :c] = values.detach()
 
     def as_dict(self) -> dict:
-        return {"train_logprobs": self.logprobs, "entropy": self.entropy, "train_topk_logprobs": self.topk}
+        out = {"train_logprobs": self.logprobs, "entropy": self.entropy, "train_topk_logprobs": self.topk}
+        if self.values is not None:
+            out["values"] = self.values
+        return out
 
 
 @torch.no_grad()
-def score_pass(model, batch: TokenBatch, cfg: RunConfig) -> dict:
-    """The trainer's log-probs (and entropy, top-k) of the batch under the current policy, no gradient.
+def score_pass(model, batch: TokenBatch, cfg: RunConfig, value_head=None, with_ref: bool = False) -> dict:
+    """The trainer's log-probs (and entropy, top-k, values) of the batch under the current policy, no gradient.
 
     With several optimizer steps per rollout batch this is pi_old: the policy that
     generated the batch (if the last sync worked), scored once before any update. It is
     the input of the parity metrics and the denominator of every update's ratio.
+    ``with_ref`` adds ``ref_logprobs``: the base model (adapter disabled) on the same tokens.
     """
-    scores = _Scores(batch)
+    scores = _Scores(batch, values=value_head is not None)
+    ref = torch.zeros_like(batch.rollout_logprobs) if with_ref else None
     mb = cfg.train.micro_batch_size
     for start in range(0, len(batch), mb):
         rows = slice(start, start + mb)
-        scores.put(rows, *_forward(model, batch.select(rows), cfg))
-    return scores.as_dict()
+        micro = batch.select(rows)
+        scores.put(rows, *_forward(model, micro, cfg, value_head))
+        if with_ref:
+            with model.disable_adapter():
+                lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
+                                            chunk_size=cfg.parity.chunk_size)
+            ref[rows, :lp.shape[1]] = lp
+    out = scores.as_dict()
+    if with_ref:
+        out["ref_logprobs"] = ref
+    return out
 
 
 def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg: RunConfig, backward,
-                         old_logprobs: Optional[torch.Tensor] = None) -> dict:
+                         old_logprobs: Optional[torch.Tensor] = None, value_head=None,
+                         old_values: Optional[torch.Tensor] = None, returns: Optional[torch.Tensor] = None) -> dict:
     """Forward, loss and backward over micro-batches of ``batch``; returns metrics and the train log-probs.
 
     ``old_logprobs`` [S, C]: pi_old's log-probs (``score_pass``) when this is one of several
     updates on the batch; None = the single on-policy update, where pi_old is the policy
     being differentiated (ratio 1, its log-probs detached) and this pass's detached
-    log-probs serve the parity metrics: no extra forward.
+    log-probs serve the parity metrics: no extra forward. ``value_head``, ``old_values``,
+    ``returns`` [S, C]: PPO's critic and its targets (``trainer.critic.ppo_targets``).
 
     The loss of each micro-batch is normalised by the WHOLE batch's token/sequence
     counts (``LossNormalizer``), so accumulating micro-batch gradients equals one
@@ -112,14 +139,14 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
     norm = LossNormalizer.from_mask(batch.mask, max_len=cfg.rollout.max_new_tokens)
     correction = correction_config(cfg)
     mb = cfg.train.micro_batch_size
-    scores = _Scores(batch)
+    scores = _Scores(batch, values=value_head is not None)
     totals: dict[str, float] = {}
     loss_total = 0.0
     for start in range(0, len(batch), mb):
         rows = slice(start, start + mb)
         micro = batch.select(rows)
         c = micro.targets.shape[1]
-        lp, ent, top = _forward(model, micro, cfg)
+        lp, ent, top, values = _forward(model, micro, cfg, value_head)
         old = lp.detach() if old_logprobs is None else old_logprobs[rows, :c]
         ref_lp = None
         if a.kl_coef > 0:
@@ -134,15 +161,17 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
         is_w = None
         if correction.mode != "none":
             is_w, _ = importance_weights(old, micro.rollout_logprobs, micro.mask, correction)
+        critic = {} if value_head is None else {"values": values, "old_values": old_values[rows, :c],
+                                                 "returns": returns[rows, :c], "entropy": ent}
         out = loss_fn(LossInputs(logprobs=lp, old_logprobs=old, advantages=advantages[rows, :c], mask=micro.mask,
-                                 ref_logprobs=ref_lp, is_weights=is_w, normalizer=norm), a)
+                                 ref_logprobs=ref_lp, is_weights=is_w, normalizer=norm, **critic), a)
         backward(out.loss)
         loss_total += out.loss.item()
         # Each metric, like the loss, is this micro-batch's share of the whole-batch value
         # (global normaliser), so the sum over micro-batches is the batch value.
         for k, v in out.metrics.items():
             totals[k] = totals.get(k, 0.0) + v
-        scores.put(rows, lp, ent, top)
+        scores.put(rows, lp, ent, top, values)
     metrics = dict(totals)
     metrics["train/loss"] = loss_total
     if correction.mode != "none":  # the fractions and ESS of the whole batch
@@ -162,7 +191,7 @@ def mini_batch_rows(num_samples: int, cfg: RunConfig, step: int, epoch: int) -> 
 
 
 def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: RunConfig, step: int, accelerator,
-                     optimizer, params) -> dict:
+                     optimizer, params, value_head=None, old_values=None, returns=None) -> dict:
     """``epochs`` x ``mini_batches`` optimizer steps on one rollout batch, ratios against pi_old.
 
     Metrics are means over the updates; ``train/approx_kl_last`` is k3(pi_old || pi_theta)
@@ -175,8 +204,10 @@ def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: Ru
             idx = idx.sort().values.to(batch.mask.device)
             sub = batch.select(idx)
             c = sub.targets.shape[1]
+            critic = {} if value_head is None else {"value_head": value_head, "old_values": old_values[idx, :c],
+                                                     "returns": returns[idx, :c]}
             out = policy_gradient_pass(model, sub, advantages[idx, :c], cfg, accelerator.backward,
-                                       old_logprobs=old_logprobs[idx, :c])
+                                       old_logprobs=old_logprobs[idx, :c], **critic)
             out["metrics"]["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -241,7 +272,13 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
     batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
     reward_fns = {name: resolve_reward(spec) for name, spec in cfg.reward.functions.items()}
-    params = [p for p in model.parameters() if p.requires_grad]
+    value_head, kl_controller, kl_watch, modules = None, None, None, {}
+    if cfg.algorithm.name in CRITIC_ALGORITHMS:
+        value_head = ValueHead(model.config.hidden_size).to(accelerator.device)
+        kl_controller, kl_watch = make_kl_controller(cfg.algorithm), NegativeKLWatch()
+        modules = {"value_head": value_head}
+    params = [p for p in model.parameters() if p.requires_grad] + ([] if value_head is None else
+                                                                    list(value_head.parameters()))
     optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(cfg.train.adam_betas),
                                   weight_decay=cfg.train.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
@@ -253,7 +290,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         latest = ckpt.latest_checkpoint(run_dir)
         if latest is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.checkpoints_dir(run_dir)}")
-        state = ckpt.load_checkpoint(latest, model=policy, optimizer=optimizer, scheduler=scheduler)
+        state = ckpt.load_checkpoint(latest, model=policy, optimizer=optimizer, scheduler=scheduler, modules=modules)
+        if kl_controller is not None:
+            kl_controller.load_state_dict(state["kl_controller"])
         batcher.load_state_dict(state["batcher"])
         start_step = state["step"]
         print(f"resumed from {latest} (step {start_step})", flush=True)
@@ -314,22 +353,27 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             for name, vals in per_fn.items():
                 m[f"reward/{name}"] = _mean(vals)
 
-            # ---------------------------------------------------- advantages
+            # ---------------------------------------------------- advantages, forward / loss / backward
             batch = batch_from_rollouts(rollouts, tokenizer.pad_token_id, accelerator.device)
             _check_logprobs(batch.rollout_logprobs, batch.mask)
             rewards = torch.tensor(total, dtype=torch.float32, device=accelerator.device)
-            advantages = ADVANTAGES.get(cfg.algorithm.name)(
-                AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=g), cfg.algorithm)
-
-            # ---------------------------------------------------- forward / loss / backward
             t = time.perf_counter()
             model.train()
             updates = cfg.algorithm.epochs * cfg.algorithm.mini_batches
-            if updates == 1:
-                out = policy_gradient_pass(model, batch, advantages, cfg, accelerator.backward)
-                m.update(out["metrics"])
+            if value_head is not None:
+                # A critic's advantages need the batch's values and reference log-probs first.
+                out = score_pass(model, batch, cfg, value_head=value_head, with_ref=True)
+                advantages, returns, critic_metrics = ppo_targets(out, rewards, batch.mask, g, cfg, kl_controller)
+                m.update(critic_metrics)
+                kl_watch.update(step, critic_metrics["train/kl_ref"])
             else:
-                out = score_pass(model, batch, cfg)  # pi_old, before any update
+                advantages = ADVANTAGES.get(cfg.algorithm.name)(
+                    AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=g), cfg.algorithm)
+                if updates == 1:
+                    out = policy_gradient_pass(model, batch, advantages, cfg, accelerator.backward)
+                    m.update(out["metrics"])
+                else:
+                    out = score_pass(model, batch, cfg)  # pi_old, before any update
 
             # ---------------------------------------------------- parity (pi_old vs the engine)
             # The train log-probs are from the pre-update policy, the one that generated
@@ -346,13 +390,15 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
 
             # ---------------------------------------------------- optimizer step(s)
             m["train/lr"] = scheduler.get_last_lr()[0]
-            if updates == 1:
+            if updates == 1 and value_head is None:
                 m["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             else:
+                critic = {} if value_head is None else {"value_head": value_head, "old_values": out["values"],
+                                                         "returns": returns}
                 m.update(_several_updates(model, batch, advantages, out["train_logprobs"], cfg, step, accelerator,
-                                          optimizer, params))
+                                          optimizer, params, **critic))
             scheduler.step()
             m["perf/train_s"] = time.perf_counter() - t
 
@@ -378,7 +424,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                 if accelerator.is_main_process:
                     result.final_checkpoint = ckpt.save_checkpoint(
                         run_dir, step, model=policy, optimizer=optimizer, scheduler=scheduler,
-                        state={"batcher": batcher.state_dict(), "name": cfg.name}, keep_last=cfg.checkpoint.keep_last)
+                        state={"batcher": batcher.state_dict(), "name": cfg.name,
+                               **({"kl_controller": kl_controller.state_dict()} if kl_controller else {})},
+                        keep_last=cfg.checkpoint.keep_last, modules=modules)
                 accelerator.wait_for_everyone()
         result.wandb = logger.wandb_location
         _print_summary(result, logger)

@@ -62,6 +62,15 @@ def split_model(model):
     return backbone, lm_head
 
 
+def completion_hidden(model, batch: TokenBatch):
+    """(hidden [S, C, H] of the positions that predict the completion tokens, lm_head Linear)."""
+    backbone, lm_head = split_model(model)
+    out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                   use_cache=False)
+    p, c = batch.prompt_len, batch.targets.shape[1]
+    return out.last_hidden_state[:, p - 1:p - 1 + c], lm_head
+
+
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
                         return_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None):
     """Log-probs [S, C] (float32) of the batch's completion tokens under softmax(logits / temperature).
@@ -70,11 +79,14 @@ def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_s
     (logprobs, entropy or None); with ``topk_ids`` [S, C, k] also, third, the
     (gradient-free) log-probs of those ids from the same forward pass.
     """
-    backbone, lm_head = split_model(model)
-    out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   use_cache=False)
-    p, c = batch.prompt_len, batch.targets.shape[1]
-    hidden = out.last_hidden_state[:, p - 1:p - 1 + c]
+    hidden, lm_head = completion_hidden(model, batch)
+    return logprobs_from_hidden(hidden, lm_head, batch, temperature=temperature, chunk_size=chunk_size,
+                                return_entropy=return_entropy, topk_ids=topk_ids)
+
+
+def logprobs_from_hidden(hidden, lm_head, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
+                         return_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None):
+    """``completion_logprobs`` from already computed ``completion_hidden`` (same returns)."""
     lp, ent = fused_logprobs(hidden, lm_head.weight, batch.targets, bias=lm_head.bias, temperature=temperature,
                              return_entropy=return_entropy, chunk_size=chunk_size)
     if topk_ids is None:

@@ -185,3 +185,33 @@ def test_pmd_mean_with_several_updates_per_batch(tmp_path, tiny_model_dir, vllm_
         assert h["train/grad_norm"] > 0
     # PMD's regression target log(pi/pi_old) is non-zero after the first update
     assert any(abs(h["train/seq_log_ratio_mean"]) > 0 for h in res.history)
+
+
+def test_ppo_with_value_head_and_kl_shaped_rewards(tmp_path, tiny_model_dir, vllm_engine):
+    cfg = cfg_for(tmp_path, "ppo", "algorithm.name=ppo", "algorithm.epochs=2", "algorithm.mini_batches=2",
+                  "algorithm.reward_kl_coef=0.05", "algorithm.reward_kl_target=6.0", "train.steps=3",
+                  "checkpoint.every=1")
+    res = train(cfg, engine=vllm_engine)
+    h = res.history
+    assert all(x["train/updates"] == 4 for x in h)
+    assert all(x["parity/mae"] < PARITY_MAE_BOUND for x in h)
+    # step 1: the policy is the reference (LoRA B = 0) -> KL exactly 0; the critic starts at 0
+    assert h[0]["train/kl_ref"] == 0.0 and h[0]["train/value_mean"] == 0.0
+    assert h[-1]["train/kl_ref_seq"] > 0  # the policy moved away from the reference
+    assert h[-1]["train/value_mean"] != 0.0  # the value head learned
+    assert all("train/vf_loss" in x and "train/approx_kl" in x and "train/explained_variance" in x for x in h)
+    # adaptive controller: far below the 6-nat target, beta shrinks a little every step
+    betas = [x["train/reward_kl_coef"] for x in h]
+    assert betas[0] == 0.05 and betas[1] < betas[0] and betas[2] < betas[1]
+    # the value head and the controller are part of the checkpoint, and a resume restores them
+    from trainer.checkpoint import latest_checkpoint
+
+    ck = latest_checkpoint(res.run_dir)
+    assert (ck / "value_head.pt").is_file()
+    import json
+
+    assert json.loads((ck / "state.json").read_text())["kl_controller"]["value"] < 0.05
+    cfg.train.steps = 4
+    more = train(cfg, resume=True, engine=vllm_engine)
+    assert more.history[0]["step"] == 4
+    assert more.history[0]["train/reward_kl_coef"] < betas[2]

@@ -212,10 +212,6 @@ def _algorithm_config():
     return AlgorithmConfig()
 
 
-@pytest.mark.xfail(
-    not hasattr(_algorithm_config(), "tau"), strict=True,
-    reason="trainer.config.AlgorithmConfig gains `tau` in the lead's integration step",
-)
 def test_recipe_algorithm_config_carries_every_attribute_pmd_reads():
     cfg = _algorithm_config()
     missing = [f.name for f in dataclasses.fields(PMDConfig) if not hasattr(cfg, f.name)]

@@ -362,10 +362,6 @@ def _algorithm_config():
     return AlgorithmConfig()
 
 
-@pytest.mark.xfail(
-    not all(hasattr(_algorithm_config(), f.name) for f in dataclasses.fields(PPOConfig)), strict=True,
-    reason="trainer.config.AlgorithmConfig gains PPO's fields in the lead's integration step",
-)
 def test_recipe_algorithm_config_carries_every_attribute_ppo_reads():
     cfg = _algorithm_config()
     missing = [f.name for f in dataclasses.fields(PPOConfig) if not hasattr(cfg, f.name)]

@@ -1,0 +1,78 @@
+"""PPO's per-batch targets: KL-shaped token rewards, GAE advantages and value returns, controller, warnings.
+
+The formulas are pure functions in ``trainer/algorithms/ppo.py``; this module only feeds
+them the batch's scored tensors (``loop.score_pass`` with the value head and the
+reference policy) and keeps the two pieces of state PPO carries across steps: the
+reward-KL controller and a watch on the sign of the reference KL.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import deque
+
+import torch
+
+from trainer.algorithms import ADVANTAGES, AdvantageInputs, explained_variance, make_kl_controller, ppo_returns
+from trainer.algorithms.ppo import ppo_token_rewards
+
+
+class NegativeKLWatch:
+    """Warns when the policy's KL to the reference is negative on average over recent steps.
+
+    KL(pi || ref) >= 0, and on tokens sampled from pi its k1 estimate log pi - log ref is
+    non-negative in expectation. A mean that stays below zero means the tokens were NOT
+    drawn from pi's own distribution -- generation settings that force or suppress tokens
+    (min_tokens blocking EOS, bad words, a logit bias): the reward's -beta*KL term then
+    *pays* the policy to drift. This is the failure the StackLLaMA write-up describes
+    (https://huggingface.co/blog/stackllama, "negative KL"). parityrl refuses those
+    sampler options, so a warning here points at a sampler/trainer mismatch or a bug.
+    """
+
+    def __init__(self, window: int = 5, tolerance: float = 1e-4) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+        self.tolerance = tolerance
+
+    def update(self, step: int, kl_token_mean: float) -> bool:
+        self.values.append(kl_token_mean)
+        mean = sum(self.values) / len(self.values)
+        if len(self.values) == self.values.maxlen and mean < -self.tolerance:
+            warnings.warn(
+                f"step {step}: the reference KL has been NEGATIVE on average over the last {len(self.values)} steps "
+                f"(mean per-token k1 {mean:.3g}). The sampled tokens are not distributed as the policy says they are, "
+                "and the -beta*KL reward term rewards drifting away from the reference. Check the sampler settings "
+                "and the parity metrics (StackLLaMA's 'negative KL' failure).", RuntimeWarning, stacklevel=2)
+            return True
+        return False
+
+
+def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_size: int, cfg, controller):
+    """(advantages [S, C], returns [S, C], metrics) for one batch, and the controller updated.
+
+    scored: ``score_pass`` output with ``train_logprobs`` (pi_old), ``ref_logprobs`` and ``values``.
+    rewards: [S] sequence scores. The reward of token t is -beta * KL_t (estimator
+    ``cfg.reward_kl_estimator``) plus the score at the last token; GAE then gives the
+    advantages (whitened if configured) and the returns (unwhitened advantages + values).
+    """
+    a = cfg.algorithm
+    beta = controller.value
+    token_rewards, kl = ppo_token_rewards(rewards, scored["train_logprobs"], scored["ref_logprobs"], mask, beta,
+                                          a.reward_kl_estimator)
+    inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=group_size, values=scored["values"],
+                             token_rewards=token_rewards)
+    advantages = ADVANTAGES.get(a.name)(inputs, a)
+    returns = ppo_returns(inputs, a)
+    valid = mask > 0
+    seq_kl = float(kl.sum(-1).mean())
+    metrics = {
+        "train/kl_ref": float(kl[valid].mean()),  # per token, with the reward's estimator
+        "train/kl_ref_seq": seq_kl,  # per sequence (sum over tokens): what the controller steers
+        "train/reward_kl_coef": beta,
+        "train/value_mean": float(scored["values"][valid].mean()),
+        "train/return_mean": float(returns[valid].mean()),
+        "train/explained_variance": explained_variance(scored["values"], returns, mask),
+    }
+    controller.update(seq_kl, int(mask.shape[0]))
+    return advantages, returns, metrics
+
+
+__all__ = ["NegativeKLWatch", "make_kl_controller", "ppo_targets"]
