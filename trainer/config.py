@@ -434,10 +434,8 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     from trainer.algorithms import ADVANTAGES, POLICY_LOSSES
 
     registered = set(ADVANTAGES.names()) & set(POLICY_LOSSES.names())
-    need(a.name in registered, "algorithm.name", a.name, "one of " + ", ".join(LOOP_ALGORITHMS))
-    need(a.name in LOOP_ALGORITHMS, "algorithm.name", a.name,
-         "one of " + ", ".join(LOOP_ALGORITHMS) + f" ({a.name!r} exists as pure functions in trainer/algorithms "
-         "but is not wired into the training loop yet: its recipe fields and inputs are missing)")
+    need(a.name in registered and a.name in LOOP_ALGORITHMS, "algorithm.name", a.name,
+         "one of " + ", ".join(LOOP_ALGORITHMS))
     if a.name in CRITIC_ALGORITHMS:
         need(a.group_size >= 1, "algorithm.group_size", a.group_size, "an integer >= 1")
         need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "a number in [0, 1]")
