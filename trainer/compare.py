@@ -33,6 +33,7 @@ import torch
 
 from parity.metrics import compare, error_by_position
 from parity.report import check_out_dir, prepare_out_dir, require_report_deps, write_report
+from rollout.fp8_export import PRECISION_RECIPES, engine_llm_kwargs
 from rollout.types import Rollouts, SamplingSpec
 from trainer.batch import TokenBatch, batch_from_rollouts
 from trainer.parity_report import step_breakdown
@@ -67,7 +68,7 @@ Progress = Optional[Callable[[str], None]]
 
 
 def _check_settings(*, engine, temperature, top_p, top_k, max_new_tokens, n, dtype, batch_size, num_prompts,
-                    max_model_len, max_prompt_tokens, topk) -> None:
+                    max_model_len, max_prompt_tokens, topk, precision="bf16") -> None:
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
     checks = [
         (engine is None or engine in ENGINES or hasattr(engine, "generate"), "engine", engine,
@@ -79,6 +80,13 @@ def _check_settings(*, engine, temperature, top_p, top_k, max_new_tokens, n, dty
         (is_int(n) and n >= 1, "n", n, "an integer >= 1"),
         (is_int(topk) and 0 <= topk <= 256, "topk", topk, "an integer in [0, 256] (0 = off)"),
         (dtype in DTYPES, "dtype", dtype, f"one of {sorted(DTYPES)}"),
+        (precision in PRECISION_RECIPES, "precision", precision, f"one of {PRECISION_RECIPES}"),
+        ((precision == "fp16") == (dtype == "float16"), "dtype", dtype,
+         "float16 exactly when precision is fp16 (both phases in FP16)"),
+        (not precision.startswith("fp8") or dtype == "bfloat16", "dtype", dtype,
+         f"bfloat16 with precision {precision} (the FP8 layers dequantize to BF16)"),
+        (not (precision.startswith("fp8") and engine == "hf"), "engine", engine,
+         f"'vllm' with precision {precision}: the HF engine has no FP8 path"),
         (is_int(batch_size) and batch_size >= 1, "batch_size", batch_size, "an integer >= 1"),
         (num_prompts is None or (is_int(num_prompts) and num_prompts >= 1), "num_prompts", num_prompts,
          "an integer >= 1 or None (all)"),
@@ -190,7 +198,7 @@ def _context_len(prompt_ids, max_new_tokens: int, max_model_len: Optional[int], 
 
 
 def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len: int, seed: int,
-                  kv_cache_bytes: Optional[int], topk: int = 0):
+                  kv_cache_bytes: Optional[int], topk: int = 0, precision: str = "bf16"):
     if kind == "hf":
         from rollout.hf_engine import HFEngine
 
@@ -199,10 +207,12 @@ def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len
     from rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                      kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True, max_logprobs=max(20, topk))
+                      kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True, max_logprobs=max(20, topk),
+                      **engine_llm_kwargs(precision, cuda=torch.cuda.is_available()))
 
 
-def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_len, seed, kv_cache_bytes, say):
+def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_len, seed, kv_cache_bytes, say,
+              precision="bf16"):
     """Rollouts from ``engine`` (an object: used as is; a name: started here and closed after)."""
     if not isinstance(engine, str):
         engine_len = getattr(engine, "max_model_len", None)
@@ -213,7 +223,7 @@ def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_le
         return engine.generate(prompt_ids, spec)
     say(f"starting the {engine} engine (max_model_len {max_model_len})")
     owned = _start_engine(engine, model_dir, model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                          kv_cache_bytes=kv_cache_bytes, topk=spec.logprobs_topk)
+                          kv_cache_bytes=kv_cache_bytes, topk=spec.logprobs_topk, precision=precision)
     try:
         return owned.generate(prompt_ids, spec)
     finally:
@@ -399,6 +409,7 @@ def run_compare(
     chunk_size: Optional[int] = None,
     self_check: bool = False,
     topk: int = 0,
+    precision: str = "bf16",
     overwrite: bool = False,
     num_examples: int = 5,
     worst_k: int = 20,
@@ -421,6 +432,9 @@ def run_compare(
         max_model_len: engine context; None = longest prompt + max_new_tokens.
         kv_cache_bytes: vLLM's CPU KV cache size (None: the engine's default).
         batch_size, chunk_size: samples per scoring micro-batch; fused kernel rows per tile.
+        precision: a precision recipe (bf16, fp16, fp8_rollout, fp8_unified; README "Precision
+            recipes"): the engine started here and the trainer's scoring model follow it; a given
+            engine object must have been started with it. fp16 needs dtype="float16".
         topk: k > 0 asks the engine for its k most likely tokens per position and adds
             ``parity/topk_kl`` (a lower bound on the full KL, ``parity.metrics.topk_kl``).
         self_check: the engine side is the trainer's scoring too; every metric must then be exact
@@ -437,7 +451,7 @@ def run_compare(
     say = progress or (lambda _msg: None)
     _check_settings(engine=engine, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                     n=n, dtype=dtype, batch_size=batch_size, num_prompts=num_prompts, max_model_len=max_model_len,
-                    max_prompt_tokens=max_prompt_tokens, topk=topk)
+                    max_prompt_tokens=max_prompt_tokens, topk=topk, precision=precision)
     require_report_deps()
     check_out_dir(out_dir, overwrite)
     model_dir = resolve_model_dir(model)
@@ -459,7 +473,13 @@ def run_compare(
     say(f"generating: {len(prompts)} prompts x {n} with {engine_name}, up to {max_new_tokens} new tokens")
     t0 = time.monotonic()
     rollouts = _generate(kind, model_dir, hf, prompt_ids, spec, dtype=dtype, max_model_len=context, seed=seed,
-                         kv_cache_bytes=kv_cache_bytes, say=say)
+                         kv_cache_bytes=kv_cache_bytes, say=say, precision=precision)
+    if precision == "fp8_unified":
+        # The scoring side runs the engine's FP8 linears (after generation: an "hf" engine
+        # shares this model object, and the HF engine has no FP8 path, see _check_settings).
+        from trainer.precision import convert_to_fp8
+
+        convert_to_fp8(hf)
     t_gen = time.monotonic() - t0
 
     say(f"scoring: {len(rollouts)} samples, {rollouts.num_completion_tokens} tokens with the trainer's forward")
@@ -494,6 +514,7 @@ def run_compare(
             "max_new_tokens": max_new_tokens, "n": n, "seed": seed, "dtype": dtype, "device": device,
             "max_model_len": context, "kv_cache_bytes": kv_cache_bytes, "max_prompt_tokens": max_prompt_tokens,
             "prompt_column": prompt_column, "batch_size": batch_size, "chunk_size": chunk_size, "topk": topk,
+            "precision": precision,
             "engine_logprobs": "trainer scoring (self-check)" if self_check else "engine",
             "trainer_logprobs": "trainer.policy.completion_logprobs (parity.logprobs.fused_logprobs), "
                                 "teacher-forced, use_cache=False, no_grad",

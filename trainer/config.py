@@ -52,7 +52,7 @@ class ModelConfig:
     # Local HF directory, a hub id, or "builtin:tiny" (the project's own tiny Llama,
     # warm-started with recipes/sft_tiny.yaml; built and cached on first use).
     path: str = "builtin:tiny"
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # float16: with precision.recipe fp16 only
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -177,7 +177,12 @@ class ParityConfig:
 
 @dataclass
 class PrecisionConfig:
-    recipe: Literal["bf16"] = "bf16"  # fp16 / fp8_rollout / fp8_unified: see the precision issue
+    # Both phases' numerics (README "Precision recipes"):
+    #   bf16        both phases BF16 (model.dtype bfloat16)
+    #   fp16        both phases FP16 (model.dtype float16)
+    #   fp8_rollout BF16 trainer, FP8 engine (the common verl/slime/NeMo-RL setup; the baseline)
+    #   fp8_unified both phases the same FP8 linear layers, one quantizer (parity.precision; Jet-RL)
+    recipe: Literal["bf16", "fp16", "fp8_rollout", "fp8_unified"] = "bf16"
 
 
 @dataclass
@@ -546,6 +551,15 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     # The top-k costs a [tokens, k] transfer per step; beyond a few hundred the rest
     # bucket is negligible anyway and vLLM's sampler slows down (torch.topk on the vocab).
     need(0 <= cfg.parity.topk <= 256, "parity.topk", cfg.parity.topk, "an integer in [0, 256] (0 = off)")
+    rec, dt = cfg.precision.recipe, cfg.model.dtype
+    need(rec != "fp16" or dt == "float16", "model.dtype", dt,
+         "float16 with precision.recipe fp16 (both phases run in FP16)")
+    need(dt != "float16" or rec == "fp16", "model.dtype", dt,
+         "bfloat16 or float32 unless precision.recipe is fp16 (set precision.recipe: fp16 to run in FP16)")
+    need(not rec.startswith("fp8") or dt == "bfloat16", "model.dtype", dt,
+         f"bfloat16 with precision.recipe {rec} (BF16 master weights; the FP8 layers dequantize to BF16)")
+    need(not (rec.startswith("fp8") and r.engine == "hf"), "rollout.engine", r.engine,
+         f"'vllm' with precision.recipe {rec} (the HF engine has no FP8 path)")
     need(cfg.parity.probe_prompts >= 0, "parity.probe_prompts", cfg.parity.probe_prompts, "an integer >= 0 (0 = off)")
     try:
         correction_config(cfg)

@@ -11,18 +11,40 @@ from rollout.types import SamplingSpec
 from trainer.config import RunConfig
 
 
+def engine_model_dir(cfg: RunConfig, model_dir: str) -> str:
+    """The directory the engine starts from: the model's, or on CUDA with an FP8 recipe a block-FP8 copy.
+
+    vLLM's CUDA ``fp8`` method loads FP8 weights + scales from a checkpoint whose
+    config.json says so (``rollout.fp8_export.write_fp8_checkpoint``); written once
+    next to the run (``<run_dir>/engine_fp8``), quantized by ``parity.precision``.
+    """
+    if not (cfg.precision.recipe.startswith("fp8") and torch.cuda.is_available() and cfg.rollout.engine == "vllm"):
+        return model_dir
+    from rollout.fp8_export import write_fp8_checkpoint
+
+    out = cfg.run_dir / "engine_fp8"
+    return str(out if (out / "config.json").is_file() else write_fp8_checkpoint(model_dir, out))
+
+
 def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int):
     r = cfg.rollout
     if r.engine == "vllm":
+        from rollout.fp8_export import engine_llm_kwargs
         from rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=max_model_len, seed=cfg.train.seed,
+        return VLLMEngine(engine_model_dir(cfg, model_dir), dtype=cfg.model.dtype, max_model_len=max_model_len,
+                          seed=cfg.train.seed,
                           kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
                           enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs,
                           # vLLM refuses requests for more log-probs than max_logprobs (default 20).
-                          max_logprobs=max(20, cfg.parity.topk))
+                          max_logprobs=max(20, cfg.parity.topk),
+                          **engine_llm_kwargs(cfg.precision.recipe, cuda=torch.cuda.is_available()))
     if r.engine == "hf":
         from rollout.hf_engine import HFEngine
+
+        if cfg.precision.recipe.startswith("fp8"):
+            raise ValueError(f"rollout.engine = 'hf' with precision.recipe = {cfg.precision.recipe!r}: the HF engine "
+                             "has no FP8 path; use rollout.engine: vllm")
 
         return HFEngine(model_dir, dtype=cfg.model.dtype, device="cuda" if torch.cuda.is_available() else "cpu")
     raise ValueError(f"rollout.engine = {r.engine!r}: expected 'vllm' or 'hf'")
@@ -36,10 +58,19 @@ def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
                         logprobs_topk=cfg.parity.topk)
 
 
-def sync_weights(engine, policy) -> dict[str, float]:
-    """Push the policy's current weights (LoRA merged, changed modules only) into the engine."""
+def sync_weights(engine, policy, recipe: str = "bf16") -> dict[str, float]:
+    """Push the policy's current weights (LoRA merged, changed modules only) into the engine.
+
+    FP8 recipes on CUDA push the block-FP8 weights + scales computed by the trainer's own
+    quantizer (``rollout.fp8_export.fp8_block_weights``); on CPU the emulating engine
+    quantizes the merged BF16 weights with the same function (``rollout.fp8_quant``).
+    """
     from rollout.weight_export import merged_lora_weights, payload_bytes
 
     named = list(merged_lora_weights(policy))
+    if recipe.startswith("fp8") and torch.cuda.is_available() and hasattr(engine, "llm"):
+        from rollout.fp8_export import fp8_block_weights
+
+        named = list(fp8_block_weights(named))
     engine.load_weights(named)
     return {"perf/sync_bytes": float(payload_bytes(named)), "perf/sync_tensors": float(len(named))}

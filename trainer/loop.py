@@ -267,6 +267,12 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
     model = add_lora(load_base_model(model_dir, cfg.model.dtype, accelerator.device), cfg.model.lora)
+    if cfg.precision.recipe == "fp8_unified":
+        # The trainer's decoder linears run the engine's FP8 forward (quantized merged
+        # LoRA weight, quantized activations): one quantizer, parity.precision.
+        from trainer.precision import convert_to_fp8
+
+        convert_to_fp8(model)
     d = cfg.data
     dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
@@ -306,7 +312,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         engine = make_engine(cfg, model_dir, max_model_len=max_model_len)
     # Always align the engine with the policy being trained (fresh adapter = base weights,
     # resumed adapter = its merge), so a reused engine never carries another run's weights.
-    sync_weights(engine, policy)
+    sync_weights(engine, policy, cfg.precision.recipe)
     logger = RunLogger(run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode, project=cfg.logging.wandb.project,
                        entity=cfg.logging.wandb.entity, name=cfg.name, total_steps=cfg.train.steps,
                        print_every=cfg.logging.print_every, enabled=accelerator.is_main_process)
@@ -405,7 +411,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # ---------------------------------------------------- weight sync
             t = time.perf_counter()
             if cfg.rollout.sync_weights:
-                m.update(sync_weights(engine, policy))
+                m.update(sync_weights(engine, policy, cfg.precision.recipe))
             m["perf/sync_s"] = time.perf_counter() - t
             t = time.perf_counter()
             m.update(_probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device))

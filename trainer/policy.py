@@ -15,7 +15,7 @@ from parity.logprobs import fused_gather_logprobs, fused_logprobs
 from trainer.batch import TokenBatch
 from trainer.config import LoraConfig
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def load_tokenizer(model_dir: str):

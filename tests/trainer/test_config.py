@@ -65,6 +65,11 @@ def test_defaults_and_overrides(tmp_path):
     ("parity: {topk: -1}\n", ["parity.topk = -1", "[0, 256]"]),
     ("parity: {topk: 1000}\n", ["parity.topk = 1000", "[0, 256]"]),
     ("parity: {probe_prompts: -2}\n", ["parity.probe_prompts = -2", ">= 0"]),
+    ("precision: {recipe: fp16}\n", ["model.dtype = 'bfloat16'", "float16 with precision.recipe fp16"]),
+    ("model: {dtype: float16}\n", ["model.dtype = 'float16'", "unless precision.recipe is fp16"]),
+    ("precision: {recipe: fp8_unified}\nmodel: {dtype: float32}\n", ["model.dtype = 'float32'", "BF16 master"]),
+    ("precision: {recipe: fp8_rollout}\nrollout: {engine: hf}\n", ["rollout.engine = 'hf'", "no FP8 path"]),
+    ("precision: {recipe: fp4}\n", ["precision.recipe = 'fp4'", "fp8_unified"]),
 ])
 def test_bad_values_are_named(tmp_path, text, needles):
     p = write(tmp_path, text)
