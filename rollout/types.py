@@ -23,6 +23,9 @@ class SamplingSpec:
     logprobs_topk: k > 0 also returns, per completion position, the engine's k most
         likely token ids and their (processed) log-probs: the input of the top-k KL
         (``parity.metrics.topk_kl``). 0 = off.
+    index_offset: global index of this call's first sample. Seeds derive from
+        (seed, index_offset + local index), so a data-parallel rank sampling its shard
+        draws exactly what one process sampling the whole batch would for those samples.
     """
 
     n: int = 1
@@ -32,6 +35,7 @@ class SamplingSpec:
     max_new_tokens: int = 64
     seed: int = 0
     logprobs_topk: int = 0
+    index_offset: int = 0
 
 
 @dataclass

@@ -75,6 +75,8 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], spec: SamplingSpec, ma
          spec.max_new_tokens, "an integer >= 1"),
         (isinstance(spec.logprobs_topk, int) and spec.logprobs_topk >= 0, "spec.logprobs_topk", spec.logprobs_topk,
          "an integer >= 0 (0 = off)"),
+        (isinstance(spec.index_offset, int) and spec.index_offset >= 0, "spec.index_offset", spec.index_offset,
+         "an integer >= 0"),
     ]
     for ok, name, value, expected in checks:
         if not ok:
@@ -311,8 +313,8 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
         """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n.
 
-        Each sample is its own request with seed ``sample_seed(spec.seed, i)``, so
-        the same weights and spec give the same samples.
+        Each sample is its own request with seed ``sample_seed(spec.seed, spec.index_offset + i)``,
+        so the same weights and spec give the same samples, whichever rank draws them.
         """
         validate_request(prompt_ids, spec, self.max_model_len)
         from vllm import SamplingParams
@@ -325,7 +327,7 @@ class VLLMEngine:
                 params.append(SamplingParams(
                     n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                     max_tokens=spec.max_new_tokens, logprobs=spec.logprobs_topk, flat_logprobs=True,
-                    seed=sample_seed(spec.seed, i * spec.n + j), stop_token_ids=list(self.eos_ids),
+                    seed=sample_seed(spec.seed, spec.index_offset + i * spec.n + j), stop_token_ids=list(self.eos_ids),
                     detokenize=self.load_tokenizer))
         with _preserve_rng():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -19,12 +19,12 @@ import torch
 
 from parity.correction import importance_weights
 from parity.guards import threshold_violations
-from parity.metrics import compare
 from trainer import checkpoint as ckpt
-from trainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs, LossNormalizer
+from trainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs
 from trainer.batch import TokenBatch, batch_from_rollouts
 from trainer.config import CRITIC_ALGORITHMS, RunConfig, correction_config, to_dict
 from trainer.critic import NegativeKLWatch, make_kl_controller, ppo_targets
+from trainer.data_parallel import DataParallel
 from trainer.value_head import ValueHead
 from trainer.engines import make_engine, sampling_spec, sync_weights
 from trainer.policy import (add_lora, completion_hidden, completion_logprobs, load_base_model, load_tokenizer,
@@ -121,7 +121,8 @@ def score_pass(model, batch: TokenBatch, cfg: RunConfig, value_head=None, with_r
 
 def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg: RunConfig, backward,
                          old_logprobs: Optional[torch.Tensor] = None, value_head=None,
-                         old_values: Optional[torch.Tensor] = None, returns: Optional[torch.Tensor] = None) -> dict:
+                         old_values: Optional[torch.Tensor] = None, returns: Optional[torch.Tensor] = None,
+                         dp: DataParallel = DataParallel()) -> dict:
     """Forward, loss and backward over micro-batches of ``batch``; returns metrics and the train log-probs.
 
     ``old_logprobs`` [S, C]: pi_old's log-probs (``score_pass``) when this is one of several
@@ -131,12 +132,13 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
     ``returns`` [S, C]: PPO's critic and its targets (``trainer.critic.ppo_targets``).
 
     The loss of each micro-batch is normalised by the WHOLE batch's token/sequence
-    counts (``LossNormalizer``), so accumulating micro-batch gradients equals one
-    full-batch gradient.
+    counts (``LossNormalizer``; with data parallel, of every rank's batch), so accumulating
+    micro-batch gradients (and summing them over ranks) equals one full-batch gradient.
+    Gradients are left summed over the ranks on return.
     """
     a = cfg.algorithm
     loss_fn = POLICY_LOSSES.get(a.name)
-    norm = LossNormalizer.from_mask(batch.mask, max_len=cfg.rollout.max_new_tokens)
+    norm = dp.global_normalizer(batch.mask, max_len=cfg.rollout.max_new_tokens)
     correction = correction_config(cfg)
     mb = cfg.train.micro_batch_size
     scores = _Scores(batch, values=value_head is not None)
@@ -172,11 +174,12 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
         for k, v in out.metrics.items():
             totals[k] = totals.get(k, 0.0) + v
         scores.put(rows, lp, ent, top, values)
-    metrics = dict(totals)
-    metrics["train/loss"] = loss_total
-    if correction.mode != "none":  # the fractions and ESS of the whole batch
+    dp.all_reduce_grads(p for group in _param_groups(model, value_head) for p in group)
+    # Loss terms are contributions under the global normaliser: they sum over ranks.
+    metrics = dp.sum_metrics({**totals, "train/loss": loss_total})
+    if correction.mode != "none":  # the fractions and ESS of the batch (averaged over ranks)
         old_all = scores.logprobs if old_logprobs is None else old_logprobs
-        metrics.update(importance_weights(old_all, batch.rollout_logprobs, batch.mask, correction)[1])
+        metrics.update(dp.mean_metrics(importance_weights(old_all, batch.rollout_logprobs, batch.mask, correction)[1]))
     return {"metrics": metrics, **scores.as_dict()}
 
 
@@ -190,8 +193,14 @@ def mini_batch_rows(num_samples: int, cfg: RunConfig, step: int, epoch: int) -> 
     return list(perm.chunk(cfg.algorithm.mini_batches))
 
 
+def _param_groups(model, value_head) -> list:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [trainable] if value_head is None else [trainable, list(value_head.parameters())]
+
+
 def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: RunConfig, step: int, accelerator,
-                     optimizer, params, value_head=None, old_values=None, returns=None) -> dict:
+                     optimizer, params, value_head=None, old_values=None, returns=None,
+                     dp: DataParallel = DataParallel()) -> dict:
     """``epochs`` x ``mini_batches`` optimizer steps on one rollout batch, ratios against pi_old.
 
     Metrics are means over the updates; ``train/approx_kl_last`` is k3(pi_old || pi_theta)
@@ -207,7 +216,7 @@ def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: Ru
             critic = {} if value_head is None else {"value_head": value_head, "old_values": old_values[idx, :c],
                                                      "returns": returns[idx, :c]}
             out = policy_gradient_pass(model, sub, advantages[idx, :c], cfg, accelerator.backward,
-                                       old_logprobs=old_logprobs[idx, :c], **critic)
+                                       old_logprobs=old_logprobs[idx, :c], dp=dp, **critic)
             out["metrics"]["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -216,7 +225,8 @@ def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: Ru
     n = a.epochs * a.mini_batches
     metrics = {k: v / n for k, v in sums.items()}
     d = (out["train_logprobs"] - old_logprobs[idx, :c]) * sub.mask
-    metrics["train/approx_kl_last"] = float(((torch.exp(d) - 1 - d) * sub.mask).sum() / sub.mask.sum().clamp(min=1))
+    kl = dp.sum_metrics({"k3": float(((torch.exp(d) - 1 - d) * sub.mask).sum()), "n": float(sub.mask.sum())})
+    metrics["train/approx_kl_last"] = kl["k3"] / max(kl["n"], 1.0)
     metrics["train/updates"] = float(n)
     return metrics
 
@@ -238,10 +248,10 @@ def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = 
     warnings.warn(msg, stacklevel=2)
 
 
-def _probe(engine, model, probe_ids, cfg: RunConfig, tokenizer, device) -> dict:
+def _probe(engine, model, probe_ids, cfg: RunConfig, tokenizer, device, dp: DataParallel) -> dict:
     if not probe_ids:
         return {}
-    return run_probe(engine, model, probe_ids, cfg, pad_id=tokenizer.pad_token_id, device=device)
+    return run_probe(engine, model, probe_ids, cfg, pad_id=tokenizer.pad_token_id, device=device, dp=dp)
 
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
@@ -256,12 +266,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
 
     # ---------------------------------------------------------------- setup
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    if accelerator.num_processes > 1:
-        # The policy forward calls the backbone directly (to feed the fused log-prob
-        # kernel), which bypasses DDP's gradient hooks; each rank would also need its
-        # own prompt shard and engine. Refused until data parallel is built properly.
-        raise NotImplementedError(f"{accelerator.num_processes} processes: multi-process data parallel is not "
-                                  "supported yet; launch with one process (accelerate launch --num_processes 1)")
+    # N processes: each holds a prompt shard and its own engine; gradients and metrics are
+    # reduced explicitly (trainer/data_parallel.py explains why not DDP's wrapper).
+    dp = DataParallel.current()
     set_seed(cfg.train.seed)
     run_dir = cfg.run_dir
     model_dir = resolve_model_path(cfg.model.path)
@@ -288,8 +295,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(cfg.train.adam_betas),
                                   weight_decay=cfg.train.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    policy = accelerator.unwrap_model(model)
+    # The model is not prepared: no DDP wrapper (see dp above); it is already on the device.
+    optimizer = accelerator.prepare(optimizer)
+    policy = model
 
     start_step = 0
     if resume:
@@ -323,12 +331,13 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                                use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens) if n_probe else []
     try:
         # Probe before the first step: the engine must already agree with the trainer.
-        m0 = _probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device)
-        if m0:
+        m0 = _probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device, dp)
+        if m0 and accelerator.is_main_process:
             print(f"probe before step {start_step + 1}: mae {m0.get('probe/mae', float('nan')):.2e}  "
                   f"kl_k3 {m0.get('probe/kl_k3', float('nan')):.1e}  on {int(m0['probe/num_tokens'])} tokens", flush=True)
             if start_step == 0:  # a resumed run has logged this step already; wandb steps only increase
                 logger.log(0, m0, echo=False)
+        if m0:  # every rank sees the same pooled values and stops together
             _enforce_parity_limits(cfg, start_step, m0, prefix="probe/", when=" (probe before training)")
         for step in range(start_step + 1, cfg.train.steps + 1):
             t_step = time.perf_counter()
@@ -336,16 +345,18 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
 
             # ---------------------------------------------------- rollout
             t = time.perf_counter()
-            rows = next(batcher)
+            rows = dp.shard(next(batcher))  # every rank draws the same batch and keeps its slice
             prompts = [r["prompt"] for r in rows]
             prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
                                         max_prompt_tokens=d.max_prompt_tokens)
-            rollouts = engine.generate(prompt_ids, sampling_spec(cfg, step))
+            spec = sampling_spec(cfg, step)
+            rollouts = engine.generate(prompt_ids, replace(spec, index_offset=dp.offset(len(prompt_ids) * spec.n)))
             m["perf/rollout_s"] = time.perf_counter() - t
             m["perf/rollout_tokens_per_s"] = rollouts.num_completion_tokens / max(m["perf/rollout_s"], 1e-9)
             lengths = [len(c) for c in rollouts.completion_ids]
-            m["rollout/mean_length"] = _mean(lengths)
-            m["rollout/frac_truncated"] = _mean([float(f == "length") for f in rollouts.finish_reasons])
+            m.update(dp.mean_metrics({"rollout/mean_length": _mean(lengths),
+                                      "rollout/frac_truncated": _mean([float(f == "length")
+                                                                       for f in rollouts.finish_reasons])}))
 
             # ---------------------------------------------------- reward
             t = time.perf_counter()
@@ -355,9 +366,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             total, per_fn = compute_rewards(reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
                                             completions, columns)
             m["perf/reward_s"] = time.perf_counter() - t
-            m["reward/mean"] = _mean(total)
-            for name, vals in per_fn.items():
-                m[f"reward/{name}"] = _mean(vals)
+            m.update(dp.mean_metrics({"reward/mean": _mean(total),
+                                      **{f"reward/{name}": _mean(vals) for name, vals in per_fn.items()}}))
 
             # ---------------------------------------------------- advantages, forward / loss / backward
             batch = batch_from_rollouts(rollouts, tokenizer.pad_token_id, accelerator.device)
@@ -370,13 +380,14 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                 # A critic's advantages need the batch's values and reference log-probs first.
                 out = score_pass(model, batch, cfg, value_head=value_head, with_ref=True)
                 advantages, returns, critic_metrics = ppo_targets(out, rewards, batch.mask, g, cfg, kl_controller)
+                critic_metrics = dp.mean_metrics(critic_metrics)
                 m.update(critic_metrics)
                 kl_watch.update(step, critic_metrics["train/kl_ref"])
             else:
                 advantages = ADVANTAGES.get(cfg.algorithm.name)(
                     AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=g), cfg.algorithm)
                 if updates == 1:
-                    out = policy_gradient_pass(model, batch, advantages, cfg, accelerator.backward)
+                    out = policy_gradient_pass(model, batch, advantages, cfg, accelerator.backward, dp=dp)
                     m.update(out["metrics"])
                 else:
                     out = score_pass(model, batch, cfg)  # pi_old, before any update
@@ -384,8 +395,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # ---------------------------------------------------- parity (pi_old vs the engine)
             # The train log-probs are from the pre-update policy, the one that generated
             # the rollouts (if the previous sync worked): this is what the metrics measure.
-            m.update(compare(out["train_logprobs"], batch.rollout_logprobs, batch.mask,
-                             train_topk_logprobs=out["train_topk_logprobs"], rollout_topk_logprobs=batch.topk_logprobs))
+            m.update(dp.pooled_parity(out["train_logprobs"], batch.rollout_logprobs, batch.mask,
+                                      train_topk_logprobs=out["train_topk_logprobs"],
+                                      rollout_topk_logprobs=batch.topk_logprobs))
             _enforce_parity_limits(cfg, step, m)
             if accelerator.is_main_process:
                 breakdown = step_breakdown(out["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
@@ -404,7 +416,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                 critic = {} if value_head is None else {"value_head": value_head, "old_values": out["values"],
                                                          "returns": returns}
                 m.update(_several_updates(model, batch, advantages, out["train_logprobs"], cfg, step, accelerator,
-                                          optimizer, params, **critic))
+                                          optimizer, params, dp=dp, **critic))
             scheduler.step()
             m["perf/train_s"] = time.perf_counter() - t
 
@@ -414,7 +426,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                 m.update(sync_weights(engine, policy, cfg.precision.recipe))
             m["perf/sync_s"] = time.perf_counter() - t
             t = time.perf_counter()
-            m.update(_probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device))
+            m.update(_probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device, dp))
             if probe_ids:
                 m["perf/probe_s"] = time.perf_counter() - t
             m["perf/step_s"] = time.perf_counter() - t_step

@@ -32,10 +32,12 @@ def probe_spec(cfg: RunConfig) -> SamplingSpec:
 
 
 def run_probe(engine, model, prompt_ids: list[list[int]], cfg: RunConfig, *, pad_id: int,
-              device: torch.device | str) -> dict[str, float]:
+              device: torch.device | str, dp=None) -> dict[str, float]:
     """Generate one completion per probe prompt, score it with ``model``; ``probe/*`` parity metrics.
 
-    Scored in eval mode without gradient; the model's train/eval mode is restored.
+    Scored in eval mode without gradient; the model's train/eval mode is restored. With
+    data parallel (``dp``), every rank probes its own engine on the same prompts and the
+    metrics pool all ranks' tokens.
     """
     rollouts = engine.generate(prompt_ids, probe_spec(cfg))
     batch = batch_from_rollouts(rollouts, pad_id, device)
@@ -47,6 +49,10 @@ def run_probe(engine, model, prompt_ids: list[list[int]], cfg: RunConfig, *, pad
                                               chunk_size=cfg.parity.chunk_size, topk_ids=batch.topk_ids)
     finally:
         model.train(was_training)
-    metrics = compare(lp, batch.rollout_logprobs, batch.mask, train_topk_logprobs=top[0] if top else None,
+    top = top[0] if top else None
+    if dp is not None:
+        return dp.pooled_parity(lp, batch.rollout_logprobs, batch.mask, train_topk_logprobs=top,
+                                rollout_topk_logprobs=batch.topk_logprobs, prefix="probe/")
+    metrics = compare(lp, batch.rollout_logprobs, batch.mask, train_topk_logprobs=top,
                       rollout_topk_logprobs=batch.topk_logprobs)
     return {"probe/" + k.split("/", 1)[1]: v for k, v in metrics.items()}

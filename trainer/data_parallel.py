@@ -1,0 +1,143 @@
+"""Data parallel over N processes, each with its own colocated engine: sharding, gradient and metric reduction.
+
+Launch: ``torchrun --nproc_per_node N -m trainer.train <recipe>`` (CPU: gloo; GPU: NCCL;
+``accelerate launch --num_processes N`` on GPUs). Every rank reads the same prompt stream
+(same seed), keeps its contiguous slice of whole prompts -- so a GRPO group never spans
+two ranks -- and samples them on its own engine with the sample seeds a single process
+would use for those samples (``SamplingSpec.index_offset``). Rewards and group
+advantages are local. Gradients:
+
+* the loss of every rank is normalised by the GLOBAL token / sequence counts
+  (``global_normalizer``: an all-reduce of the local counts), so the sum of the ranks'
+  gradients is the gradient of one process holding the whole batch;
+* after backward, ``all_reduce_grads`` sums the gradients (one flat bucket per dtype).
+
+Why not DDP's wrapper: the policy's forward calls the backbone and the fused log-prob
+kernel directly (never the wrapper's ``forward``), so DDP's reducer would not be armed
+(``prepare_for_backward`` runs in ``DistributedDataParallel.forward``). One explicit
+all-reduce per optimizer step is what DDP would do anyway, without bucket overlap.
+
+Metrics: ``pooled_parity`` all-reduces ``parity.metrics.sufficient_stats`` (sums and
+maxima, with ``parity.metrics.reduction``) and finalizes once: token-weighted means, a
+global max, Pearson from pooled sums -- never a mean of per-rank correlations. Loss
+metrics are micro-batch contributions under the global normaliser and are summed.
+Per-sample means (reward, lengths) are averaged (every rank holds the same number of
+samples). Batch-statistic estimators (REINFORCE++'s and PPO's whitening) whiten each
+rank's shard with its own statistics: documented, not pooled.
+
+With one process every function here is the identity (no torch.distributed call).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from parity.metrics import finalize, reduction, sufficient_stats
+from trainer.algorithms import LossNormalizer
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def current(cls) -> "DataParallel":
+        d = torch.distributed
+        if d.is_available() and d.is_initialized() and d.get_world_size() > 1:
+            return cls(rank=d.get_rank(), world=d.get_world_size())
+        return cls()
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def shard(self, rows: list, what: str = "prompts_per_step") -> list:
+        """This rank's contiguous share of ``rows`` (the whole list with one process)."""
+        if len(rows) % self.world:
+            raise ValueError(f"rollout.{what} = {len(rows)} is not divisible by the {self.world} processes; "
+                             "every rank must hold the same number of whole prompts")
+        k = len(rows) // self.world
+        return rows[self.rank * k:(self.rank + 1) * k]
+
+    def offset(self, local_count: int) -> int:
+        """Global index of this rank's first item when every rank holds ``local_count``."""
+        return self.rank * local_count
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        if self.active:
+            torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
+        return t
+
+    def global_normalizer(self, mask: torch.Tensor, max_len: int) -> LossNormalizer:
+        """``LossNormalizer`` of the whole (all ranks') rollout batch."""
+        valid = mask != 0
+        counts = torch.tensor([valid.sum().item(), valid.any(dim=-1).sum().item()], dtype=torch.float64)
+        self._all_reduce(counts)
+        return LossNormalizer(num_tokens=float(counts[0]), num_seqs=float(counts[1]), max_len=max_len)
+
+    def all_reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sum every gradient over the ranks, one flat buffer per dtype/device (missing grads count as 0)."""
+        if not self.active:
+            return
+        groups: dict[tuple, list[torch.nn.Parameter]] = {}
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        for ps in groups.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in ps])
+            self._all_reduce(flat)
+            i = 0
+            for p in ps:
+                n = p.grad.numel()
+                p.grad.copy_(flat[i:i + n].view_as(p.grad))
+                i += n
+
+    def sum_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Sum each value over the ranks (every rank must pass the same keys)."""
+        return self._reduce_dict(metrics, mean=False)
+
+    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Average each value over the ranks (every rank must pass the same keys)."""
+        return self._reduce_dict(metrics, mean=True)
+
+    def _reduce_dict(self, metrics: dict[str, float], mean: bool) -> dict[str, float]:
+        if not self.active or not metrics:
+            return dict(metrics)
+        keys = sorted(metrics)
+        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        self._all_reduce(t)
+        if mean:
+            t /= self.world
+        return dict(zip(keys, t.tolist()))
+
+    def pooled_parity(self, train_logprobs, rollout_logprobs, mask, *, train_topk_logprobs=None,
+                      rollout_topk_logprobs=None, prefix: str = "parity/") -> dict[str, float]:
+        """``parity.metrics.compare`` over the union of every rank's tokens (exact pooling)."""
+        stats = sufficient_stats(train_logprobs, rollout_logprobs, mask > 0, train_topk_logprobs=train_topk_logprobs,
+                                 rollout_topk_logprobs=rollout_topk_logprobs)
+        if self.active:
+            for key in sorted(stats):
+                op = torch.distributed.ReduceOp.MAX if reduction(key) == "max" else torch.distributed.ReduceOp.SUM
+                stats[key] = self._all_reduce(stats[key].double().clone(), op)
+        out = finalize(stats)
+        return out if prefix == "parity/" else {prefix + k.split("/", 1)[1]: v for k, v in out.items()}
+
+    def barrier(self) -> None:
+        if self.active:
+            torch.distributed.barrier()
+
+
+def check_same_keys(dp: DataParallel, metrics: dict, what: str) -> Optional[str]:
+    """A message if the ranks' metric keys differ (a reduction would then mix values), else None."""
+    if not dp.active:
+        return None
+    keys = sorted(metrics)
+    gathered: list = [None] * dp.world
+    torch.distributed.all_gather_object(gathered, keys)
+    if any(g != keys for g in gathered):
+        return f"{what}: ranks logged different keys: {gathered}"
+    return None
