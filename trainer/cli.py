@@ -1,8 +1,11 @@
-"""`parityrl` command line: train, sft, compare.
+"""`parityrl` command line: train, sft, train-rm, merge, compare, serve.
 
     parityrl train recipes/grpo_tiny.yaml [--set train.steps=5 ...] [--resume]
     parityrl sft recipes/sft_tiny.yaml [--set ...]
+    parityrl train-rm recipes/rm_tiny.yaml [--set ...]
+    parityrl merge <base_dir> <adapter_dir> --out <dir> [--dtype auto]
     parityrl compare builtin:tiny prompts.txt --out reports/cmp [--engine hf] [--self-check]
+    parityrl serve recipes/grpo_tiny.yaml [--tensor-parallel-size 2] [--dry-run]   (rollout.mode: server)
     accelerate launch -m trainer.train recipes/grpo_tiny.yaml [--set ...]
 
 Recipes are validated before any model or engine starts; a bad recipe exits
@@ -34,11 +37,33 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run directory")
     s = sub.add_parser("sft", help="supervised fine-tuning (the warm start before RL)")
     _add_recipe_args(s)
+    _add_recipe_args(sub.add_parser(
+        "train-rm", help="train a reward model on prompt/chosen/rejected pairs (pairwise loss, LoRA)"))
+    m = sub.add_parser("merge", help="fold a LoRA adapter into its base: a plain HF model directory",
+                       description="Merge a PEFT LoRA adapter (parityrl sft with output_format: adapter, or an RL "
+                                   "checkpoint's adapter/) into its base model and save model + tokenizer to --out.")
+    m.add_argument("base", help="the base model: a local HF directory or builtin:tiny / builtin:tiny-base")
+    m.add_argument("adapter", help="the PEFT adapter directory (with adapter_config.json)")
+    m.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    m.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="dtype of the saved weights (auto: the base's); the merge itself runs in float32")
     _add_compare_args(sub.add_parser(
         "compare", help="engine vs trainer log-probs of the same sampled tokens: a report directory",
         description="Generate with the engine, score the same tokens with the trainer (HF), and write "
                     "summary.json, tokens.jsonl, samples.jsonl, report.xlsx and plots to --out."))
+    _add_serve_args(sub.add_parser(
+        "serve", help="start the vLLM server that rollout.mode: server trains against (trainer/serve.py)",
+        description="Start a vLLM server for the recipe's model on rollout.server_url, with processed log-probs, "
+                    "token-in/token-out generation and the weight-transfer backend enabled."))
     return parser
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    _add_recipe_args(p)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallel size (default 1)")
+    p.add_argument("--transfer-backend", choices=["auto", "parityrl_file", "nccl"], default="auto",
+                   help="weight transfer: parityrl_file (CPU, same host), nccl (CUDA); auto picks by device")
+    p.add_argument("--dry-run", action="store_true", help="print the server command and exit")
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -64,7 +89,8 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("-n", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="trainer and engine dtype")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="trainer and engine dtype")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--prompt-column", default="prompt", help="prompt column of a .jsonl/.json/.parquet file")
     p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
@@ -74,6 +100,8 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="engine context (default: longest prompt + max new tokens)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="vLLM CPU KV cache, e.g. 256MiB")
     p.add_argument("--batch-size", type=int, default=16, help="samples per trainer scoring micro-batch")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp8_rollout", "fp8_unified"], default="bf16",
+                   help="precision recipe of both sides (fp16 needs --dtype float16; README 'Precision recipes')")
     p.add_argument("--topk", type=int, default=0,
                    help="also compare the engine's k most likely tokens per position: parity/topk_kl (0 = off)")
     p.add_argument("--self-check", action="store_true",
@@ -118,9 +146,54 @@ def _sft(args) -> int:
     except RecipeError as e:
         print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
         return 2
-    out = run_sft(cfg)
-    print(f"sft model written to {out}")
+    try:
+        out = run_sft(cfg)
+    except RecipeError as e:  # data that does not fit the recipe (e.g. fewer tokens than one packed block)
+        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        return 2
+    print(f"sft {'adapter' if cfg.output_format == 'adapter' else 'model'} written to {out}")
     return 0
+
+
+def _train_rm(args) -> int:
+    from trainer.reward_model import load_rm_recipe, run_train_rm
+
+    try:
+        cfg = load_rm_recipe(args.recipe, args.overrides)
+        out = run_train_rm(cfg)
+    except RecipeError as e:
+        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        return 2
+    except FileExistsError as e:
+        print(f"parityrl train-rm: {e}", file=sys.stderr)
+        return 2
+    print(f"reward model written to {out}")
+    return 0
+
+
+def _merge(args) -> int:
+    from trainer.merge import MergeError, describe, merge_adapter
+
+    try:
+        out = merge_adapter(args.base, args.adapter, args.out, dtype=args.dtype)
+    except MergeError as e:
+        print(f"parityrl merge: {e}", file=sys.stderr)
+        return 2
+    print(describe(out))
+    return 0
+
+
+def _serve(args) -> int:
+    from trainer.config import load_recipe
+    from trainer.serve import run_serve
+
+    try:
+        cfg = load_recipe(args.recipe, args.overrides)
+        return run_serve(cfg, tensor_parallel_size=args.tensor_parallel_size, transfer_backend=args.transfer_backend,
+                         dry_run=args.dry_run)
+    except RecipeError as e:
+        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        return 2
 
 
 def _compare(args) -> int:
@@ -135,6 +208,7 @@ def _compare(args) -> int:
             use_chat_template={"auto": None, "on": True, "off": False}[args.chat_template],
             max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_bytes, batch_size=args.batch_size, self_check=args.self_check, topk=args.topk,
+            precision=args.precision,
             overwrite=args.overwrite, progress=progress)
     except (CompareError, FileExistsError, ImportError) as e:
         print(f"parityrl compare: {e}", file=sys.stderr)
@@ -184,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "compare":
         return _compare(args)
+    if args.command == "train-rm":
+        return _train_rm(args)
+    if args.command == "merge":
+        return _merge(args)
+    if args.command == "serve":
+        return _serve(args)
     return _sft(args)
 
 

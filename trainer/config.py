@@ -120,6 +120,11 @@ class AlgorithmConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["vllm", "hf"] = "vllm"
+    # colocate: the engine lives in the trainer's process. server: a separate vLLM server
+    # (`parityrl serve <recipe>`) at server_url; weights are pushed after each step.
+    mode: Literal["colocate", "server"] = "colocate"
+    server_url: str = "http://127.0.0.1:8000"
+    server_timeout_s: float = 300.0  # startup health wait and per-request limit
     prompts_per_step: int = 16
     temperature: float = 1.0
     top_p: float = 1.0

@@ -28,6 +28,15 @@ def engine_model_dir(cfg: RunConfig, model_dir: str) -> str:
 
 def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int):
     r = cfg.rollout
+    if r.mode == "server":
+        # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer.
+        if r.engine != "vllm" or cfg.precision.recipe.startswith("fp8"):
+            raise ValueError(f"rollout.mode = 'server' with rollout.engine = {r.engine!r}, precision.recipe = "
+                             f"{cfg.precision.recipe!r}: expected rollout.engine 'vllm' and a bf16/fp16 recipe")
+        from rollout.server_engine import ServerEngine
+
+        return ServerEngine(r.server_url, model_dir=model_dir, timeout_s=r.server_timeout_s, dtype=cfg.model.dtype,
+                            max_model_len=max_model_len)
     if r.engine == "vllm":
         from rollout.fp8_export import engine_llm_kwargs
         from rollout.vllm_engine import VLLMEngine

@@ -261,7 +261,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
 
     from trainer.data import PromptBatcher, encode_prompts, load_prompt_dataset
     from trainer.default_model import resolve_model_path
-    from trainer.rewards import compute_rewards, resolve_reward
+    from trainer.reward_model import build_reward_sources
+    from trainer.rewards import compute_rewards
     from rollout.weight_export import merged_lora_weights  # noqa: F401  (import early: fail before the engine starts)
 
     # ---------------------------------------------------------------- setup
@@ -284,7 +285,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
     batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
-    reward_fns = {name: resolve_reward(spec) for name, spec in cfg.reward.functions.items()}
+    # Rule functions and reward models (trainer/reward_model.py), each logged as reward/<name>.
+    reward_fns, _ = build_reward_sources(cfg.reward, accelerator.device)
     value_head, kl_controller, kl_watch, modules = None, None, None, {}
     if cfg.algorithm.name in CRITIC_ALGORITHMS:
         value_head = ValueHead(model.config.hidden_size).to(accelerator.device)

@@ -5,11 +5,32 @@ teaches the output format so that RL starts from a policy with non-zero
 reward. The built-in default model's warm start is exactly
 ``parityrl sft recipes/sft_tiny.yaml``.
 
-Loss: mean negative log-likelihood of the completion tokens (prompt tokens are
-context only), computed through the same fused log-prob kernel as RL. This
-version pads (one prompt/completion pair per row); packing is a later addition.
-The output directory holds a plain HF model (a LoRA, if used, is merged into
-it) plus the tokenizer, written atomically.
+Two batch layouts (``data.packing``), one loss: the mean negative log-likelihood
+of the target tokens, computed through the same fused log-prob kernel as RL.
+
+* **padded** (``packing: false``, the default): one prompt/completion pair per
+  row, prompts left-padded, completions right-padded; the targets are the
+  completion tokens (EOS included) -- prompt tokens are context only.
+* **packed** (``packing: true``), as in the StackLLaMA write-up
+  (https://huggingface.co/blog/stackllama, "Supervised fine-tuning"; TRL's
+  ``ConstantLengthDataset``): every example becomes one document, prompt ids
+  (encoded exactly as in padded mode) + completion ids + EOS; the documents, in a
+  seeded shuffled order, are concatenated and cut into blocks of exactly
+  ``data.block_size`` tokens. No padding, so no compute is spent on pad tokens.
+  The targets are EVERY token of a block except its first (which has nothing
+  before it in the block to be predicted from): prompt tokens included, as in
+  the write-up, so the model also learns to model the prompts. Attention inside
+  a block is plain causal attention over the concatenated documents, with
+  positions 0..block_size-1 counted from the block start: a token can attend to
+  the end of the previous document across the EOS separator, as in the write-up
+  (no per-document mask); a document may be split across two blocks. The tail
+  of the concatenation shorter than one block is dropped (at most
+  ``block_size - 1`` tokens per run).
+
+The output directory (``output_format``) holds either a plain HF model (a LoRA,
+if used, merged into it: ``merged``) or the LoRA adapter alone (``adapter``, to be
+folded in later with ``parityrl merge <base> <adapter> --out <dir>``), plus the
+tokenizer, written atomically.
 """
 from __future__ import annotations
 
@@ -21,7 +42,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -42,12 +63,14 @@ class SFTDataConfig:
     max_prompt_tokens: int = 64
     max_completion_tokens: int = 48
     builtin_kwargs: dict[str, Any] = field(default_factory=dict)
+    packing: bool = False  # true: concatenate documents and cut into block_size blocks (module docstring)
+    block_size: int = 128  # tokens per packed block (packing only)
 
 
 @dataclass
 class SFTTrainConfig:
     steps: int = 200
-    batch_size: int = 32
+    batch_size: int = 32  # rows per step: pairs (padded) or blocks (packed)
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -63,6 +86,8 @@ class SFTConfig:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
     output_dir: str = "runs/{name}/model"
+    # merged: a plain HF model (LoRA folded in); adapter: the LoRA adapter only (for `parityrl merge`)
+    output_format: Literal["merged", "adapter"] = "merged"
     print_every: int = 20
 
     @property
@@ -95,8 +120,16 @@ def validate_sft(cfg: SFTConfig, where: str, *, check_paths: bool = True) -> Non
     need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
     need(t.lr_schedule in ("constant", "linear", "cosine"), "train.lr_schedule", t.lr_schedule, "one of constant, linear, cosine")
     need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
+    need(d.block_size >= 2, "data.block_size", d.block_size, "an integer >= 2 (a block predicts its tokens after the first)")
+    need(cfg.output_format == "merged" or cfg.model.lora.enabled, "output_format", cfg.output_format,
+         "'merged' when model.lora.enabled is false (there is no adapter to save)")
     if check_paths:
         check_model_path(cfg.model.path, where)
+        from trainer.config import model_max_positions
+
+        max_pos = model_max_positions(cfg.model.path)
+        need(not d.packing or max_pos is None or d.block_size <= max_pos, "data.block_size", d.block_size,
+             f"at most the model's context of {max_pos} tokens")
 
 
 def make_scheduler(optimizer, schedule: str, warmup: int, total: int):
@@ -143,6 +176,48 @@ def _pairs(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]
     return prompt_ids, completion_ids
 
 
+def pack_documents(docs: list[list[int]], block_size: int, eos_id: int) -> list[list[int]]:
+    """Documents joined with EOS, concatenated, cut into ``block_size`` blocks; the short tail is dropped.
+
+    A document that does not already end in ``eos_id`` gets one appended, so
+    consecutive documents are always separated by exactly one EOS.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be >= 1")
+    stream: list[int] = []
+    for doc in docs:
+        stream += doc if doc and doc[-1] == eos_id else [*doc, eos_id]
+    return [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
+
+
+def packed_batch(blocks: list[list[int]], device: torch.device | str = "cpu"):
+    """Blocks -> a TokenBatch whose targets are every token after the first (prompt_len 1, no padding)."""
+    from trainer.batch import TokenBatch
+
+    ids = torch.tensor(blocks, dtype=torch.long)
+    s, n = ids.shape
+    targets = ids[:, 1:]
+    return TokenBatch(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                      position_ids=torch.arange(n).expand(s, n).contiguous().to(device), targets=targets.to(device),
+                      mask=torch.ones(targets.shape, dtype=torch.float32, device=device),
+                      rollout_logprobs=torch.zeros(targets.shape, dtype=torch.float32, device=device), prompt_len=1)
+
+
+def _packed_blocks(cfg: SFTConfig, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                   eos_id: int) -> list[list[int]]:
+    docs = [p + c for p, c in zip(prompt_ids, completion_ids)]
+    # The dataset's own order may be sorted (by length, by source); packing neighbours
+    # from one group into every block would bias the batches. A separate stream, so the
+    # batch-order RNG is the same as in padded mode.
+    random.Random(f"pack:{cfg.train.seed}").shuffle(docs)
+    blocks = pack_documents(docs, cfg.data.block_size, eos_id)
+    if not blocks:
+        total = sum(len(d) + (d[-1] != eos_id) for d in docs)
+        raise RecipeError(f"data.block_size = {cfg.data.block_size}: the {len(docs)} examples make only {total} "
+                          "tokens, less than one block; use more examples or a smaller block")
+    return blocks
+
+
 def run_sft(cfg: SFTConfig) -> Path:
     """Train and write the model to ``cfg.out_path``; returns that path."""
     from trainer.batch import build_token_batch
@@ -158,6 +233,16 @@ def run_sft(cfg: SFTConfig) -> Path:
     if cfg.model.lora.enabled:
         model = add_lora(model, cfg.model.lora)
     prompt_ids, completion_ids = _pairs(cfg, tokenizer)
+    if cfg.data.packing:
+        blocks = _packed_blocks(cfg, prompt_ids, completion_ids, tokenizer.eos_token_id)
+        num_rows = len(blocks)
+        make_batch = lambda idx: packed_batch([blocks[i] for i in idx], device)
+        print(f"sft packing: {len(prompt_ids)} examples -> {len(blocks)} blocks of {cfg.data.block_size} tokens",
+              flush=True)
+    else:
+        num_rows = len(prompt_ids)
+        make_batch = lambda idx: build_token_batch([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
+                                                   tokenizer.pad_token_id, device=device)
     params = [p for p in model.parameters() if p.requires_grad]
     # Full fine-tuning keeps master weights in the model dtype; for bf16 that means
     # small updates round away, so the warm start trains a float32 copy when lora is off.
@@ -169,15 +254,17 @@ def run_sft(cfg: SFTConfig) -> Path:
     order: list[int] = []
     t0 = time.time()
     history = []
+    real_tokens = target_tokens = 0  # throughput: tokens attended to (not padding) and tokens with a loss
     for step in range(1, cfg.train.steps + 1):
         idx = []
         while len(idx) < cfg.train.batch_size:
             if not order:
-                order = list(range(len(prompt_ids)))
+                order = list(range(num_rows))
                 rng.shuffle(order)
             idx.append(order.pop())
-        batch = build_token_batch([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
-                                  tokenizer.pad_token_id, device=device)
+        batch = make_batch(idx)
+        real_tokens += int(batch.attention_mask.sum())
+        target_tokens += int(batch.mask.sum())
         lp, _ = completion_logprobs(model, batch, temperature=1.0)
         loss = -(lp * batch.mask).sum() / batch.mask.sum()
         loss.backward()
@@ -187,14 +274,22 @@ def run_sft(cfg: SFTConfig) -> Path:
         opt.zero_grad(set_to_none=True)
         history.append(loss.item())
         if step % cfg.print_every == 0 or step == cfg.train.steps:
+            dt = max(time.time() - t0, 1e-9)
             print(f"sft step {step:>4}/{cfg.train.steps}  loss {loss.item():.4f}  "
-                  f"({time.time() - t0:.0f}s)", flush=True)
-    if cfg.model.lora.enabled:
-        model = model.merge_and_unload()
-    model = model.to(dtype=getattr(torch, cfg.model.dtype))
+                  f"{real_tokens / dt:,.0f} tokens/s  ({dt:.0f}s)", flush=True)
+    elapsed = max(time.time() - t0, 1e-9)
+    if cfg.output_format == "merged":
+        if cfg.model.lora.enabled:
+            model = model.merge_and_unload()
+        model = model.to(dtype=getattr(torch, cfg.model.dtype))
+    # (output_format adapter: PEFT's save_pretrained writes the adapter and its config,
+    # which records the base directory; the adapter weights stay float32.)
     out = cfg.out_path
-    save_model_dir(model, tokenizer, out, extra={"sft_loss_first": history[0], "sft_loss_last": history[-1],
-                                                 "sft_steps": cfg.train.steps, "base_model": model_dir})
+    save_model_dir(model, tokenizer, out, extra={
+        "sft_loss_first": history[0], "sft_loss_last": history[-1], "sft_steps": cfg.train.steps,
+        "base_model": model_dir, "packing": cfg.data.packing, "output_format": cfg.output_format,
+        "tokens_per_s": real_tokens / elapsed, "target_tokens_per_s": target_tokens / elapsed,
+        "train_seconds": elapsed})
     return out
 
 

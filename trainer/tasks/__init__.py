@@ -8,12 +8,14 @@ backs the data source ``builtin:<name>`` (``trainer.data.load_prompt_dataset``);
 
 from __future__ import annotations
 
-from trainer.tasks import arithmetic
+from trainer.tasks import arithmetic, arithmetic_prefs
 
 __all__ = ["BUILTIN_DATASETS", "BUILTIN_REWARDS", "DEFAULT_NUM_EXAMPLES"]
 
 BUILTIN_DATASETS = {
     "arithmetic": arithmetic.arithmetic_dataset,
+    # prompt / chosen / rejected pairs for `parityrl train-rm` (not an RL prompt source)
+    "arithmetic_preferences": arithmetic_prefs.preference_dataset,
 }
 
 BUILTIN_REWARDS = {
