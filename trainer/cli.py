@@ -125,6 +125,7 @@ def _train(args) -> int:
     except RecipeError as e:
         print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
         return 2
+    from rollout.server_engine import EngineUnavailable
     from trainer.loop import ParityLimitExceeded, train
 
     try:
@@ -135,6 +136,9 @@ def _train(args) -> int:
     except ParityLimitExceeded as e:
         print(f"parityrl: stopped: {e}", file=sys.stderr)
         return 3
+    except EngineUnavailable as e:  # a dead rollout server: the message names the URL and how to resume
+        print(f"parityrl: stopped: {e}", file=sys.stderr)
+        return 4
     return 0
 
 

@@ -1,0 +1,517 @@
+"""Rollouts from a separate vLLM server process (``rollout.mode: server``).
+
+The server is started by ``parityrl serve <recipe>`` (``trainer/serve.py``): its own
+processes and devices, tensor parallel size >= 1. This client implements the
+``rollout.base.RolloutEngine`` interface with the conventions of the colocated
+``rollout.vllm_engine.VLLMEngine``, so the trainer cannot tell them apart:
+
+- Token ids in, token ids out: vLLM's token-in/token-out route ``POST
+  /inference/v1/generate`` (``vllm/entrypoints/scale_out/token_in_token_out/``, enabled
+  by ``--enable-scale-out``) takes ``token_ids`` and a full ``SamplingParams``; the
+  server runs with ``--skip-tokenizer-init``, so no tokenizer is involved anywhere.
+- One request per sample, seed ``sample_seed(spec.seed, i)``, ``stop_token_ids`` = the
+  model's EOS ids, sent concurrently so the server batches them.
+- Log-probs: the server runs with ``--logprobs-mode processed_logprobs`` (checked at
+  start), i.e. log softmax(logits / T) of the distribution sampled from. JSON floats
+  round-trip the engine's float32 values exactly.
+- Top-k: the route returns, per position, a dict-ordered list ``[sampled, top1, ...]``
+  deduplicated by token id and cut to ``logprobs`` entries
+  (``serving.py: _create_tokens_logprobs``; ``vllm/logprobs.py:
+  append_logprobs_for_next_position``). Asking for k + 1 guarantees the true top k are
+  in it whether or not the sampled token is among them; they are re-sorted by
+  log-prob. The values equal the colocated engine's bit for bit; among tokens with
+  exactly equal log-probs (frequent in BF16) torch.topk(k + 1) may keep another id
+  than torch.topk(k) (measured: 40 of 644 positions, identical values). The route's
+  ``-9999.0`` floor for ``-inf`` is mapped back to ``-inf``.
+- Every response carries the weight version it was generated with (vLLM's
+  ``weight_versions`` spans); each push sets a new version, and a sample generated
+  with any other version is refused (a stale or shared server).
+
+Weight sync (``load_weights``) uses vLLM's weight-transfer lifecycle over its RL HTTP
+routes (``vllm/entrypoints/rl/online/api_router.py``, enabled by
+``VLLM_SERVER_DEV_MODE=1``) with the backend the server was started with:
+``parityrl_file`` (``rollout.server_transfer``; CPU, same host) or vLLM's ``nccl``
+(``vllm/distributed/weight_transfer/nccl_engine.py``; CUDA; written against vLLM's
+source but NOT run here: this project is developed on CPU-only machines). Both sit
+behind vLLM's ``TrainerWeightTransferEngine`` interface, driven by ``HTTPWeightSyncClient``.
+Updates must hold whole fused groups (``check_fused_groups``); the prefix cache is
+reset after each push (``POST /reset_prefix_cache``).
+
+Failures: startup waits for ``GET /health`` up to ``timeout_s`` and then raises
+``EngineUnavailable`` naming the URL; so does any connection failure or timeout later,
+naming the action (generate, weight push step, ...). An HTTP error answer raises
+``ServerEngineError`` with the status and the server's message.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import secrets
+import socket
+import time
+import urllib.parse
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from rollout.types import Rollouts, SamplingSpec
+from rollout.vllm_engine import (
+    _DEFAULT_PACKED,
+    _to_engine_dtype,
+    check_fused_groups,
+    checkpoint_shapes,
+    eos_token_ids,
+    sample_seed,
+    validate_request,
+)
+
+_RESTART_HINT = ("the server process may have died or never started; start it with `parityrl serve <recipe>` "
+                 "and continue the run with `parityrl train <recipe> --resume`")
+_CLAMPED = -9999.0  # the route's floor for -inf / NaN log-probs (serving.py: _clamp_logprob)
+
+
+class ServerEngineError(RuntimeError):
+    """The vLLM server answered, but with an error or an unusable response."""
+
+
+class EngineUnavailable(ServerEngineError):
+    """The vLLM server cannot be reached (not started, died, or not answering in time)."""
+
+
+def parse_server_url(url: str) -> tuple[str, int]:
+    """``http://host:port`` -> (host, port); anything else is refused with the expected form."""
+    parts = urllib.parse.urlsplit(url or "")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ValueError(f"rollout.server_url = {url!r}: expected http://HOST:PORT, e.g. http://127.0.0.1:8000 "
+                         "(no path; the vLLM routes are fixed)")
+    return parts.hostname, port
+
+
+def _unclamp(x: float) -> float:
+    return -math.inf if x == _CLAMPED else float(x)
+
+
+class _Http:
+    """JSON over HTTP to one server, every failure turned into an error naming URL and action."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        import httpx
+
+        self.url, self.timeout_s = url.rstrip("/"), float(timeout_s)
+        self._client = httpx.Client(base_url=self.url, timeout=self.timeout_s)
+
+    def unavailable(self, action: str, method: str, path: str, e: BaseException) -> EngineUnavailable:
+        import httpx
+
+        what = (f"did not answer within {self.timeout_s:g} s (rollout.server_timeout_s)"
+                if isinstance(e, httpx.TimeoutException)
+                else f"is unreachable ({type(e).__name__}: {str(e) or 'connection closed by the server'})")
+        return EngineUnavailable(f"vLLM server at {self.url} {what} during {action} ({method} {path}); {_RESTART_HINT}")
+
+    def error(self, action: str, method: str, path: str, status: int, text: str) -> ServerEngineError:
+        if status == 404:
+            text += (" -- route missing: the server must run with VLLM_SERVER_DEV_MODE=1 and --enable-scale-out, "
+                     "which `parityrl serve` sets")
+        return ServerEngineError(f"vLLM server at {self.url}: {method} {path} ({action}) failed with HTTP {status}: "
+                                 f"{text[:800]}")
+
+    def call(self, method: str, path: str, action: str, *, json: Any = None, timeout: float | None = None) -> Any:
+        import httpx
+
+        try:
+            r = self._client.request(method, path, json=json, timeout=timeout or self.timeout_s)
+        except httpx.TransportError as e:
+            raise self.unavailable(action, method, path, e) from None
+        if r.status_code >= 400:
+            raise self.error(action, method, path, r.status_code, r.text)
+        return r.json() if r.content and "json" in r.headers.get("content-type", "") else None
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class HTTPWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol (``weight_transfer/base.py``) over the RL routes.
+
+    The same four calls as vLLM's ``HTTPVLLMWeightSyncClient`` (``clients.py``), with
+    errors that name the server and the step of the push that failed.
+    """
+
+    def __init__(self, http: _Http) -> None:
+        self.http = http
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.http.call("POST", "/init_weight_transfer_engine", "weight-transfer init", json={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.http.call("POST", "/start_weight_update", "weight push (start_weight_update)")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.http.call("POST", "/update_weights", "weight push (update_weights)", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = None if weight_version is None else {"weight_version": weight_version}
+        self.http.call("POST", "/finish_weight_update", "weight push (finish_weight_update)", json=body)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.http.call("POST", "/shutdown_weight_transfer_engine", "weight-transfer shutdown", timeout=10.0)
+
+
+def wait_for_health(url: str, timeout_s: float, *, poll_s: float = 0.5) -> float:
+    """Poll ``GET {url}/health`` until it answers 200; seconds waited. EngineUnavailable after ``timeout_s``."""
+    import httpx
+
+    t0 = time.monotonic()
+    deadline = t0 + float(timeout_s)
+    last = "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/health", timeout=max(0.5, min(5.0, left)))
+            if r.status_code == 200:
+                return time.monotonic() - t0
+            last = f"HTTP {r.status_code}" + (" (engine dead)" if r.status_code == 503 else "")
+        except httpx.TransportError as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() + poll_s > deadline:
+            raise EngineUnavailable(
+                f"vLLM server at {url} did not become healthy within {timeout_s:g} s (rollout.server_timeout_s); "
+                f"last attempt: {last}. Start it with `parityrl serve <recipe>` (it listens on rollout.server_url), "
+                "or raise rollout.server_timeout_s if it is still loading")
+        time.sleep(poll_s)
+
+
+def _local_address_towards(host: str) -> str:
+    """The address of this machine that ``host`` can reach (no packet is sent: UDP connect)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _run_coroutine(coro):
+    """asyncio.run, also from a thread when the caller already runs an event loop (notebooks)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class ServerEngine:
+    """A vLLM server behind the ``rollout.base.RolloutEngine`` interface (see the module docstring).
+
+    url: ``http://HOST:PORT`` of ``parityrl serve`` (rollout.server_url).
+    model_dir: the trainer's model directory: EOS ids and parameter shapes come from it,
+        and the server must serve the same model.
+    timeout_s: start-up health wait and the limit for every request.
+    dtype: must equal the server's dtype.
+    max_model_len: the trainer's need (prompt + completion tokens); the server's must be >= it.
+    eos_ids: stop tokens; default the model dir's generation_config / config EOS ids.
+    transfer_root: where the ``parityrl_file`` backend writes updates (default /dev/shm).
+    max_concurrency: requests in flight at once.
+    """
+
+    def __init__(self, url: str, *, model_dir: str | Path, timeout_s: float = 300.0, dtype: str = "bfloat16",
+                 max_model_len: int | None = None, eos_ids: Sequence[int] | None = None,
+                 transfer_root: str | Path | None = None, max_concurrency: int = 256) -> None:
+        self.host, self.port = parse_server_url(url)
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"rollout.server_timeout_s = {timeout_s!r}: expected a number of seconds > 0")
+        if not (isinstance(max_concurrency, int) and max_concurrency >= 1):
+            raise ValueError(f"max_concurrency = {max_concurrency!r}: expected an integer >= 1")
+        self.url = url.rstrip("/")
+        self.model = str(model_dir)
+        self.timeout_s = float(timeout_s)
+        self.torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(self.torch_dtype, torch.dtype):
+            raise ValueError(f"dtype = {dtype!r}: expected a torch dtype name such as 'bfloat16'")
+        self.eos_ids = [int(e) for e in (eos_ids if eos_ids is not None else eos_token_ids(self.model))]
+        self.max_concurrency = max_concurrency
+        self._shapes = checkpoint_shapes(self.model)
+        self._http: _Http | None = None
+        self._transfer = None
+        self.last_push: dict[str, float] = {}
+
+        self.startup_wait_s = wait_for_health(self.url, self.timeout_s)
+        self._http = _Http(self.url, self.timeout_s)
+        try:
+            info = self._server_info()
+            self._check_server(info, dtype, max_model_len)
+            self.max_model_len = int(info["max_model_len"])
+            self.max_logprobs = int(info["max_logprobs"])
+            self.backend = info["weight_transfer_backend"]
+            self.tensor_parallel_size = int(info["tensor_parallel_size"])
+            self.packed_modules = {k: list(v) for k, v in (info["packed_modules"] or _DEFAULT_PACKED).items()}
+            self._start_transfer(transfer_root)
+            # A version of our own: responses generated with anything else are refused.
+            self._version_tag, self._version_n = secrets.token_hex(4), 0
+            self._set_version()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def _server_info(self) -> dict[str, Any]:
+        try:
+            out = self.http.call("POST", "/collective_rpc", "server check",
+                                 json={"method": "parityrl_server_info"})
+        except EngineUnavailable:
+            raise
+        except ServerEngineError as e:
+            raise ServerEngineError(f"{e}\n-> the server at {self.url} was not started by `parityrl serve` (it needs "
+                                    "--worker-extension-cls rollout.server_transfer.ParityrlWorkerExtension)") from None
+        results = (out or {}).get("results") or []
+        if not results or not isinstance(results[0], dict):
+            raise ServerEngineError(f"vLLM server at {self.url}: parityrl_server_info returned {out!r:.300}")
+        return results[0]
+
+    def _check_server(self, info: dict[str, Any], dtype: str, need_len: int | None) -> None:
+        def need(ok: bool, what: str, value: Any, expected: str) -> None:
+            if not ok:
+                raise ServerEngineError(f"vLLM server at {self.url}: {what} = {value!r}, expected {expected}; restart "
+                                        "it with `parityrl serve <recipe>` for this recipe")
+
+        need(info["logprobs_mode"] == "processed_logprobs", "logprobs_mode", info["logprobs_mode"],
+             "'processed_logprobs' (the log-probs of the distribution actually sampled from, as the trainer scores)")
+        need(info["dtype"] == dtype, "dtype", info["dtype"], f"{dtype!r} (model.dtype)")
+        need(need_len is None or info["max_model_len"] >= need_len, "max_model_len", info["max_model_len"],
+             f">= {need_len} (data.max_prompt_tokens + rollout.max_new_tokens)")
+        need(info["weight_transfer_backend"] in ("parityrl_file", "nccl"), "weight transfer backend",
+             info["weight_transfer_backend"], "'parityrl_file' (CPU) or 'nccl' (CUDA): --weight-transfer-config")
+        self._check_model(info["model"])
+
+    def _check_model(self, served: str) -> None:
+        mine, theirs = Path(self.model).resolve(), Path(served)
+        if theirs.is_dir() and theirs.resolve() == mine:
+            return
+        if theirs.is_dir():
+            if checkpoint_shapes(theirs) != self._shapes:
+                raise ServerEngineError(f"vLLM server at {self.url} serves {served}, whose parameters differ from the "
+                                        f"trainer's model {self.model}; start the server for this recipe")
+            return
+        # Another host (or path): nothing to compare locally; the first probe's parity would show a mismatch.
+        warnings.warn(f"vLLM server at {self.url} serves {served!r}, not visible here; cannot check that it is the "
+                      f"trainer's model {self.model}", stacklevel=3)
+
+    def _start_transfer(self, transfer_root) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from rollout import server_transfer
+
+        self._source = server_transfer.ListWeightSource()
+        client = HTTPWeightSyncClient(self.http)
+        if self.backend == server_transfer.BACKEND:
+            info = server_transfer.FileTrainerInitInfo(rank=0, root=str(transfer_root or ""))
+        else:  # nccl -- UNTESTED here (no GPU): follows vllm/distributed/weight_transfer/nccl_engine.py
+            if not torch.cuda.is_available():
+                raise ServerEngineError(f"vLLM server at {self.url} uses the nccl weight-transfer backend, which needs "
+                                        "CUDA in the trainer too; on CPU start it with --transfer-backend parityrl_file")
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            world = int(self.http.call("GET", "/get_world_size", "weight-transfer init")["world_size"])
+            address = _local_address_towards(self.host)
+            # The trainer is NCCL rank 0 and hosts the rendezvous; the server's workers join as 1..world.
+            info = NCCLTrainerInitInfo(master_address=address, master_port=_free_port(address),
+                                       world_size=1 + world, rank=0)
+        self._transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self._source)
+
+    @property
+    def http(self) -> _Http:
+        if self._http is None:
+            raise RuntimeError(f"ServerEngine({self.url}) is closed")
+        return self._http
+
+    def _version(self) -> str:
+        return f"parityrl-{self._version_tag}-{self._version_n}"
+
+    def _set_version(self) -> None:
+        self.http.call("POST", "/update_weight_version", "weight push (update_weight_version)",
+                       json={"new_version": self._version()})
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
+        """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n (VLLMEngine's conventions)."""
+        validate_request(prompt_ids, spec, self.max_model_len)
+        k = spec.logprobs_topk
+        if k and k + 1 > self.max_logprobs:
+            raise ValueError(f"spec.logprobs_topk = {k}: the server at {self.url} allows max_logprobs = "
+                             f"{self.max_logprobs} and this client asks for k + 1; restart it with `parityrl serve` "
+                             "(it sets max_logprobs from parity.topk)")
+        tag = secrets.token_hex(4)
+        bodies = []
+        for i, p in enumerate(prompt_ids):
+            for j in range(spec.n):
+                s = i * spec.n + j
+                bodies.append({
+                    "request_id": f"parityrl-{tag}-{s}", "token_ids": list(p), "output_mode": "tokens",
+                    "sampling_params": {
+                        "n": 1, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
+                        "max_tokens": spec.max_new_tokens, "seed": sample_seed(spec.seed, s),
+                        "stop_token_ids": list(self.eos_ids), "detokenize": False,
+                        # k + 1: see the module docstring (the route cuts [sampled, top...] to this many).
+                        "logprobs": k + 1 if k else 0}})
+        responses = _run_coroutine(self._post_all(bodies))
+        version = self._version()
+        completion_ids, logprobs, finish, top_ids, top_lps = [], [], [], [], []
+        for s, resp in enumerate(responses):
+            ids, lps, reason, t_ids, t_lps = self._parse(s, resp, k, version)
+            completion_ids.append(ids)
+            logprobs.append(lps)
+            finish.append(reason)
+            top_ids.append(t_ids)
+            top_lps.append(t_lps)
+        return Rollouts(prompt_ids=[list(prompt_ids[s // spec.n]) for s in range(len(bodies))],
+                        completion_ids=completion_ids, rollout_logprobs=logprobs, finish_reasons=finish,
+                        group_size=spec.n, topk_ids=top_ids if k else [], topk_logprobs=top_lps if k else [])
+
+    async def _post_all(self, bodies: list[dict]) -> list[dict]:
+        import httpx
+
+        http = self.http
+        action = f"generate ({len(bodies)} requests)"
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        gate = asyncio.Semaphore(self.max_concurrency)
+        path = "/inference/v1/generate"
+        async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits) as client:
+            async def one(body: dict) -> dict:
+                async with gate:
+                    try:
+                        r = await client.post(path, json=body)
+                    except httpx.TransportError as e:
+                        raise http.unavailable(action, "POST", path, e) from None
+                if r.status_code != 200:
+                    raise http.error(action, "POST", path, r.status_code, r.text)
+                return r.json()
+
+            tasks = [asyncio.ensure_future(one(b)) for b in bodies]
+            try:
+                return await asyncio.gather(*tasks)
+            except BaseException:
+                # Closing the other connections makes the server abort their requests.
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+    def _parse(self, s: int, resp: dict, k: int, version: str):
+        def bad(msg: str) -> ServerEngineError:
+            return ServerEngineError(f"vLLM server at {self.url}, sample {s}: {msg}")
+
+        choices = resp.get("choices") or []
+        if len(choices) != 1:
+            raise bad(f"expected 1 choice, got {len(choices)}")
+        c = choices[0]
+        if c.get("finish_reason") not in ("stop", "length"):
+            raise bad(f"finished with reason {c.get('finish_reason')!r} (expected 'stop' or 'length')")
+        stale = sorted({v.get("version") for v in c.get("weight_versions") or []} - {version})
+        if stale:
+            raise bad(f"generated with weight version(s) {stale}, but this trainer's last push is {version!r} "
+                      "(is another trainer pushing weights to the same server?)")
+        ids = [int(t) for t in c.get("token_ids") or []]
+        content = (c.get("logprobs") or {}).get("content")
+        if not ids or content is None or len(content) != len(ids):
+            raise bad(f"{len(ids)} tokens but {None if content is None else len(content)} log-prob positions")
+        lps, t_ids, t_lps = [], [], []
+        for pos, (tok, e) in enumerate(zip(ids, content)):
+            if e["token_id"] != tok:
+                raise bad(f"log-prob position {pos} is for token {e['token_id']}, the sampled token is {tok}")
+            lps.append(_unclamp(e["logprob"]))
+            if k:
+                cands = sorted(e.get("top_logprobs") or [],
+                               key=lambda x: (-x["logprob"], x.get("rank") or math.inf))[:k]
+                if len(cands) != k:
+                    raise bad(f"position {pos}: {len(cands)} top log-probs, expected {k}")
+                t_ids.append([int(x["token_id"]) for x in cands])
+                t_lps.append([_unclamp(x["logprob"]) for x in cands])
+        return ids, lps, c["finish_reason"], t_ids, t_lps
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push the named parameters (HF names) to the server; names not given keep their values.
+
+        Whole fused groups only (``check_fused_groups``); tensors are cast to the engine
+        dtype. Sets a new weight version and resets the server's prefix cache.
+        ``last_push`` records the payload bytes, bytes on the wire/file and seconds.
+        """
+        named = []
+        for item in named_tensors:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                raise TypeError(f"named_tensors: expected (str, torch.Tensor) pairs, got {type(item).__name__}")
+            named.append((item[0], _to_engine_dtype(item[0], item[1].detach(), self.torch_dtype)))
+        if not named:
+            return
+        self._check_update(named)
+        if self.backend == "nccl":  # broadcast from the trainer's GPU
+            named = [(n, t.to("cuda", non_blocking=True)) for n, t in named]
+        t0 = time.perf_counter()
+        self._source.set(named)
+        try:
+            self._transfer.send_weights()
+        finally:
+            self._source.set([])  # do not keep the step's tensors alive
+        self._version_n += 1
+        self._set_version()
+        out = self.http.call("POST", "/reset_prefix_cache", "weight push (reset_prefix_cache)")
+        if not (out or {}).get("success"):
+            raise ServerEngineError(f"vLLM server at {self.url} refused to reset its prefix cache after a weight push "
+                                    "(requests still running?); KV blocks of the old weights would be reused")
+        payload = sum(t.numel() * t.element_size() for _, t in named)
+        self.last_push = {"bytes": float(payload), "tensors": float(len(named)),
+                          "file_bytes": float(getattr(self._transfer, "last_file_bytes", payload)),
+                          "seconds": time.perf_counter() - t0}
+
+    def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            raise ValueError(f"named_tensors: duplicate names {sorted({n for n in names if names.count(n) > 1})[:6]}")
+        if self._shapes is not None:
+            unknown = [n for n in names if n not in self._shapes]
+            if unknown:
+                raise ValueError(f"named_tensors: unknown parameter names {unknown[:6]} (not in {self.model}'s "
+                                 f"checkpoint; expected HF names such as {next(iter(self._shapes))!r})")
+            bad = [(n, tuple(t.shape), self._shapes[n]) for n, t in named if tuple(t.shape) != self._shapes[n]]
+            if bad:
+                raise ValueError(f"named_tensors: shape mismatch (name, given, expected): {bad[:4]}")
+        check_fused_groups(names, self.packed_modules)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the transfer channel and the HTTP client; the server keeps running. Safe to call twice,
+        and never raises (it runs in the trainer's ``finally`` while another error may be on its way)."""
+        if self._transfer is not None:
+            try:
+                if self._http is not None:
+                    HTTPWeightSyncClient(self._http).shutdown_weight_transfer_engine()
+            except Exception:  # noqa: BLE001 - a dead server has nothing to release
+                pass
+            try:
+                self._transfer.shutdown()  # parityrl_file: removes its directory; nccl: destroys the communicator
+            except Exception:  # noqa: BLE001 - same reason
+                pass
+            self._transfer = None
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def __enter__(self) -> "ServerEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

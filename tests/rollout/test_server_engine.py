@@ -1,0 +1,514 @@
+"""Server mode: rollout.server_engine, rollout.server_transfer, trainer/serve.py.
+
+Fast tier: URL parsing, the server command, the response parser, the
+``parityrl_file`` transfer engines against a stand-in model, and start-up against a
+port where nothing listens. Slow tier: a real ``parityrl serve`` subprocess on
+127.0.0.1 (never a vLLM engine inside the pytest process) -- generation against an HF
+forward, weight pushes, three training steps, and a server killed mid-run.
+
+Bounds are the colocated suite's (tests/rollout/test_vllm_engine.py,
+tests/trainer/test_train_integration.py): the server runs the same vLLM code on the
+same CPU, and on these prompts it returns bit-identical samples and log-probs to the
+in-process engine (measured, see the report), so nothing looser is warranted.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollout.server_engine import EngineUnavailable, ServerEngine, ServerEngineError, parse_server_url
+from rollout.types import SamplingSpec
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
+MAE_BOUND = 0.02  # engine vs unpadded HF forward, as test_vllm_engine.py
+MISMATCH_FLOOR = 5 * MAE_BOUND
+PARITY_MAE_BOUND = 1e-2  # the training loop's bound, as test_train_integration.py
+SERVER_START_S = 600  # ~100 s measured on the shared 2-core machine: three processes import vLLM
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def abs_errors(a, b):
+    return torch.tensor([x - y for ra, rb in zip(a, b) for x, y in zip(ra, rb)]).abs()
+
+
+# ---- fast ---------------------------------------------------------------------------------------
+def test_parse_server_url():
+    assert parse_server_url("http://127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert parse_server_url("http://node7:9001/") == ("node7", 9001)
+    for bad in ("127.0.0.1:8000", "http://127.0.0.1", "https://h:1", "http://h:1/v1", "http://h:x", ""):
+        with pytest.raises(ValueError, match="rollout.server_url"):
+            parse_server_url(bad)
+
+
+def test_startup_with_nothing_listening_fails_clearly_within_the_timeout(tmp_path):
+    from trainer.config import load_recipe
+    from trainer.engines import make_engine
+
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnavailable) as e:
+        ServerEngine(url, model_dir=tmp_path, timeout_s=2.0)
+    took = time.monotonic() - t0
+    msg = str(e.value)
+    assert url in msg and "2 s" in msg and "parityrl serve" in msg and "Connect" in msg, msg
+    assert 1.5 <= took < 6.0, took
+    # The trainer's path (make_engine's server branch) gives the same error.
+    cfg = load_recipe(RECIPE, ["rollout.mode=server", f"rollout.server_url={url}", "rollout.server_timeout_s=1"],
+                      check_paths=False)
+    with pytest.raises(EngineUnavailable, match=url.replace(".", r"\.")):
+        make_engine(cfg, str(tmp_path), max_model_len=88)
+
+
+def test_a_plain_vllm_server_is_refused_with_the_reason(tmp_path):
+    # A server that is healthy but lacks the RL/dev routes (e.g. `vllm serve` without parityrl's settings).
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def do_POST(self):
+            self.send_response(404)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"detail":"Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(ServerEngineError) as e:
+            ServerEngine(url, model_dir=tmp_path, timeout_s=5)
+    finally:
+        httpd.shutdown()
+    msg = str(e.value)
+    assert url in msg and "HTTP 404" in msg and "VLLM_SERVER_DEV_MODE=1" in msg and "parityrl serve" in msg, msg
+
+
+def test_server_settings_check_names_what_is_wrong(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"w": torch.zeros(3, 2)}, str(other / "model.safetensors"))
+    engine = object.__new__(ServerEngine)
+    engine.url, engine.model, engine._shapes = "http://test:1", str(tmp_path), {"w": (2, 2)}
+    good = {"logprobs_mode": "processed_logprobs", "dtype": "bfloat16", "max_model_len": 88,
+            "weight_transfer_backend": "parityrl_file", "model": str(tmp_path)}
+    engine._check_server(good, "bfloat16", 88)
+    for change, match in [({"logprobs_mode": "raw_logprobs"}, "logprobs_mode = 'raw_logprobs'"),
+                          ({"dtype": "float16"}, "dtype = 'float16', expected 'bfloat16'"),
+                          ({"max_model_len": 64}, "max_model_len = 64, expected >= 88"),
+                          ({"weight_transfer_backend": None}, "weight transfer backend = None"),
+                          ({"model": str(other)}, "parameters differ")]:
+        with pytest.raises(ServerEngineError, match=match):
+            engine._check_server({**good, **change}, "bfloat16", 88)
+
+
+def test_serve_command_has_the_settings_the_trainer_relies_on():
+    from trainer.config import RecipeError, load_recipe
+    from trainer.serve import serve_command
+
+    cfg = load_recipe(RECIPE, ["rollout.server_url=http://127.0.0.1:8123", "parity.topk=40",
+                               "rollout.kv_cache_memory_bytes=67108864"], check_paths=False)
+    argv, env = serve_command(cfg, tensor_parallel_size=2, cuda=False, model_dir="/m")
+    flags = {a: argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else True
+             for i, a in enumerate(argv) if a.startswith("--")}
+    assert argv[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
+    assert flags["--model"] == "/m" and flags["--host"] == "127.0.0.1" and flags["--port"] == "8123"
+    assert flags["--dtype"] == "bfloat16" and flags["--max-model-len"] == str(64 + 24)
+    assert flags["--logprobs-mode"] == "processed_logprobs" and int(flags["--max-logprobs"]) >= 41
+    assert flags["--kv-cache-memory-bytes"] == "67108864" and flags["--tensor-parallel-size"] == "2"
+    assert json.loads(flags["--weight-transfer-config"]) == {"backend": "parityrl_file"}
+    assert flags["--worker-extension-cls"] == "rollout.server_transfer.ParityrlWorkerExtension"
+    for f in ("--skip-tokenizer-init", "--enable-scale-out", "--no-enable-chunked-prefill", "--enforce-eager"):
+        assert flags[f] is True, f
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    argv, _ = serve_command(cfg, cuda=True, model_dir="/m")
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    assert "--kv-cache-memory-bytes" not in argv  # CPU only
+    with pytest.raises(RecipeError, match="nccl.*CUDA"):
+        serve_command(cfg, transfer_backend="nccl", cuda=False, model_dir="/m")
+    with pytest.raises(RecipeError, match="tensor-parallel-size = 0"):
+        serve_command(cfg, tensor_parallel_size=0, cuda=False, model_dir="/m")
+    bad = load_recipe(RECIPE, ["rollout.server_url=127.0.0.1:8000"], check_paths=False)
+    with pytest.raises(RecipeError, match="rollout.server_url = '127.0.0.1:8000'"):
+        serve_command(bad, cuda=False, model_dir="/m")
+
+
+def test_cpu_binding_for_tensor_parallel_on_one_numa_node():
+    from trainer.serve import cpu_bind_for_tp
+
+    assert cpu_bind_for_tp(1, [0, 1], 1) is None  # vLLM's auto binding
+    assert cpu_bind_for_tp(2, [0, 1, 2, 3], 2) is None  # a NUMA node per rank: auto binding works
+    assert cpu_bind_for_tp(2, [1, 0], 1) == "0|1"  # the 2-core machine this was tested on (TP=2 ran)
+    assert cpu_bind_for_tp(2, [0, 1, 2, 3, 4], 1) == "0,1|2,3"
+    with pytest.raises(ValueError, match="tensor-parallel-size = 4"):
+        cpu_bind_for_tp(4, [0, 1], 1)
+
+
+def test_cli_serve_dry_run(tiny_model_dir, capsys):
+    from trainer.cli import main
+
+    assert main(["serve", str(RECIPE), "--set", "rollout.server_url=http://127.0.0.1:8555", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert f"--model {tiny_model_dir}" in out.out and "--port 8555" in out.out
+    assert "http://127.0.0.1:8555/health" in out.err
+    assert main(["serve", str(RECIPE), "--set", "rollout.server_url=nope", "--dry-run"]) == 2
+
+
+def _parser():
+    engine = object.__new__(ServerEngine)  # only the response parser is exercised
+    engine.url = "http://test:1"
+    return engine
+
+
+def _entry(tok, lp, top):
+    return {"token_id": tok, "logprob": lp, "rank": 1,
+            "top_logprobs": [{"token_id": t, "logprob": v, "rank": r} for t, v, r in top]}
+
+
+def test_response_parser_recovers_the_top_k_and_refuses_bad_answers():
+    v = "parityrl-x-1"
+    # position 0: the sampled token 9 (rank 7) is not in the top 2 -> the route sent [9, top1, top2];
+    # position 1: the sampled token 5 is the 2nd most likely -> [5, top1, top2(=5 merged), top3].
+    content = [_entry(9, -3.0, [(9, -3.0, 7), (4, -0.5, 1), (6, -1.0, 2)]),
+               _entry(5, -1.2, [(5, -1.2, 2), (8, -0.4, 1), (3, -2.0, 3)]),
+               _entry(2, -9999.0, [(2, -9999.0, 9)] + [(1, -0.1, 1), (7, -0.2, 2)])]
+    resp = {"choices": [{"finish_reason": "stop", "token_ids": [9, 5, 2], "logprobs": {"content": content},
+                         "weight_versions": [{"version": v, "start": 0, "end": 3}]}]}
+    ids, lps, reason, t_ids, t_lps = _parser()._parse(0, resp, 2, v)
+    assert ids == [9, 5, 2] and reason == "stop"
+    assert lps[:2] == [-3.0, -1.2] and lps[2] == float("-inf")  # the route's -9999 floor means -inf
+    assert t_ids == [[4, 6], [8, 5], [1, 7]] and t_lps == [[-0.5, -1.0], [-0.4, -1.2], [-0.1, -0.2]]
+    with pytest.raises(ServerEngineError, match="weight version"):
+        _parser()._parse(0, resp, 2, "parityrl-x-2")
+    bad = json.loads(json.dumps(resp))
+    bad["choices"][0]["token_ids"] = [9, 4, 2]
+    with pytest.raises(ServerEngineError, match="position 1 is for token 5"):
+        _parser()._parse(0, bad, 2, v)
+    bad["choices"][0]["finish_reason"] = "abort"
+    with pytest.raises(ServerEngineError, match="'abort'"):
+        _parser()._parse(0, bad, 2, v)
+
+
+class _StandInModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.received = {}
+
+    def load_weights(self, weights):
+        for n, t in weights:
+            self.received[n] = t.clone()
+        return set(self.received)
+
+
+class _LoopbackClient:
+    """The four VLLMWeightSyncClient calls, delivered to a worker engine in this process (as the server would)."""
+
+    def __init__(self, worker):
+        self.worker, self.calls = worker, []
+
+    def init_weight_transfer_engine(self, init_info):
+        self.calls.append("init")
+        self.worker.init_transfer_engine(self.worker.parse_init_info(init_info))
+
+    def start_weight_update(self):
+        self.calls.append("start")  # (the real engine starts a layerwise reload of a vLLM model here)
+
+    def update_weights(self, update_info):
+        self.calls.append("update")
+        self.seen_path = Path(update_info["path"])
+        assert self.seen_path.is_file()
+        self.worker.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append("finish")
+
+
+def test_file_backend_delivers_the_tensors_bit_exact(tmp_path):
+    from rollout.server_transfer import (
+        FileTrainerInitInfo,
+        FileWeightTransferEngine,
+        FileWeightTransferUpdateInfo,
+        ListWeightSource,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    model = _StandInModel()
+    cfg = SimpleNamespace(parallel_config=None, model_config=None)
+    worker = WeightTransferEngineFactory.create_engine(SimpleNamespace(backend="parityrl_file"), cfg,
+                                                       torch.device("cpu"), model)
+    assert isinstance(worker, FileWeightTransferEngine)
+    client = _LoopbackClient(worker)
+    source = ListWeightSource()
+    trainer = WeightTransferTrainerFactory.trainer_init(FileTrainerInitInfo(rank=0, root=str(tmp_path)),
+                                                        client=client, source=source)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 4, generator=g).to(torch.bfloat16)
+    named = [("a.q_proj.weight", w), ("a.k_proj.weight", w.T), ("norm.weight", torch.randn(4, generator=g))]
+    source.set(named)
+    trainer.send_weights()
+    assert client.calls == ["init", "start", "update", "finish"]
+    assert set(model.received) == {n for n, _ in named}
+    for n, t in named:  # same dtype, same bits (the transposed view went through .contiguous())
+        assert model.received[n].dtype == t.dtype and torch.equal(model.received[n], t), n
+    assert not client.seen_path.exists()  # deleted after the update
+    assert trainer.last_file_bytes > sum(t.numel() * t.element_size() for _, t in named)
+
+    # The worker only reads update files from the directory it was given at init...
+    outside = tmp_path / "update-000001.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(outside))
+    info = FileWeightTransferUpdateInfo(path=str(outside), names=["x"], dtype_names=["float32"], shapes=[[1]])
+    with pytest.raises(ValueError, match="not an update file"):
+        worker.receive_weights(info)
+    # ...and a server that sees another directory under that path (another host) fails at init.
+    other = FileWeightTransferEngine(SimpleNamespace(backend="parityrl_file"), cfg, torch.device("cpu"), model)
+    with pytest.raises(RuntimeError, match="another token"):
+        other.init_transfer_engine(other.parse_init_info({"directory": str(trainer.directory), "token": "0" * 32}))
+    with pytest.raises(RuntimeError, match="same host"):
+        other.init_transfer_engine(other.parse_init_info({"directory": str(tmp_path / "missing"), "token": "x"}))
+    trainer.shutdown()
+    assert not trainer.directory.exists()
+
+
+# ---- slow: a real server subprocess ---------------------------------------------------------------
+class Server:
+    """`python -m trainer.cli serve` (the `parityrl serve` code path) in its own process group."""
+
+    def __init__(self, log_dir: Path, *sets: str) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = log_dir / f"server-{self.url.rsplit(':', 1)[1]}.log"
+        args = [sys.executable, "-m", "trainer.cli", "serve", str(RECIPE), "--set", f"rollout.server_url={self.url}",
+                "--set", "parity.topk=5", "--set", "rollout.kv_cache_memory_bytes=67108864"]
+        for s in sets:
+            args += ["--set", s]
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        self._wait()
+
+    def _wait(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        self.kill()
+        raise RuntimeError(f"server not healthy within {SERVER_START_S} s:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)  # the API server, its engine core and worker: one group, ours
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("server"))
+    yield s
+    s.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def server_engine(server, tiny_model_dir, hf_reference):
+    """A client of the module's server holding the reference weights (restored again afterwards)."""
+    from rollout.weight_export import full_weights
+
+    engine = ServerEngine(server.url, model_dir=tiny_model_dir, timeout_s=120, max_model_len=88)
+    engine.load_weights(full_weights(hf_reference, dtype=torch.bfloat16))  # whatever ran before (a training run)
+    yield engine
+    if engine._http is not None:
+        engine.load_weights(full_weights(hf_reference, dtype=torch.bfloat16))
+    engine.close()
+
+
+@pytest.mark.slow
+def test_generate_layout_determinism_and_parity_with_hf(server_engine, prompts, hf_reference, hf_logprobs):
+    engine = server_engine
+    spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=60, seed=11)
+    r = engine.generate(prompts, spec)
+    assert len(r) == 24 and r.group_size == 3 and r.completion_texts == []
+    assert r.prompt_ids == [prompts[i // 3] for i in range(24)]
+    eos = set(engine.eos_ids)
+    for c, lp, f in zip(r.completion_ids, r.rollout_logprobs, r.finish_reasons):
+        assert 1 <= len(c) <= 60 and len(lp) == len(c) and all(x <= 0.0 for x in lp)
+        assert not eos & set(c[:-1])
+        assert (f == "stop" and c[-1] in eos) or (f == "length" and len(c) == 60 and c[-1] not in eos)
+    assert {"stop", "length"} <= set(r.finish_reasons)
+    # Same seed -> same samples and log-probs, although the requests reach the server concurrently.
+    again = engine.generate(prompts, spec)
+    assert again.completion_ids == r.completion_ids and again.rollout_logprobs == r.rollout_logprobs
+    assert engine.generate(prompts, SamplingSpec(n=3, max_new_tokens=60, seed=12)).completion_ids != r.completion_ids
+    assert len({tuple(c) for c in r.completion_ids[:3]}) > 1  # per-sample seeds within a group
+
+    # Processed log-probs: they match an HF forward at the sampling temperature, not at T=1.
+    cold = engine.generate(prompts, SamplingSpec(n=4, temperature=0.7, max_new_tokens=32, seed=3))
+    err = abs_errors(cold.rollout_logprobs, hf_logprobs(hf_reference, cold.prompt_ids, cold.completion_ids, 0.7))
+    raw = abs_errors(cold.rollout_logprobs, hf_logprobs(hf_reference, cold.prompt_ids, cold.completion_ids, 1.0))
+    print(f"server vs HF forward, T=0.7: MAE {err.mean():.4g} (max {err.max():.4g}); scored at T=1: {raw.mean():.4g}")
+    assert err.mean() < MAE_BOUND
+    assert raw.mean() > max(MAE_BOUND, 10 * err.mean())
+
+    # Top-k: most likely first, the sampled token never above the top 1, values as HF's.
+    top = engine.generate(prompts[:4], SamplingSpec(n=2, temperature=0.8, max_new_tokens=16, seed=5, logprobs_topk=5))
+    assert top.topk == 5
+    errs = []
+    with torch.no_grad():
+        for p, c, ids, lps, sampled in zip(top.prompt_ids, top.completion_ids, top.topk_ids, top.topk_logprobs,
+                                           top.rollout_logprobs):
+            lps = torch.tensor(lps)
+            assert bool((lps[:, :-1] >= lps[:, 1:]).all()) and bool((torch.tensor(sampled) <= lps[:, 0] + 1e-6).all())
+            assert all(len(set(row)) == 5 for row in ids)
+            z = hf_reference(torch.tensor([p + c])).logits[0, len(p) - 1:-1].float() / 0.8
+            errs.append((torch.log_softmax(z, -1).gather(-1, torch.tensor(ids)) - lps).abs().flatten())
+    assert torch.cat(errs).mean() < 0.03  # test_vllm_engine.py's top-5 bound
+
+
+def _perturbed_copy(model, names, scale, seed):
+    import copy
+
+    g = torch.Generator().manual_seed(seed)
+    out = copy.deepcopy(model)
+    params = dict(out.named_parameters())
+    with torch.no_grad():
+        for n in names:
+            p = params[n]
+            p.add_((torch.randn(p.shape, generator=g) * scale * p.float().std()).to(p.dtype))
+    return out
+
+
+@pytest.mark.slow
+def test_weight_push_changes_outputs_and_keeps_parity(server_engine, hf_reference, prompts, hf_logprobs):
+    engine = server_engine
+    names = [f"model.layers.1.self_attn.{x}_proj.weight" for x in "qkv"] + ["model.layers.2.mlp.down_proj.weight"]
+    target = _perturbed_copy(hf_reference, names, scale=4.0, seed=0)
+    spec = SamplingSpec(n=2, temperature=0.7, max_new_tokens=24, seed=5)
+    before = engine.generate(prompts, spec)
+    stale = abs_errors(before.rollout_logprobs, hf_logprobs(target, before.prompt_ids, before.completion_ids, 0.7))
+
+    with pytest.raises(ValueError, match="k_proj"):  # refused before anything is sent
+        engine.load_weights([(names[0], dict(target.named_parameters())[names[0]])])
+    assert engine.generate(prompts, spec).completion_ids == before.completion_ids
+
+    engine.load_weights([(n, t) for n, t in target.named_parameters() if n in names])
+    push = dict(engine.last_push)
+    after = engine.generate(prompts, spec)
+    err = abs_errors(after.rollout_logprobs, hf_logprobs(target, after.prompt_ids, after.completion_ids, 0.7))
+    print(f"after push: MAE {err.mean():.4g} (max {err.max():.4g}); without it: {stale.mean():.4g}; push {push}")
+    assert after.completion_ids != before.completion_ids
+    assert err.mean() < MAE_BOUND and stale.mean() > MISMATCH_FLOOR
+    assert push["tensors"] == 4 and push["bytes"] == sum(
+        p.numel() * 2 for n, p in target.named_parameters() if n in names)
+
+    # Pushing the original weights back gives the original samples, bit for bit (and the
+    # prefix cache did not serve KV blocks computed with the perturbed weights).
+    engine.load_weights([(n, t) for n, t in hf_reference.named_parameters() if n in names])
+    restored = engine.generate(prompts, spec)
+    assert restored.completion_ids == before.completion_ids and restored.rollout_logprobs == before.rollout_logprobs
+
+
+def cfg_for(tmp_path, name, url, *overrides):
+    from trainer.config import load_recipe
+
+    return load_recipe(RECIPE, [
+        f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled",
+        "rollout.prompts_per_step=8", "algorithm.group_size=4", "train.micro_batch_size=16",
+        "rollout.mode=server", f"rollout.server_url={url}", "rollout.server_timeout_s=120", *overrides])
+
+
+@pytest.mark.slow
+def test_three_training_steps_against_the_server(server, tmp_path, tiny_model_dir):
+    from peft.utils import load_peft_weights
+
+    from trainer.checkpoint import latest_checkpoint
+    from trainer.loop import train
+
+    # lr 1e-2: the weights move a lot -- the same run with rollout.sync_weights=false measured
+    # probe/mae 0.17 after step 1 and parity/mae 0.18, 0.39 at steps 2, 3 (18-39x the bound) --
+    # while the probe on the drifting policy stays well inside the bound (measured <= 1.2e-3;
+    # at the colocated test's lr 2e-2 it reaches 9.8e-3 at step 3, too close to hold it to 1e-2).
+    res = train(cfg_for(tmp_path, "server3", server.url, "train.steps=3", "train.learning_rate=1e-2",
+                        "parity.topk=5", "checkpoint.every=0"))
+    h = res.history
+    print("parity/mae", [f"{x['parity/mae']:.2e}" for x in h], "probe/mae", [f"{x['probe/mae']:.2e}" for x in h],
+          "sync_s", [round(x["perf/sync_s"], 3) for x in h], "step_s", [round(x["perf/step_s"], 2) for x in h])
+    assert [x["step"] for x in h] == [1, 2, 3]
+    assert all(x["parity/mae"] < PARITY_MAE_BOUND for x in h)  # steps 2, 3: rollouts after pushes 1, 2
+    assert all(x["perf/sync_bytes"] > 0 for x in h)
+    assert all(x["probe/mae"] < PARITY_MAE_BOUND and x["probe/num_tokens"] > 0 for x in h)  # right after each push
+    assert all(0 <= x["parity/topk_kl"] < 1e-3 for x in h)
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and rows[0]["probe/mae"] < PARITY_MAE_BOUND  # the server started in sync
+    lora = load_peft_weights(str(latest_checkpoint(res.run_dir) / "adapter"), device="cpu")
+    assert sum(v.float().norm() for k, v in lora.items() if "lora_B" in k) > 0.1  # the pushes carried real updates
+
+
+@pytest.mark.slow
+def test_dead_server_stops_the_run_and_the_checkpoint_resumes(server, tmp_path, tiny_model_dir):
+    from trainer.checkpoint import latest_checkpoint, list_checkpoints
+    from trainer.loop import train
+
+    doomed = Server(tmp_path)
+    cfg = cfg_for(tmp_path, "killed", doomed.url, "train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4")
+    stop = threading.Event()
+
+    def kill_after_first_checkpoint():
+        while not stop.is_set():
+            if latest_checkpoint(cfg.run_dir) is not None:
+                doomed.kill()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(EngineUnavailable) as e:
+            train(cfg)
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+        doomed.kill()
+    msg = str(e.value)
+    print(msg)
+    assert doomed.url in msg and "--resume" in msg and ("generate" in msg or "weight push" in msg), msg
+    steps = [s for s, _ in list_checkpoints(cfg.run_dir)]
+    assert steps and max(steps) < 4, steps  # the run stopped, its checkpoints are complete ones
+    last = max(steps)
+    logged = [json.loads(x)["step"] for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert last in logged
+
+    # The checkpoint is usable: resume it against a live server for one more step.
+    cfg.rollout.server_url = server.url
+    cfg.train.steps = last + 1
+    res = train(cfg, resume=True)
+    assert [x["step"] for x in res.history] == [last + 1]
+    assert res.history[0]["parity/mae"] < PARITY_MAE_BOUND
