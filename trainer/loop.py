@@ -270,6 +270,14 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     # N processes: each holds a prompt shard and its own engine; gradients and metrics are
     # reduced explicitly (trainer/data_parallel.py explains why not DDP's wrapper).
     dp = DataParallel.current()
+    from trainer.distributed import deepspeed_stage
+
+    if deepspeed_stage(accelerator):
+        # The helpers exist and are checked on CPU (trainer/distributed.py, bench/zero_cpu_check.py),
+        # but the loop's backward/step/checkpoint do not drive a DeepSpeed engine yet: refuse
+        # rather than train with accelerate's per-micro-batch DeepSpeed step.
+        raise NotImplementedError("DeepSpeed ZeRO is not wired into the training loop yet (README 'DeepSpeed "
+                                  "ZeRO'); launch with recipes/accelerate/single.yaml or ddp.yaml, or torchrun")
     set_seed(cfg.train.seed)
     run_dir = cfg.run_dir
     model_dir = resolve_model_path(cfg.model.path)

@@ -63,12 +63,26 @@ def split_model(model):
 
 
 def completion_hidden(model, batch: TokenBatch):
-    """(hidden [S, C, H] of the positions that predict the completion tokens, lm_head Linear)."""
-    backbone, lm_head = split_model(model)
-    out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   use_cache=False)
+    """(hidden [S, C, H] of the positions that predict the completion tokens, lm_head Linear).
+
+    ``model``: a (PEFT) causal LM, or a DeepSpeed engine around
+    ``trainer.distributed.PolicyForward``, then called as a whole (the engine's forward
+    does bookkeeping its backward needs: see ``PolicyForward``). Under ZeRO-3 the
+    lm_head returned holds gathered copies of its weights (``full_lm_head``): it is read
+    directly, never called, so ZeRO-3's per-module hooks would leave it partitioned.
+    """
+    from trainer.distributed import full_lm_head, wrapped_policy_forward
+
+    wrapped = wrapped_policy_forward(model)
+    if wrapped is not None:
+        hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        _, lm_head = split_model(wrapped.policy)
+    else:
+        backbone, lm_head = split_model(model)
+        hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids, use_cache=False).last_hidden_state
     p, c = batch.prompt_len, batch.targets.shape[1]
-    return out.last_hidden_state[:, p - 1:p - 1 + c], lm_head
+    return hidden[:, p - 1:p - 1 + c], full_lm_head(lm_head)
 
 
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
