@@ -108,6 +108,9 @@ class AlgorithmConfig:
     gamma: float = 1.0  # GAE discount over completion tokens
     lam: float = 0.95  # GAE lambda
     whiten_advantages: bool = True
+    # Scale the KL-shaped token rewards to unit variance over the batch, keeping their mean
+    # (TRL's whiten_rewards: masked_whiten(..., shift_mean=False)); off by default as in TRL.
+    whiten_rewards: bool = False
     vf_coef: float = 0.1  # value-loss weight (the critic shares the policy's trunk)
     value_clip: Optional[float] = 0.2  # null = unclipped value loss
     ent_coef: float = 0.0  # entropy bonus

@@ -14,6 +14,7 @@ import torch
 
 from trainer.algorithms import ADVANTAGES, AdvantageInputs, explained_variance, make_kl_controller, ppo_returns
 from trainer.algorithms.ppo import ppo_token_rewards
+from trainer.algorithms.sequence import whiten
 
 
 class NegativeKLWatch:
@@ -50,13 +51,16 @@ def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_s
 
     scored: ``score_pass`` output with ``train_logprobs`` (pi_old), ``ref_logprobs`` and ``values``.
     rewards: [S] sequence scores. The reward of token t is -beta * KL_t (estimator
-    ``cfg.reward_kl_estimator``) plus the score at the last token; GAE then gives the
+    ``cfg.reward_kl_estimator``) plus the score at the last token (scaled to unit variance over
+    the batch, mean kept, with ``cfg.whiten_rewards``); GAE then gives the
     advantages (whitened if configured) and the returns (unwhitened advantages + values).
     """
     a = cfg.algorithm
     beta = controller.value
     token_rewards, kl = ppo_token_rewards(rewards, scored["train_logprobs"], scored["ref_logprobs"], mask, beta,
                                           a.reward_kl_estimator)
+    if a.whiten_rewards:
+        token_rewards = whiten(token_rewards, mask, shift_mean=False)
     inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=group_size, values=scored["values"],
                              token_rewards=token_rewards)
     advantages = ADVANTAGES.get(a.name)(inputs, a)
