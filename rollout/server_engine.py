@@ -58,10 +58,11 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from rollout.types import Rollouts, SamplingSpec
+from rollout.weight_export import payload_bytes
 from rollout.vllm_engine import (
     _DEFAULT_PACKED,
     _to_engine_dtype,
-    check_fused_groups,
+    check_update,
     checkpoint_shapes,
     eos_token_ids,
     sample_seed,
@@ -472,24 +473,13 @@ class ServerEngine:
         if not (out or {}).get("success"):
             raise ServerEngineError(f"vLLM server at {self.url} refused to reset its prefix cache after a weight push "
                                     "(requests still running?); KV blocks of the old weights would be reused")
-        payload = sum(t.numel() * t.element_size() for _, t in named)
+        payload = payload_bytes(named)
         self.last_push = {"bytes": float(payload), "tensors": float(len(named)),
                           "file_bytes": float(getattr(self._transfer, "last_file_bytes", payload)),
                           "seconds": time.perf_counter() - t0}
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        names = [n for n, _ in named]
-        if len(set(names)) != len(names):
-            raise ValueError(f"named_tensors: duplicate names {sorted({n for n in names if names.count(n) > 1})[:6]}")
-        if self._shapes is not None:
-            unknown = [n for n in names if n not in self._shapes]
-            if unknown:
-                raise ValueError(f"named_tensors: unknown parameter names {unknown[:6]} (not in {self.model}'s "
-                                 f"checkpoint; expected HF names such as {next(iter(self._shapes))!r})")
-            bad = [(n, tuple(t.shape), self._shapes[n]) for n, t in named if tuple(t.shape) != self._shapes[n]]
-            if bad:
-                raise ValueError(f"named_tensors: shape mismatch (name, given, expected): {bad[:4]}")
-        check_fused_groups(names, self.packed_modules)
+        check_update(named, self._shapes, self.model, self.packed_modules)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:

@@ -143,6 +143,27 @@ def check_fused_groups(names: Iterable[str], packed: dict[str, list[str]]) -> No
         )
 
 
+def check_update(named: list[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]] | None, model: str,
+                 packed: dict[str, list[str]]) -> None:
+    """Refuse a weight update with duplicate names, names or shapes not in the checkpoint, or partial fused groups.
+
+    Shared by every engine that takes HF-named tensors (in-process and server).
+    ``shapes``: ``checkpoint_shapes(model)`` (None skips the name/shape checks).
+    """
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_tensors: duplicate names {sorted({n for n in names if names.count(n) > 1})[:6]}")
+    if shapes is not None:
+        unknown = [n for n in names if n not in shapes]
+        if unknown:
+            raise ValueError(f"named_tensors: unknown parameter names {unknown[:6]} (not in {model}'s "
+                             f"checkpoint; expected HF names such as {next(iter(shapes))!r})")
+        bad = [(n, tuple(t.shape), shapes[n]) for n, t in named if tuple(t.shape) != shapes[n]]
+        if bad:
+            raise ValueError(f"named_tensors: shape mismatch (name, given, expected): {bad[:4]}")
+    check_fused_groups(names, packed)
+
+
 @contextlib.contextmanager
 def _preserve_rng():
     """Keep the trainer's RNG streams: in-process vLLM seeds random/numpy/torch at start-up
@@ -373,19 +394,7 @@ class VLLMEngine:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        names = [n for n, _ in named]
-        dup = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
-        if dup:
-            raise ValueError(f"named_tensors: duplicate names {dup[:6]}")
-        if self._shapes is not None:
-            unknown = [n for n in names if n not in self._shapes]
-            if unknown:
-                raise ValueError(f"named_tensors: unknown parameter names {unknown[:6]} (not in {self.model}'s "
-                                 f"checkpoint; expected HF names such as {next(iter(self._shapes))!r})")
-            bad = [(n, tuple(t.shape), self._shapes[n]) for n, t in named if tuple(t.shape) != self._shapes[n]]
-            if bad:
-                raise ValueError(f"named_tensors: shape mismatch (name, given, expected): {bad[:4]}")
-        check_fused_groups(names, self.packed_modules)
+        check_update(named, self._shapes, self.model, self.packed_modules)
 
     # ---- memory -----------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:

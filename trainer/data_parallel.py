@@ -30,7 +30,7 @@ With one process every function here is the identity (no torch.distributed call)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
@@ -130,14 +130,3 @@ class DataParallel:
         if self.active:
             torch.distributed.barrier()
 
-
-def check_same_keys(dp: DataParallel, metrics: dict, what: str) -> Optional[str]:
-    """A message if the ranks' metric keys differ (a reduction would then mix values), else None."""
-    if not dp.active:
-        return None
-    keys = sorted(metrics)
-    gathered: list = [None] * dp.world
-    torch.distributed.all_gather_object(gathered, keys)
-    if any(g != keys for g in gathered):
-        return f"{what}: ranks logged different keys: {gathered}"
-    return None

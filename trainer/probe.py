@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from parity.metrics import compare
 from rollout.types import SamplingSpec
 from trainer.batch import batch_from_rollouts
 from trainer.config import RunConfig
+from trainer.data_parallel import DataParallel
 from trainer.policy import completion_logprobs
 
 # A fixed seed distinct from every step's (engines.sampling_spec uses seed * 1_000_003 + step).
@@ -49,10 +49,7 @@ def run_probe(engine, model, prompt_ids: list[list[int]], cfg: RunConfig, *, pad
                                               chunk_size=cfg.parity.chunk_size, topk_ids=batch.topk_ids)
     finally:
         model.train(was_training)
-    top = top[0] if top else None
-    if dp is not None:
-        return dp.pooled_parity(lp, batch.rollout_logprobs, batch.mask, train_topk_logprobs=top,
-                                rollout_topk_logprobs=batch.topk_logprobs, prefix="probe/")
-    metrics = compare(lp, batch.rollout_logprobs, batch.mask, train_topk_logprobs=top,
-                      rollout_topk_logprobs=batch.topk_logprobs)
-    return {"probe/" + k.split("/", 1)[1]: v for k, v in metrics.items()}
+    # One process: DataParallel() pools nothing, i.e. parity.metrics.compare with the probe/ prefix.
+    return (dp or DataParallel()).pooled_parity(lp, batch.rollout_logprobs, batch.mask,
+                                                train_topk_logprobs=top[0] if top else None,
+                                                rollout_topk_logprobs=batch.topk_logprobs, prefix="probe/")
