@@ -497,6 +497,14 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     need(r.kv_cache_memory_bytes >= 16 * 1024**2, "rollout.kv_cache_memory_bytes", r.kv_cache_memory_bytes, "at least 16 MiB")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a number in (0, 1)")
     need(r.max_num_seqs >= 1, "rollout.max_num_seqs", r.max_num_seqs, "an integer >= 1")
+    if r.mode == "server":  # the same parser the engine and `parityrl serve` use
+        from rollout.server_engine import parse_server_url
+
+        try:
+            parse_server_url(r.server_url)
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}") from None
+    need(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "a number of seconds > 0")
 
     need(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
     need(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "a number > 0")

@@ -70,6 +70,9 @@ def test_defaults_and_overrides(tmp_path):
     ("precision: {recipe: fp8_unified}\nmodel: {dtype: float32}\n", ["model.dtype = 'float32'", "BF16 master"]),
     ("precision: {recipe: fp8_rollout}\nrollout: {engine: hf}\n", ["rollout.engine = 'hf'", "no FP8 path"]),
     ("precision: {recipe: fp4}\n", ["precision.recipe = 'fp4'", "fp8_unified"]),
+    ("rollout: {mode: server, server_url: '127.0.0.1:8000'}\n", ["rollout.server_url = '127.0.0.1:8000'", "http://HOST:PORT"]),
+    ("rollout: {server_timeout_s: 0}\n", ["rollout.server_timeout_s = 0.0", "> 0"]),
+    ("rollout: {mode: remote}\n", ["rollout.mode = 'remote'", "server"]),
 ])
 def test_bad_values_are_named(tmp_path, text, needles):
     p = write(tmp_path, text)
