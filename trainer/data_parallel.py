@@ -42,13 +42,16 @@ from trainer.algorithms import LossNormalizer
 class DataParallel:
     rank: int = 0
     world: int = 1
+    # False under DeepSpeed: its engine reduces the gradients (into ZeRO partitions) in
+    # engine.backward / engine.step, so all_reduce_grads must not sum them a second time.
+    reduce_grads: bool = True
 
     @classmethod
-    def current(cls) -> "DataParallel":
+    def current(cls, reduce_grads: bool = True) -> "DataParallel":
         d = torch.distributed
         if d.is_available() and d.is_initialized() and d.get_world_size() > 1:
-            return cls(rank=d.get_rank(), world=d.get_world_size())
-        return cls()
+            return cls(rank=d.get_rank(), world=d.get_world_size(), reduce_grads=reduce_grads)
+        return cls(reduce_grads=reduce_grads)
 
     @property
     def active(self) -> bool:
@@ -79,8 +82,11 @@ class DataParallel:
         return LossNormalizer(num_tokens=float(counts[0]), num_seqs=float(counts[1]), max_len=max_len)
 
     def all_reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Sum every gradient over the ranks, one flat buffer per dtype/device (missing grads count as 0)."""
-        if not self.active:
+        """Sum every gradient over the ranks, one flat buffer per dtype/device (missing grads count as 0).
+
+        No-op with one process or when ``reduce_grads`` is false (DeepSpeed reduces them).
+        """
+        if not self.active or not self.reduce_grads:
             return
         groups: dict[tuple, list[torch.nn.Parameter]] = {}
         for p in params:

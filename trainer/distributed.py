@@ -68,6 +68,32 @@ def deepspeed_stage(accelerator) -> int:
     return stage
 
 
+def check_deepspeed_recipe(cfg, stage: int) -> None:
+    """Refuse, at start and naming the key, what the loop does not run under DeepSpeed ZeRO ``stage``.
+
+    - a critic (``algorithm.name`` in ``CRITIC_ALGORITHMS``, i.e. PPO): the value head is a
+      second trainable module outside the DeepSpeed engine, which owns the only optimizer;
+    - ``precision.recipe: fp8_unified``: ``trainer.precision.convert_to_fp8`` swaps the
+      decoder linears for FP8-emulating modules whose weights ZeRO-3 would partition
+      underneath the quantizer (never run).
+    No-op when ``stage`` is 0.
+    """
+    if not stage:
+        return
+    from trainer.config import CRITIC_ALGORITHMS
+
+    problems = []
+    if cfg.algorithm.name in CRITIC_ALGORITHMS:
+        problems.append(f"algorithm.name = {cfg.algorithm.name!r} (its value head would be a second trainable "
+                        "module outside the DeepSpeed engine)")
+    if cfg.precision.recipe == "fp8_unified":
+        problems.append("precision.recipe = 'fp8_unified' (the trainer's FP8 linears were never run with sharded "
+                        "weights; bf16 runs, fp16 and fp8_rollout change only the dtype or the engine)")
+    if problems:
+        raise NotImplementedError(f"DeepSpeed ZeRO-{stage} does not support " + "; ".join(problems)
+                                  + ". Launch without DeepSpeed (recipes/accelerate/ddp.yaml or torchrun) for these.")
+
+
 def accelerator_kwargs() -> dict:
     """Keyword arguments for ``Accelerator(...)`` that enable DeepSpeed on CPU-only hosts too.
 

@@ -67,8 +67,11 @@ def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
                         logprobs_topk=cfg.parity.topk)
 
 
-def sync_weights(engine, policy, recipe: str = "bf16") -> dict[str, float]:
+def sync_weights(engine, policy, recipe: str = "bf16", gather=None) -> dict[str, float]:
     """Push the policy's current weights (LoRA merged, changed modules only) into the engine.
+
+    ``gather``: ``trainer.distributed.zero3_gather(policy)`` under ZeRO-3 (one module's
+    shards gathered at a time; every rank must call this then).
 
     FP8 recipes on CUDA push the block-FP8 weights + scales computed by the trainer's own
     quantizer (``rollout.fp8_export.fp8_block_weights``); on CPU the emulating engine
@@ -76,7 +79,7 @@ def sync_weights(engine, policy, recipe: str = "bf16") -> dict[str, float]:
     """
     from rollout.weight_export import merged_lora_weights, payload_bytes
 
-    named = list(merged_lora_weights(policy))
+    named = merged_lora_weights(policy, gather=gather)
     if recipe.startswith("fp8") and torch.cuda.is_available() and hasattr(engine, "llm"):
         from rollout.fp8_export import fp8_block_weights
 

@@ -47,10 +47,12 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _check_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor) -> None:
-    bad = (~torch.isfinite(rollout_lp)) & (mask > 0)
-    if bad.any():
-        raise RuntimeError(f"the engine returned {int(bad.sum())} non-finite sampled-token log-probs; the trainer cannot "
+def _check_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor, dp: DataParallel) -> None:
+    # Counted over all ranks, so that every rank raises together (a rank left waiting in
+    # the next collective would hang the job instead of stopping it).
+    bad = dp.sum_metrics({"n": float(((~torch.isfinite(rollout_lp)) & (mask > 0)).sum())})["n"]
+    if bad:
+        raise RuntimeError(f"the engine returned {int(bad)} non-finite sampled-token log-probs; the trainer cannot "
                            "score a token the engine considers impossible (check top_k/top_p and logprobs mode)")
 
 
@@ -198,10 +200,14 @@ def _param_groups(model, value_head) -> list:
     return [trainable] if value_head is None else [trainable, list(value_head.parameters())]
 
 
-def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: RunConfig, step: int, accelerator,
-                     optimizer, params, value_head=None, old_values=None, returns=None,
+def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: RunConfig, step: int, backward,
+                     update, value_head=None, old_values=None, returns=None,
                      dp: DataParallel = DataParallel()) -> dict:
     """``epochs`` x ``mini_batches`` optimizer steps on one rollout batch, ratios against pi_old.
+
+    ``backward(loss)`` per micro-batch and ``update()`` (clip, step, zero; returns the
+    pre-clip grad norm) per mini-batch: ``trainer.distributed.make_backward`` /
+    ``optimizer_step``, which drive the DeepSpeed engine when there is one.
 
     Metrics are means over the updates; ``train/approx_kl_last`` is k3(pi_old || pi_theta)
     on the last mini-batch before its step (how far the epochs moved the policy).
@@ -215,11 +221,9 @@ def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: Ru
             c = sub.targets.shape[1]
             critic = {} if value_head is None else {"value_head": value_head, "old_values": old_values[idx, :c],
                                                      "returns": returns[idx, :c]}
-            out = policy_gradient_pass(model, sub, advantages[idx, :c], cfg, accelerator.backward,
+            out = policy_gradient_pass(model, sub, advantages[idx, :c], cfg, backward,
                                        old_logprobs=old_logprobs[idx, :c], dp=dp, **critic)
-            out["metrics"]["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            out["metrics"]["train/grad_norm"] = update()
             for k, v in out["metrics"].items():
                 sums[k] = sums.get(k, 0.0) + v
     n = a.epochs * a.mini_batches
@@ -264,25 +268,25 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     from trainer.reward_model import build_reward_sources
     from trainer.rewards import compute_rewards
     from rollout.weight_export import merged_lora_weights  # noqa: F401  (import early: fail before the engine starts)
+    from trainer.distributed import (accelerator_kwargs, check_deepspeed_recipe, deepspeed_stage, fill_deepspeed_config,
+                                     make_backward, model_load_context, optimizer_step, unwrap_policy,
+                                     wrap_for_prepare, zero3_gather)
 
     # ---------------------------------------------------------------- setup
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(**accelerator_kwargs())
+    # DeepSpeed ZeRO-2/3 (accelerate config recipes/accelerate/zero{2,3}.yaml) or not (0).
+    stage = deepspeed_stage(accelerator)
+    check_deepspeed_recipe(cfg, stage)
     # N processes: each holds a prompt shard and its own engine; gradients and metrics are
-    # reduced explicitly (trainer/data_parallel.py explains why not DDP's wrapper).
-    dp = DataParallel.current()
-    from trainer.distributed import deepspeed_stage
-
-    if deepspeed_stage(accelerator):
-        # The helpers exist and are checked on CPU (trainer/distributed.py, bench/zero_cpu_check.py),
-        # but the loop's backward/step/checkpoint do not drive a DeepSpeed engine yet: refuse
-        # rather than train with accelerate's per-micro-batch DeepSpeed step.
-        raise NotImplementedError("DeepSpeed ZeRO is not wired into the training loop yet (README 'DeepSpeed "
-                                  "ZeRO'); launch with recipes/accelerate/single.yaml or ddp.yaml, or torchrun")
+    # reduced explicitly (trainer/data_parallel.py explains why not DDP's wrapper), the
+    # gradients by the DeepSpeed engine under ZeRO.
+    dp = DataParallel.current(reduce_grads=not stage)
     set_seed(cfg.train.seed)
     run_dir = cfg.run_dir
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
-    model = add_lora(load_base_model(model_dir, cfg.model.dtype, accelerator.device), cfg.model.lora)
+    with model_load_context(accelerator):
+        model = add_lora(load_base_model(model_dir, cfg.model.dtype, accelerator.device), cfg.model.lora)
     if cfg.precision.recipe == "fp8_unified":
         # The trainer's decoder linears run the engine's FP8 forward (quantized merged
         # LoRA weight, quantized activations): one quantizer, parity.precision.
@@ -305,21 +309,44 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(cfg.train.adam_betas),
                                   weight_decay=cfg.train.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
-    # The model is not prepared: no DDP wrapper (see dp above); it is already on the device.
-    optimizer = accelerator.prepare(optimizer)
-    policy = model
+    # The scheduler is never prepared: it drives the AdamW param groups, which DeepSpeed's
+    # ZeRO optimizer steps with (checked in bench/zero_cpu_check.py).
+    if stage:
+        # ``model`` becomes the DeepSpeed engine (forward, backward, step: trainer/distributed.py);
+        # ``policy`` is the PEFT model inside it (weight sync, adapter checkpoint).
+        fill_deepspeed_config(accelerator, micro_batch_size=cfg.train.micro_batch_size,
+                              max_grad_norm=cfg.train.max_grad_norm)
+        model, optimizer = accelerator.prepare(wrap_for_prepare(accelerator, model), optimizer)
+        policy = unwrap_policy(accelerator, model)
+    else:
+        # The model is not prepared: no DDP wrapper (see dp above); it is already on the device.
+        optimizer = accelerator.prepare(optimizer)
+        policy = model
+    backward = make_backward(accelerator, model)
+
+    def update() -> float:
+        return optimizer_step(accelerator, model, optimizer, params, cfg.train.max_grad_norm)
+
+    # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
+    gather = zero3_gather(policy)
 
     start_step = 0
     if resume:
         latest = ckpt.latest_checkpoint(run_dir)
         if latest is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.checkpoints_dir(run_dir)}")
-        state = ckpt.load_checkpoint(latest, model=policy, optimizer=optimizer, scheduler=scheduler, modules=modules)
+        if stage:
+            state = ckpt.load_deepspeed_checkpoint(latest, engine=model, scheduler=scheduler,
+                                                   world_size=accelerator.num_processes)
+        else:
+            state = ckpt.load_checkpoint(latest, model=policy, optimizer=optimizer, scheduler=scheduler,
+                                         modules=modules)
         if kl_controller is not None:
             kl_controller.load_state_dict(state["kl_controller"])
         batcher.load_state_dict(state["batcher"])
         start_step = state["step"]
-        print(f"resumed from {latest} (step {start_step})", flush=True)
+        if accelerator.is_main_process:
+            print(f"resumed from {latest} (step {start_step})", flush=True)
     elif ckpt.list_checkpoints(run_dir):
         raise FileExistsError(f"{run_dir} already holds checkpoints; pass --resume to continue it, or choose another "
                               "name / logging.run_dir (nothing was overwritten)")
@@ -330,7 +357,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         engine = make_engine(cfg, model_dir, max_model_len=max_model_len)
     # Always align the engine with the policy being trained (fresh adapter = base weights,
     # resumed adapter = its merge), so a reused engine never carries another run's weights.
-    sync_weights(engine, policy, cfg.precision.recipe)
+    sync_weights(engine, policy, cfg.precision.recipe, gather=gather)
     logger = RunLogger(run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode, project=cfg.logging.wandb.project,
                        entity=cfg.logging.wandb.entity, name=cfg.name, total_steps=cfg.train.steps,
                        print_every=cfg.logging.print_every, enabled=accelerator.is_main_process)
@@ -381,7 +408,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
 
             # ---------------------------------------------------- advantages, forward / loss / backward
             batch = batch_from_rollouts(rollouts, tokenizer.pad_token_id, accelerator.device)
-            _check_logprobs(batch.rollout_logprobs, batch.mask)
+            _check_logprobs(batch.rollout_logprobs, batch.mask, dp)
             rewards = torch.tensor(total, dtype=torch.float32, device=accelerator.device)
             t = time.perf_counter()
             model.train()
@@ -397,7 +424,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                 advantages = ADVANTAGES.get(cfg.algorithm.name)(
                     AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=g), cfg.algorithm)
                 if updates == 1:
-                    out = policy_gradient_pass(model, batch, advantages, cfg, accelerator.backward, dp=dp)
+                    out = policy_gradient_pass(model, batch, advantages, cfg, backward, dp=dp)
                     m.update(out["metrics"])
                 else:
                     out = score_pass(model, batch, cfg)  # pi_old, before any update
@@ -419,21 +446,19 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # ---------------------------------------------------- optimizer step(s)
             m["train/lr"] = scheduler.get_last_lr()[0]
             if updates == 1 and value_head is None:
-                m["train/grad_norm"] = float(accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                m["train/grad_norm"] = update()
             else:
                 critic = {} if value_head is None else {"value_head": value_head, "old_values": out["values"],
                                                          "returns": returns}
-                m.update(_several_updates(model, batch, advantages, out["train_logprobs"], cfg, step, accelerator,
-                                          optimizer, params, dp=dp, **critic))
+                m.update(_several_updates(model, batch, advantages, out["train_logprobs"], cfg, step, backward,
+                                          update, dp=dp, **critic))
             scheduler.step()
             m["perf/train_s"] = time.perf_counter() - t
 
             # ---------------------------------------------------- weight sync
             t = time.perf_counter()
             if cfg.rollout.sync_weights:
-                m.update(sync_weights(engine, policy, cfg.precision.recipe))
+                m.update(sync_weights(engine, policy, cfg.precision.recipe, gather=gather))
             m["perf/sync_s"] = time.perf_counter() - t
             t = time.perf_counter()
             m.update(_probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device, dp))
@@ -449,11 +474,16 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # ---------------------------------------------------- checkpoint
             every = cfg.checkpoint.every
             if (every and step % every == 0) or step == cfg.train.steps:
-                if accelerator.is_main_process:
+                state = {"batcher": batcher.state_dict(), "name": cfg.name,
+                         **({"kl_controller": kl_controller.state_dict()} if kl_controller else {})}
+                if stage:  # every rank writes its ZeRO shard
+                    result.final_checkpoint = ckpt.save_deepspeed_checkpoint(
+                        run_dir, step, engine=model, policy=policy, scheduler=scheduler, state=state,
+                        keep_last=cfg.checkpoint.keep_last, is_main=accelerator.is_main_process,
+                        barrier=accelerator.wait_for_everyone)
+                elif accelerator.is_main_process:
                     result.final_checkpoint = ckpt.save_checkpoint(
-                        run_dir, step, model=policy, optimizer=optimizer, scheduler=scheduler,
-                        state={"batcher": batcher.state_dict(), "name": cfg.name,
-                               **({"kl_controller": kl_controller.state_dict()} if kl_controller else {})},
+                        run_dir, step, model=policy, optimizer=optimizer, scheduler=scheduler, state=state,
                         keep_last=cfg.checkpoint.keep_last, modules=modules)
                 accelerator.wait_for_everyone()
         result.wandb = logger.wandb_location

@@ -1,0 +1,175 @@
+"""trainer.train under DeepSpeed ZeRO-2 / ZeRO-3 on 2 CPU processes (gloo), with a vLLM engine per rank.
+
+Fast: what the loop refuses under DeepSpeed, and the checkpoint loaders' refusals.
+Slow: 2 GRPO steps on the tiny model under ZeRO-2 (torchrun + the environment
+``accelerate launch`` would set) and ZeRO-3 (``accelerate launch --config_file
+recipes/accelerate/zero3.yaml``), against one process on the whole batch; then the
+run is resumed from its step-1 checkpoint and must repeat step 2 exactly.
+Each launch is a subprocess (never a second engine in the pytest process).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.config import load_recipe
+from trainer.distributed import check_deepspeed_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
+COMMON = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=1",
+          "logging.wandb.mode=disabled"]
+
+
+# ------------------------------------------------------------------ fast: refusals
+@pytest.mark.parametrize("overrides, named", [
+    (["algorithm.name=ppo"], "algorithm.name = 'ppo'"),
+    (["precision.recipe=fp8_unified"], "precision.recipe = 'fp8_unified'"),
+])
+def test_deepspeed_refuses_what_the_loop_does_not_run_naming_the_key(overrides, named):
+    cfg = load_recipe(RECIPE, overrides)
+    check_deepspeed_recipe(cfg, 0)  # without DeepSpeed: allowed
+    for stage in (2, 3):
+        with pytest.raises(NotImplementedError, match=f"ZeRO-{stage}") as e:
+            check_deepspeed_recipe(cfg, stage)
+        assert named in str(e.value)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rollout", "fp16"])
+def test_deepspeed_allows_the_recipes_that_only_change_the_engine_or_the_dtype(recipe):
+    overrides = [f"precision.recipe={recipe}"] + (["model.dtype=float16"] if recipe == "fp16" else [])
+    check_deepspeed_recipe(load_recipe(RECIPE, overrides), 3)
+
+
+def _complete_checkpoint(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "state.json").write_text(json.dumps({"step": 1}))
+    return path
+
+
+def test_a_deepspeed_checkpoint_is_not_resumed_without_deepspeed(tmp_path):
+    path = _complete_checkpoint(tmp_path / "step_000001")
+    (path / ckpt.DEEPSPEED_DIR / ckpt.DEEPSPEED_TAG).mkdir(parents=True)
+    with pytest.raises(ValueError, match="written under DeepSpeed ZeRO"):
+        ckpt.load_checkpoint(path, model=None, optimizer=None, scheduler=None)
+
+
+def test_a_plain_checkpoint_is_not_resumed_under_deepspeed(tmp_path):
+    path = _complete_checkpoint(tmp_path / "step_000001")
+    with pytest.raises(ValueError, match="written without DeepSpeed"):
+        ckpt.load_deepspeed_checkpoint(path, engine=None, scheduler=None, world_size=2)
+
+
+def test_a_deepspeed_checkpoint_needs_the_same_number_of_processes(tmp_path):
+    path = _complete_checkpoint(tmp_path / "step_000001")
+    tag = path / ckpt.DEEPSPEED_DIR / ckpt.DEEPSPEED_TAG
+    tag.mkdir(parents=True)
+    for r in range(2):
+        (tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="2 ZeRO optimizer shards, but 4 processes.*--num_processes 2"):
+        ckpt.load_deepspeed_checkpoint(path, engine=None, scheduler=None, world_size=4)
+
+
+# ------------------------------------------------------------------ slow: real runs
+def _env() -> dict:
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def _launch(stage: int, run_dir: Path, extra: list[str] = ()) -> subprocess.CompletedProcess:
+    sets = [x for s in [*COMMON, f"logging.run_dir={run_dir}", "name=zero"] for x in ("--set", s)]
+    env = _env()
+    if stage == 2:  # torchrun, with what `accelerate launch --config_file recipes/accelerate/zero2.yaml` sets
+        env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO3_INIT="false",
+                   ACCELERATE_DEEPSPEED_CONFIG_FILE=str(REPO / "recipes/accelerate/zero2.json"))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    else:
+        cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "recipes/accelerate/zero3.yaml"),
+               "--main_process_port", str(_free_port())]
+    return subprocess.run([*cmd, "-m", "trainer.train", str(RECIPE), *sets, *extra], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(path: Path) -> dict:
+    from peft.utils import load_peft_weights
+
+    return load_peft_weights(str(path / "adapter"), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_model_dir, vllm_engine):
+    """The same 2 steps in the pytest process (shared engine), whole batch on one rank."""
+    from trainer.loop import train
+
+    run_dir = tmp_path_factory.mktemp("one")
+    history = train(load_recipe(RECIPE, [*COMMON, f"logging.run_dir={run_dir}", "name=one"]),
+                    engine=vllm_engine).history
+    return history, run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_training_matches_one_process_and_resumes_exactly(stage, tmp_path, one_process):
+    one, one_dir = one_process
+    run = tmp_path / "zero"
+    proc = _launch(stage, run)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = _records(run)
+    assert [r["step"] for r in two] == [0, 1, 2]
+    # Step 1: same starting weights, each rank samples its shard with the single process's
+    # per-sample seeds: the same samples, rewards and pooled parity; DeepSpeed's reduced,
+    # clipped gradient has the single process's norm (a doubled reduction would show here).
+    s1 = two[1]
+    assert s1["reward/mean"] == one[0]["reward/mean"]
+    assert s1["parity/num_tokens"] == one[0]["parity/num_tokens"]
+    assert s1["parity/mae"] == pytest.approx(one[0]["parity/mae"], rel=1e-3)
+    assert s1["train/grad_norm"] == pytest.approx(one[0]["train/grad_norm"], rel=1e-4)
+    assert all(r["parity/mae"] < 1e-2 for r in two[1:]) and two[0]["probe/mae"] < 1e-2
+    # The sync sent the merged modules (ZeRO-3: gathered one module at a time).
+    assert s1["perf/sync_bytes"] == one[0]["perf/sync_bytes"]
+
+    # Checkpoint: every rank's optimizer shard, the adapter gathered whole; after step 1 it
+    # holds the single process's adapter (Adam's first step: lr * g / (|g| + eps)).
+    step1 = run / "checkpoints" / "step_000001"
+    shards = sorted(p.name for p in (step1 / "deepspeed" / "state").glob("*optim_states.pt"))
+    assert shards == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    assert not (step1 / "optimizer.pt").exists()
+    mine, ref = _adapter(step1), _adapter(one_dir / "checkpoints" / "step_000001")
+    assert set(mine) == set(ref)
+    lr = load_recipe(RECIPE).train.learning_rate
+    worst = max(float((mine[k] - ref[k]).abs().max()) for k in ref)
+    assert worst < 0.05 * lr, worst
+
+    # Resume from step 1 (as after a kill during step 2): step 2 is repeated exactly.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000002")
+    proc = _launch(stage, resumed, ["--resume"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stdout and "(step 1)" in proc.stdout
+    again = _records(resumed)[-1]
+    assert again["step"] == 2
+    for key in ("reward/mean", "train/grad_norm", "train/loss", "parity/mae", "parity/kl_k3"):
+        assert again[key] == two[2][key], key
+    final_a, final_b = _adapter(run / "checkpoints" / "step_000002"), _adapter(resumed / "checkpoints" / "step_000002")
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
