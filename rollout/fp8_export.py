@@ -32,7 +32,7 @@ shard but the last of a fused module to be a multiple of 128 rows, and its
 activation quantizer needs K % 128 == 0; ``check_cuda_block_shapes`` refuses
 other models up front (the built-in tiny model's 64-row k/v fail it: it runs the
 CPU emulation only). ``VLLMEngine.load_weights`` keeps FP8 tensors and their
-float32 scales in their dtype (``_to_engine_dtype``) instead of casting to BF16.
+float32 scales in their dtype (``to_engine_dtype``) instead of casting to BF16.
 
 Remaining difference on CUDA (documented, not measurable here): vLLM's FP8
 GEMM accumulates in float32 on tensor cores while the trainer's emulation runs a

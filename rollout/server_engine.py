@@ -60,8 +60,8 @@ import torch
 from rollout.types import Rollouts, SamplingSpec
 from rollout.weight_export import payload_bytes
 from rollout.vllm_engine import (
-    _DEFAULT_PACKED,
-    _to_engine_dtype,
+    DEFAULT_PACKED_MODULES,
+    to_engine_dtype,
     check_update,
     checkpoint_shapes,
     eos_token_ids,
@@ -258,7 +258,7 @@ class ServerEngine:
             self.max_logprobs = int(info["max_logprobs"])
             self.backend = info["weight_transfer_backend"]
             self.tensor_parallel_size = int(info["tensor_parallel_size"])
-            self.packed_modules = {k: list(v) for k, v in (info["packed_modules"] or _DEFAULT_PACKED).items()}
+            self.packed_modules = {k: list(v) for k, v in (info["packed_modules"] or DEFAULT_PACKED_MODULES).items()}
             self._start_transfer(transfer_root)
             # A version of our own: responses generated with anything else are refused.
             self._version_tag, self._version_n = secrets.token_hex(4), 0
@@ -455,7 +455,7 @@ class ServerEngine:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], torch.Tensor)):
                 raise TypeError(f"named_tensors: expected (str, torch.Tensor) pairs, got {type(item).__name__}")
-            named.append((item[0], _to_engine_dtype(item[0], item[1].detach(), self.torch_dtype)))
+            named.append((item[0], to_engine_dtype(item[0], item[1].detach(), self.torch_dtype)))
         if not named:
             return
         self._check_update(named)

@@ -154,11 +154,11 @@ class FileWeightTransferEngine(WeightTransferEngine[FileWeightTransferInitInfo, 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from rollout.vllm_engine import _quiet_partial_reload
+        from rollout.vllm_engine import quiet_partial_reload
 
         # A partial update (LoRA-targeted modules only) is routine; the reload code
         # warns about every untouched layer otherwise.
-        with _quiet_partial_reload():
+        with quiet_partial_reload():
             finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

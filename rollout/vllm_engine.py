@@ -42,7 +42,7 @@ from rollout.types import Rollouts, SamplingSpec
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
 # vLLM's fused modules for Llama-family models, used if the model class cannot be asked.
-_DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 # Partial reloads are routine here; these loggers warn about every module not in the update.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
 _MASK64 = (1 << 64) - 1
@@ -204,7 +204,7 @@ def _drop_log(logger_name: str, prefix: str, active: bool = True):
 
 
 @contextlib.contextmanager
-def _quiet_partial_reload():
+def quiet_partial_reload():
     loggers = [logging.getLogger(n) for n in _RELOAD_LOGGERS]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -216,7 +216,7 @@ def _quiet_partial_reload():
             lg.setLevel(level)
 
 
-def _to_engine_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def to_engine_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast a synced tensor to the engine dtype, except block-FP8 weights and their float32 scales.
 
     Hook for the CUDA FP8 recipes (``rollout.fp8_export.fp8_block_weights``): the
@@ -322,7 +322,7 @@ class VLLMEngine:
             mapping = self._llm.apply_model(lambda m: dict(getattr(type(m), "packed_modules_mapping", {}) or {}))[0]
         except Exception:  # noqa: BLE001 - any failure here only loses precision of a safety check
             mapping = None
-        return {k: list(v) for k, v in (mapping or _DEFAULT_PACKED).items()}
+        return {k: list(v) for k, v in (mapping or DEFAULT_PACKED_MODULES).items()}
 
     @property
     def llm(self):
@@ -384,11 +384,11 @@ class VLLMEngine:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], torch.Tensor)):
                 raise TypeError(f"named_tensors: expected (str, torch.Tensor) pairs, got {type(item).__name__}")
-            named.append((item[0], _to_engine_dtype(item[0], item[1].detach(), self.torch_dtype)))
+            named.append((item[0], to_engine_dtype(item[0], item[1].detach(), self.torch_dtype)))
         if not named:
             return
         self._check_update(named)
-        with _quiet_partial_reload():
+        with quiet_partial_reload():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")

@@ -30,7 +30,7 @@ from rollout.fp8_export import (
     is_fp8_target,
     write_fp8_checkpoint,
 )
-from rollout.vllm_engine import _to_engine_dtype
+from rollout.vllm_engine import to_engine_dtype
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -185,10 +185,10 @@ def test_write_fp8_checkpoint(tmp_path):
 
 def test_engine_keeps_fp8_tensors_and_scales_in_their_dtype():
     q = torch.zeros(2, 2, dtype=torch.float8_e4m3fn)
-    assert _to_engine_dtype("a.weight", q, torch.bfloat16) is q
+    assert to_engine_dtype("a.weight", q, torch.bfloat16) is q
     s = torch.ones(1, 1)
-    assert _to_engine_dtype("a.weight_scale_inv", s, torch.bfloat16).dtype == torch.float32
-    assert _to_engine_dtype("a.weight", torch.ones(2), torch.bfloat16).dtype == torch.bfloat16
+    assert to_engine_dtype("a.weight_scale_inv", s, torch.bfloat16).dtype == torch.float32
+    assert to_engine_dtype("a.weight", torch.ones(2), torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_fused_engine_weight_equals_per_module_trainer_weights():
