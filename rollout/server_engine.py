@@ -226,11 +226,18 @@ class ServerEngine:
     eos_ids: stop tokens; default the model dir's generation_config / config EOS ids.
     transfer_root: where the ``parityrl_file`` backend writes updates (default /dev/shm).
     max_concurrency: requests in flight at once.
+    pushes_weights: False for the data-parallel ranks other than 0 when several trainer
+        processes share one server: rank 0 alone owns the weight transfer (one NCCL group
+        with the server, one push per step); the others generate from the server and, at
+        each sync, only advance to the version rank 0 sets (``follow_push``).
+    version_tag: the weight-version tag; the same on every trainer rank sharing the server
+        (rank 0 draws it, the loop broadcasts it), a fresh random one by default.
     """
 
     def __init__(self, url: str, *, model_dir: str | Path, timeout_s: float = 300.0, dtype: str = "bfloat16",
                  max_model_len: int | None = None, eos_ids: Sequence[int] | None = None,
-                 transfer_root: str | Path | None = None, max_concurrency: int = 256) -> None:
+                 transfer_root: str | Path | None = None, max_concurrency: int = 256, pushes_weights: bool = True,
+                 version_tag: str | None = None) -> None:
         self.host, self.port = parse_server_url(url)
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"rollout.server_timeout_s = {timeout_s!r}: expected a number of seconds > 0")
@@ -248,6 +255,7 @@ class ServerEngine:
         self._http: _Http | None = None
         self._transfer = None
         self.last_push: dict[str, float] = {}
+        self.pushes_weights = bool(pushes_weights)
 
         self.startup_wait_s = wait_for_health(self.url, self.timeout_s)
         self._http = _Http(self.url, self.timeout_s)
@@ -259,10 +267,11 @@ class ServerEngine:
             self.backend = info["weight_transfer_backend"]
             self.tensor_parallel_size = int(info["tensor_parallel_size"])
             self.packed_modules = {k: list(v) for k, v in (info["packed_modules"] or DEFAULT_PACKED_MODULES).items()}
-            self._start_transfer(transfer_root)
             # A version of our own: responses generated with anything else are refused.
-            self._version_tag, self._version_n = secrets.token_hex(4), 0
-            self._set_version()
+            self._version_tag, self._version_n = version_tag or secrets.token_hex(4), 0
+            if self.pushes_weights:
+                self._start_transfer(transfer_root)
+                self._set_version()
         except BaseException:
             self.close()
             raise
@@ -363,7 +372,7 @@ class ServerEngine:
                     "request_id": f"parityrl-{tag}-{s}", "token_ids": list(p), "output_mode": "tokens",
                     "sampling_params": {
                         "n": 1, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
-                        "max_tokens": spec.max_new_tokens, "seed": sample_seed(spec.seed, s),
+                        "max_tokens": spec.max_new_tokens, "seed": sample_seed(spec.seed, spec.index_offset + s),
                         "stop_token_ids": list(self.eos_ids), "detokenize": False,
                         # k + 1: see the module docstring (the route cuts [sampled, top...] to this many).
                         "logprobs": k + 1 if k else 0}})
@@ -450,6 +459,9 @@ class ServerEngine:
         dtype. Sets a new weight version and resets the server's prefix cache.
         ``last_push`` records the payload bytes, bytes on the wire/file and seconds.
         """
+        if not self.pushes_weights:
+            raise RuntimeError(f"ServerEngine({self.url}) was created with pushes_weights=False (a data-parallel rank "
+                               "other than 0): rank 0 pushes; call follow_push after it")
         named = []
         for item in named_tensors:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
@@ -477,6 +489,13 @@ class ServerEngine:
         self.last_push = {"bytes": float(payload), "tensors": float(len(named)),
                           "file_bytes": float(getattr(self._transfer, "last_file_bytes", payload)),
                           "seconds": time.perf_counter() - t0}
+
+    def follow_push(self) -> None:
+        """On a rank that does not push (``pushes_weights=False``): the pushing rank has just pushed (the
+        caller synchronises the ranks around it); from now on expect its new weight version."""
+        if self.pushes_weights:
+            raise RuntimeError(f"ServerEngine({self.url}) pushes its own weights: call load_weights, not follow_push")
+        self._version_n += 1
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
         check_update(named, self._shapes, self.model, self.packed_modules)

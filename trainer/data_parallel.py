@@ -136,3 +136,28 @@ class DataParallel:
         if self.active:
             torch.distributed.barrier()
 
+    def broadcast_object(self, obj, src: int = 0):
+        """``obj`` as rank ``src`` holds it, on every rank (picklable objects)."""
+        if not self.active:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def raise_together(self, error: BaseException | None) -> None:
+        """Collective: if any rank passes an error, every rank raises (this rank's own error, or a
+        RuntimeError naming the failed ranks), instead of the others waiting in their next collective."""
+        if not self.active:
+            if error is not None:
+                raise error
+            return
+        flags = torch.zeros(self.world, dtype=torch.float64)
+        flags[self.rank] = float(error is not None)
+        self._all_reduce(flags)
+        if error is not None:
+            raise error
+        failed = [r for r in range(self.world) if flags[r]]
+        if failed:
+            raise RuntimeError(f"data-parallel rank(s) {failed} failed (their error is in their own output); "
+                               f"rank {self.rank} stops with them")
+

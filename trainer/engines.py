@@ -26,17 +26,15 @@ def engine_model_dir(cfg: RunConfig, model_dir: str) -> str:
     return str(out if (out / "config.json").is_file() else write_fp8_checkpoint(model_dir, out))
 
 
-def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int):
+def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None):
+    """The rollout engine of this process. ``dp``: the data-parallel group (server mode: see ``_server_engine``)."""
     r = cfg.rollout
     if r.mode == "server":
         # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer.
         if r.engine != "vllm" or cfg.precision.recipe.startswith("fp8"):
             raise ValueError(f"rollout.mode = 'server' with rollout.engine = {r.engine!r}, precision.recipe = "
                              f"{cfg.precision.recipe!r}: expected rollout.engine 'vllm' and a bf16/fp16 recipe")
-        from rollout.server_engine import ServerEngine
-
-        return ServerEngine(r.server_url, model_dir=model_dir, timeout_s=r.server_timeout_s, dtype=cfg.model.dtype,
-                            max_model_len=max_model_len)
+        return _server_engine(cfg, model_dir, max_model_len, dp)
     if r.engine == "vllm":
         from rollout.fp8_export import engine_llm_kwargs
         from rollout.vllm_engine import VLLMEngine
@@ -67,6 +65,40 @@ def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
                         logprobs_topk=cfg.parity.topk)
 
 
+def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp):
+    """One server shared by every data-parallel rank: rank 0 owns the weight transfer and pushes.
+
+    Every rank sends its own shard's generate requests (the server batches them). Rank 0
+    connects first (health wait, checks, transfer channel, first weight version); the
+    others then connect without a transfer channel and share rank 0's version tag, so
+    every rank refuses samples from another weight version. A failure on rank 0 stops
+    every rank (``DataParallel.raise_together``) instead of leaving them waiting.
+    """
+    import secrets
+
+    from rollout.server_engine import ServerEngine
+    from trainer.data_parallel import DataParallel
+
+    dp = dp or DataParallel()
+    r = cfg.rollout
+    tag = dp.broadcast_object(secrets.token_hex(4) if dp.rank == 0 else None)
+
+    def connect(pushes: bool):
+        return ServerEngine(r.server_url, model_dir=model_dir, timeout_s=r.server_timeout_s, dtype=cfg.model.dtype,
+                            max_model_len=max_model_len, pushes_weights=pushes, version_tag=tag)
+
+    engine, error = None, None
+    if dp.rank == 0:
+        try:
+            engine = connect(True)
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank by raise_together
+            error = e
+    dp.raise_together(error)
+    if dp.rank != 0:
+        engine = connect(False)
+    return engine
+
+
 def sync_weights(engine, policy, recipe: str = "bf16", gather=None) -> dict[str, float]:
     """Push the policy's current weights (LoRA merged, changed modules only) into the engine.
 
@@ -77,8 +109,17 @@ def sync_weights(engine, policy, recipe: str = "bf16", gather=None) -> dict[str,
     quantizer (``rollout.fp8_export.fp8_block_weights``); on CPU the emulating engine
     quantizes the merged BF16 weights with the same function (``rollout.fp8_quant``).
     """
-    from rollout.weight_export import merged_lora_weights, payload_bytes
+    from rollout.weight_export import iter_merged_lora_weights, merged_lora_weights, payload_bytes
 
+    if not getattr(engine, "pushes_weights", True):
+        # A data-parallel rank > 0 sharing rank 0's server: rank 0 pushes. Under ZeRO-3 this
+        # rank must still take part in every module's gather (a collective); the merged
+        # tensors are dropped one by one.
+        if gather is not None:
+            for _ in iter_merged_lora_weights(policy, gather=gather):
+                pass
+        engine.follow_push()
+        return {}
     named = merged_lora_weights(policy, gather=gather)
     if recipe.startswith("fp8") and torch.cuda.is_available() and hasattr(engine, "llm"):
         from rollout.fp8_export import fp8_block_weights

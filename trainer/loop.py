@@ -328,7 +328,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         return optimizer_step(accelerator, model, optimizer, params, cfg.train.max_grad_norm)
 
     # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
-    gather = zero3_gather(policy)
+    gather = zero3_gather(policy) if stage == 3 else None
 
     start_step = 0
     if resume:
@@ -354,10 +354,21 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     max_model_len = d.max_prompt_tokens + cfg.rollout.max_new_tokens
     own_engine = engine is None
     if own_engine:
-        engine = make_engine(cfg, model_dir, max_model_len=max_model_len)
+        engine = make_engine(cfg, model_dir, max_model_len=max_model_len, dp=dp)
     # Always align the engine with the policy being trained (fresh adapter = base weights,
     # resumed adapter = its merge), so a reused engine never carries another run's weights.
-    sync_weights(engine, policy, cfg.precision.recipe, gather=gather)
+    def sync() -> dict:
+        # Every rank leaves together: with a shared server rank 0 pushes while the others
+        # wait for it before their next generate; a failed push stops every rank.
+        out, error = {}, None
+        try:
+            out = sync_weights(engine, policy, cfg.precision.recipe, gather=gather)
+        except Exception as e:  # noqa: BLE001 - re-raised by raise_together on this rank
+            error = e
+        dp.raise_together(error)
+        return out
+
+    sync()
     logger = RunLogger(run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode, project=cfg.logging.wandb.project,
                        entity=cfg.logging.wandb.entity, name=cfg.name, total_steps=cfg.train.steps,
                        print_every=cfg.logging.print_every, enabled=accelerator.is_main_process)
@@ -458,7 +469,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # ---------------------------------------------------- weight sync
             t = time.perf_counter()
             if cfg.rollout.sync_weights:
-                m.update(sync_weights(engine, policy, cfg.precision.recipe, gather=gather))
+                m.update(sync())
             m["perf/sync_s"] = time.perf_counter() - t
             t = time.perf_counter()
             m.update(_probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device, dp))

@@ -436,13 +436,16 @@ def test_weight_push_changes_outputs_and_keeps_parity(server_engine, hf_referenc
     assert restored.completion_ids == before.completion_ids and restored.rollout_logprobs == before.rollout_logprobs
 
 
+def overrides_for(tmp_path, name, url, *overrides) -> list[str]:
+    return [f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled",
+            "rollout.prompts_per_step=8", "algorithm.group_size=4", "train.micro_batch_size=16",
+            "rollout.mode=server", f"rollout.server_url={url}", "rollout.server_timeout_s=120", *overrides]
+
+
 def cfg_for(tmp_path, name, url, *overrides):
     from trainer.config import load_recipe
 
-    return load_recipe(RECIPE, [
-        f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled",
-        "rollout.prompts_per_step=8", "algorithm.group_size=4", "train.micro_batch_size=16",
-        "rollout.mode=server", f"rollout.server_url={url}", "rollout.server_timeout_s=120", *overrides])
+    return load_recipe(RECIPE, overrides_for(tmp_path, name, url, *overrides))
 
 
 @pytest.mark.slow
@@ -470,6 +473,43 @@ def test_three_training_steps_against_the_server(server, tmp_path, tiny_model_di
     assert rows[0]["step"] == 0 and rows[0]["probe/mae"] < PARITY_MAE_BOUND  # the server started in sync
     lora = load_peft_weights(str(latest_checkpoint(res.run_dir) / "adapter"), device="cpu")
     assert sum(v.float().norm() for k, v in lora.items() if "lora_B" in k) > 0.1  # the pushes carried real updates
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_share_one_server(server, tmp_path, tiny_model_dir):
+    """Data parallel (torchrun, 2 ranks) against one server: rank 0 owns the transfer and pushes, rank 1
+    follows its weight version; each rank samples its shard with one process's seeds."""
+    from trainer.loop import train
+
+    extra = ("train.steps=2", "checkpoint.every=0", "parity.topk=5")
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    sets = [x for o in overrides_for(tmp_path, "dp2", server.url, *extra) for x in ("--set", o)]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "trainer.train", str(RECIPE), *sets], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = [json.loads(x) for x in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+    one = train(cfg_for(tmp_path, "one", server.url, *extra)).history
+    assert [r["step"] for r in two] == [0, 1, 2]
+    assert two[1]["reward/mean"] == one[0]["reward/mean"]
+    assert two[1]["parity/num_tokens"] == one[0]["parity/num_tokens"]
+    assert two[1]["parity/mae"] == pytest.approx(one[0]["parity/mae"], rel=1e-3)
+    # Step 2 and both probes ran on the weights rank 0 pushed; rank 1 generated with that version
+    # (a sample of any other version is refused, so a missed push would have stopped the run).
+    assert all(r["parity/mae"] < PARITY_MAE_BOUND for r in two[1:])
+    assert all(r["probe/mae"] < PARITY_MAE_BOUND for r in two)
+    assert all(r["perf/sync_bytes"] == one[0]["perf/sync_bytes"] for r in two[1:])
+
+    # A follower cannot push, and refuses samples of a version it was not told about.
+    follower = ServerEngine(server.url, model_dir=tiny_model_dir, timeout_s=120, max_model_len=88,
+                            pushes_weights=False, version_tag="not-the-servers")
+    try:
+        with pytest.raises(RuntimeError, match="rank 0 pushes"):
+            follower.load_weights([("model.norm.weight", torch.ones(128))])
+        with pytest.raises(ServerEngineError, match="weight version"):
+            follower.generate([[1, 2, 3]], SamplingSpec(n=1, max_new_tokens=4, temperature=1.0, seed=0))
+    finally:
+        follower.close()
 
 
 @pytest.mark.slow

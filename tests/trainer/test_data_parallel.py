@@ -32,6 +32,24 @@ def test_single_process_helpers_are_the_identity():
     assert (n.num_tokens, n.num_seqs, n.max_len) == (3.0, 2.0, 4)
 
 
+def test_single_process_raise_together_and_broadcast():
+    dp = DataParallel()
+    dp.raise_together(None)
+    with pytest.raises(KeyError, match="mine"):
+        dp.raise_together(KeyError("mine"))
+    assert dp.broadcast_object({"tag": 1}) == {"tag": 1}
+
+
+def test_two_ranks_raise_together_and_broadcast(tmp_path):
+    """Rank 1 fails alone: rank 0 stops too, naming it, instead of waiting in the next collective."""
+    proc = subprocess.run([*TORCHRUN, str(Path(__file__).parent / "dp_collectives_worker.py")], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(x for x in proc.stdout.splitlines() if x.startswith("RANK "))
+    assert lines == ["RANK 0 tag=abc others=RuntimeError: data-parallel rank(s) [1] failed",
+                     "RANK 1 tag=abc own=ValueError: bad reward on rank 1"], proc.stdout
+
+
 def test_shard_keeps_whole_prompts_and_refuses_uneven_splits():
     dp = DataParallel(rank=1, world=2)
     assert dp.shard(list("abcdef")) == ["d", "e", "f"] and dp.offset(12) == 12
