@@ -475,21 +475,34 @@ def test_three_training_steps_against_the_server(server, tmp_path, tiny_model_di
     assert sum(v.float().norm() for k, v in lora.items() if "lora_B" in k) > 0.1  # the pushes carried real updates
 
 
-@pytest.mark.slow
-def test_two_trainer_ranks_share_one_server(server, tmp_path, tiny_model_dir):
-    """Data parallel (torchrun, 2 ranks) against one server: rank 0 owns the transfer and pushes, rank 1
-    follows its weight version; each rank samples its shard with one process's seeds."""
+SHARED_RUN = ("train.steps=2", "checkpoint.every=0", "parity.topk=5")
+
+
+@pytest.fixture(scope="module")
+def one_trainer_on_server(server, tmp_path_factory):
     from trainer.loop import train
 
-    extra = ("train.steps=2", "checkpoint.every=0", "parity.topk=5")
+    return train(cfg_for(tmp_path_factory.mktemp("one"), "one", server.url, *SHARED_RUN)).history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainers", ["data_parallel", "zero3"])
+def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_server, tmp_path, tiny_model_dir):
+    """2 trainer ranks (torchrun; plain data parallel, or DeepSpeed ZeRO-3 with the environment `accelerate
+    launch --config_file recipes/accelerate/zero3.yaml` sets) against one server: rank 0 owns the transfer and
+    pushes, rank 1 follows its weight version (under ZeRO-3 it takes part in the gathers); each rank samples
+    its shard with one process's seeds."""
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    sets = [x for o in overrides_for(tmp_path, "dp2", server.url, *extra) for x in ("--set", o)]
+    if trainers == "zero3":
+        env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO3_INIT="false",
+                   ACCELERATE_DEEPSPEED_CONFIG_FILE=str(REPO / "recipes/accelerate/zero3.json"))
+    sets = [x for o in overrides_for(tmp_path, "dp2", server.url, *SHARED_RUN) for x in ("--set", o)]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "trainer.train", str(RECIPE), *sets], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = [json.loads(x) for x in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
-    one = train(cfg_for(tmp_path, "one", server.url, *extra)).history
+    one = one_trainer_on_server
     assert [r["step"] for r in two] == [0, 1, 2]
     assert two[1]["reward/mean"] == one[0]["reward/mean"]
     assert two[1]["parity/num_tokens"] == one[0]["parity/num_tokens"]
@@ -499,6 +512,8 @@ def test_two_trainer_ranks_share_one_server(server, tmp_path, tiny_model_dir):
     assert all(r["parity/mae"] < PARITY_MAE_BOUND for r in two[1:])
     assert all(r["probe/mae"] < PARITY_MAE_BOUND for r in two)
     assert all(r["perf/sync_bytes"] == one[0]["perf/sync_bytes"] for r in two[1:])
+    # The gradient reduced by DeepSpeed (or by the loop's all-reduce) has one process's norm.
+    assert two[1]["train/grad_norm"] == pytest.approx(one[0]["train/grad_norm"], rel=1e-4)
 
     # A follower cannot push, and refuses samples of a version it was not told about.
     follower = ServerEngine(server.url, model_dir=tiny_model_dir, timeout_s=120, max_model_len=88,
