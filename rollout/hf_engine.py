@@ -39,6 +39,10 @@ class HFEngine:
     max_batch_size: sequences per ``generate`` call.
     """
 
+    # Names not given in load_weights keep their values: trainer.engines.sync_weights streams
+    # the update one decoder layer at a time.
+    accepts_partial_updates = True
+
     def __init__(self, model, *, dtype: str = "bfloat16", device: str = "cpu",
                  eos_ids: Sequence[int] | None = None, max_batch_size: int = 256) -> None:
         if isinstance(model, (str, Path)):

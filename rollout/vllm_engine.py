@@ -272,6 +272,10 @@ class VLLMEngine:
     llm_kwargs: passed to ``vllm.LLM`` as is.
     """
 
+    # Names not given in load_weights keep their values: trainer.engines.sync_weights streams
+    # the update one decoder layer at a time.
+    accepts_partial_updates = True
+
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", max_model_len: int = 1024, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, enable_prefix_caching: bool = True, max_num_seqs: int = 256,

@@ -29,6 +29,7 @@ pass ``gather`` (e.g. ``lambda ps: deepspeed.zero.GatheredParameters(ps)``).
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
@@ -179,6 +180,49 @@ def iter_merged_lora_weights(
             done.add(member)
             with torch.no_grad(), gather(_module_params(module)):
                 yield from _effective_weights(member, module, dtype)
+
+
+_LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def layer_chunks(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int | None = None) -> Iterator[NamedTensors]:
+    """Group consecutive (name, tensor) pairs into chunks of whole decoder layers (``...layers.<i>.``).
+
+    For engines that keep the values of names not sent: an update streamed this way
+    holds at most one chunk of merged weights (never the whole model's), and a layer's
+    fused groups stay in one chunk (``iter_merged_lora_weights`` yields a group's members
+    together, in model order). Whole layers are added to a chunk while it stays within
+    ``max_bytes`` (a layer larger than that is a chunk alone); None: one layer per chunk.
+    Tensors outside the decoder layers form chunks of their own runs.
+    """
+    def runs() -> Iterator[NamedTensors]:
+        run: NamedTensors = []
+        key: object = object()
+        for name, tensor in named:
+            m = _LAYER_PREFIX.match(name)
+            k = m.group(1) if m else None
+            if run and k != key:
+                yield run
+                run = []
+            key = k
+            run.append((name, tensor))
+        if run:
+            yield run
+
+    if max_bytes is None:
+        yield from runs()
+        return
+    chunk: NamedTensors = []
+    size = 0
+    for run in runs():
+        b = payload_bytes(run)
+        if chunk and size + b > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk += run
+        size += b
+    if chunk:
+        yield chunk
 
 
 def _inside_wrapper(name: str, root: nn.Module, aux_wrapper: type) -> bool:

@@ -99,31 +99,45 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp):
     return engine
 
 
-def sync_weights(engine, policy, recipe: str = "bf16", gather=None) -> dict[str, float]:
+def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch.dtype = torch.bfloat16,
+                 chunk_bytes: int | None = None) -> dict[str, float]:
     """Push the policy's current weights (LoRA merged, changed modules only) into the engine.
 
+    ``dtype``: the engine's (``model.dtype``): the merge is computed in float32 and rounded
+    to it once, so an FP16 or FP32 engine gets the weights the trainer's model holds, not a
+    BF16 rounding of them.
     ``gather``: ``trainer.distributed.zero3_gather(policy)`` under ZeRO-3 (one module's
     shards gathered at a time; every rank must call this then).
-
+    Engines that keep the values of names not sent (``accepts_partial_updates``: the
+    colocated vLLM and HF engines) get the update in chunks of whole decoder layers of at
+    most ``chunk_bytes`` (``rollout.sync_chunk_bytes``; None: one layer per chunk), so at most
+    one chunk of merged weights exists at once; a server gets one push per sync (one
+    weight version).
     FP8 recipes on CUDA push the block-FP8 weights + scales computed by the trainer's own
     quantizer (``rollout.fp8_export.fp8_block_weights``); on CPU the emulating engine
     quantizes the merged BF16 weights with the same function (``rollout.fp8_quant``).
     """
-    from rollout.weight_export import iter_merged_lora_weights, merged_lora_weights, payload_bytes
+    from rollout.weight_export import iter_merged_lora_weights, layer_chunks, payload_bytes
 
+    merged = iter_merged_lora_weights(policy, gather=gather, dtype=dtype)
     if not getattr(engine, "pushes_weights", True):
         # A data-parallel rank > 0 sharing rank 0's server: rank 0 pushes. Under ZeRO-3 this
         # rank must still take part in every module's gather (a collective); the merged
         # tensors are dropped one by one.
         if gather is not None:
-            for _ in iter_merged_lora_weights(policy, gather=gather):
+            for _ in merged:
                 pass
         engine.follow_push()
         return {}
-    named = merged_lora_weights(policy, gather=gather)
-    if recipe.startswith("fp8") and torch.cuda.is_available() and hasattr(engine, "llm"):
-        from rollout.fp8_export import fp8_block_weights
+    fp8_cuda = recipe.startswith("fp8") and torch.cuda.is_available() and hasattr(engine, "llm")
+    chunks = layer_chunks(merged, chunk_bytes) if getattr(engine, "accepts_partial_updates", False) else [list(merged)]
+    n_bytes = n_tensors = 0
+    for named in chunks:
+        if fp8_cuda:
+            from rollout.fp8_export import fp8_block_weights
 
-        named = list(fp8_block_weights(named))
-    engine.load_weights(named)
-    return {"perf/sync_bytes": float(payload_bytes(named)), "perf/sync_tensors": float(len(named))}
+            named = list(fp8_block_weights(named))
+        engine.load_weights(named)
+        n_bytes += payload_bytes(named)
+        n_tensors += len(named)
+    return {"perf/sync_bytes": float(n_bytes), "perf/sync_tensors": float(n_tensors)}

@@ -355,19 +355,22 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     own_engine = engine is None
     if own_engine:
         engine = make_engine(cfg, model_dir, max_model_len=max_model_len, dp=dp)
-    # Always align the engine with the policy being trained (fresh adapter = base weights,
-    # resumed adapter = its merge), so a reused engine never carries another run's weights.
+    engine_dtype = getattr(torch, cfg.model.dtype)  # the merge is rounded to it once
+
     def sync() -> dict:
         # Every rank leaves together: with a shared server rank 0 pushes while the others
         # wait for it before their next generate; a failed push stops every rank.
         out, error = {}, None
         try:
-            out = sync_weights(engine, policy, cfg.precision.recipe, gather=gather)
+            out = sync_weights(engine, policy, cfg.precision.recipe, gather=gather, dtype=engine_dtype,
+                               chunk_bytes=cfg.rollout.sync_chunk_bytes)
         except Exception as e:  # noqa: BLE001 - re-raised by raise_together on this rank
             error = e
         dp.raise_together(error)
         return out
 
+    # Always align the engine with the policy being trained (fresh adapter = base weights,
+    # resumed adapter = its merge), so a reused engine never carries another run's weights.
     sync()
     logger = RunLogger(run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode, project=cfg.logging.wandb.project,
                        entity=cfg.logging.wandb.entity, name=cfg.name, total_steps=cfg.train.steps,

@@ -39,9 +39,11 @@ def hf_reference(tiny_model_dir):
 
 @pytest.fixture
 def restored_engine(vllm_engine, hf_reference):
-    """The shared engine; every weight is reloaded from the reference afterwards."""
+    """The shared engine holding the reference weights: reloaded before the test (a training test that ran
+    earlier in the session leaves its trained weights: pytest's order must not matter) and afterwards."""
     from rollout.weight_export import full_weights
 
+    vllm_engine.load_weights(full_weights(hf_reference, dtype=torch.bfloat16))
     yield vllm_engine
     vllm_engine.load_weights(full_weights(hf_reference, dtype=torch.bfloat16))
 

@@ -131,9 +131,9 @@ def test_generate_leaves_the_callers_rng_alone(vllm_engine, prompts):
 
 
 @pytest.mark.slow
-def test_logprobs_match_hf_forward_at_temperature(vllm_engine, hf_reference, prompts, hf_logprobs):
+def test_logprobs_match_hf_forward_at_temperature(restored_engine, hf_reference, prompts, hf_logprobs):
     spec = SamplingSpec(n=4, temperature=0.7, max_new_tokens=32, seed=3)
-    r = vllm_engine.generate(prompts, spec)
+    r = restored_engine.generate(prompts, spec)
     err = abs_errors(r.rollout_logprobs, hf_logprobs(hf_reference, r.prompt_ids, r.completion_ids, 0.7))
     print(f"vLLM vs HF forward, T=0.7: MAE {err.mean():.4g}, max {err.max():.4g} over {len(err)} tokens")
     assert err.mean() < MAE_BOUND
@@ -242,10 +242,10 @@ def test_large_seeded_batch_does_not_chunk_prefill(vllm_engine):
 
 
 @pytest.mark.slow
-def test_topk_logprobs_match_hf_and_give_a_small_topk_kl(vllm_engine, hf_reference, prompts):
+def test_topk_logprobs_match_hf_and_give_a_small_topk_kl(restored_engine, hf_reference, prompts):
     from parity.metrics import topk_kl
 
-    r = vllm_engine.generate(prompts[:4], SamplingSpec(n=2, temperature=0.8, max_new_tokens=16, seed=5, logprobs_topk=5))
+    r = restored_engine.generate(prompts[:4], SamplingSpec(n=2, temperature=0.8, max_new_tokens=16, seed=5, logprobs_topk=5))
     assert r.topk == 5
     errs, kls = [], []
     with torch.no_grad():

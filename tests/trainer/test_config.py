@@ -37,6 +37,7 @@ def test_defaults_and_overrides(tmp_path):
     ("train: {steps: three}\n", ["train.steps = 'three'", "an integer"]),
     ("train: {steps: 2.5}\n", ["train.steps = 2.5", "an integer"]),
     ("rollout: {sync_weights: 'yes'}\n", ["rollout.sync_weights", "true or false"]),
+    ("rollout: {sync_chunk_bytes: 0}\n", ["rollout.sync_chunk_bytes = 0", ">= 1"]),
     ("algorithm: {loss_agg: mean}\n", ["algorithm.loss_agg = 'mean'", "token_mean"]),
     ("algorithm: {group_size: 1}\n", ["algorithm.group_size = 1", ">= 2"]),
     ("train: {learning_rate: -0.001}\n", ["train.learning_rate = -0.001", "> 0"]),
