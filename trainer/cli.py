@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run directory")
     s = sub.add_parser("sft", help="supervised fine-tuning (the warm start before RL)")
     _add_recipe_args(s)
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output_dir (swapped in whole once the new model is written)")
     _add_recipe_args(sub.add_parser(
         "train-rm", help="train a reward model on prompt/chosen/rejected pairs (pairwise loss, LoRA)"))
     m = sub.add_parser("merge", help="fold a LoRA adapter into its base: a plain HF model directory",
@@ -151,9 +153,12 @@ def _sft(args) -> int:
         print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
         return 2
     try:
-        out = run_sft(cfg)
+        out = run_sft(cfg, overwrite=args.overwrite)
     except RecipeError as e:  # data that does not fit the recipe (e.g. fewer tokens than one packed block)
         print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        return 2
+    except FileExistsError as e:
+        print(f"parityrl sft: {e} (or pass --overwrite)", file=sys.stderr)
         return 2
     print(f"sft {'adapter' if cfg.output_format == 'adapter' else 'model'} written to {out}")
     return 0

@@ -53,7 +53,7 @@ def ensure_warm_started_tiny() -> Path:
             return out
         print(f"building the default model (once): warm start {WARM_START_RECIPE.name} -> {out}", flush=True)
         cfg = load_sft_recipe(WARM_START_RECIPE, [f"output_dir={out}"])
-        run_sft(cfg)
+        run_sft(cfg, overwrite=True)  # our cache, under the lock: a leftover without config.json is replaced
     return out
 
 

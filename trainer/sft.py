@@ -218,12 +218,20 @@ def _packed_blocks(cfg: SFTConfig, prompt_ids: list[list[int]], completion_ids: 
     return blocks
 
 
-def run_sft(cfg: SFTConfig) -> Path:
-    """Train and write the model to ``cfg.out_path``; returns that path."""
+def run_sft(cfg: SFTConfig, *, overwrite: bool = False) -> Path:
+    """Train and write the model to ``cfg.out_path``; returns that path.
+
+    An existing non-empty ``output_dir`` is refused before anything loads (a previous
+    model is never replaced by accident, as ``train-rm`` and ``merge`` do); with
+    ``overwrite`` it is replaced, atomically, once the new model is complete.
+    """
     from trainer.batch import build_token_batch
     from trainer.default_model import resolve_model_path
+    from trainer.outputs import refuse_existing_output
     from trainer.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
 
+    if not overwrite:
+        refuse_existing_output(cfg.out_path, "output_dir")
     torch.manual_seed(cfg.train.seed)
     rng = random.Random(cfg.train.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"

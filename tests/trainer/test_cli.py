@@ -60,6 +60,17 @@ def test_sft_recipe_through_cli(tmp_path):
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     info = json.loads((out / "parityrl_sft.json").read_text())
     assert info["sft_steps"] == 3
+    # The same output_dir again: refused before anything loads, the model left as it was.
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    again = run_cli("sft", str(REPO / "recipes" / "sft_tiny.yaml"), "--set", "train.steps=4", "--set",
+                    f"output_dir={out}", "--set", "data.num_examples=64", timeout=120)
+    assert again.returncode == 2 and "output_dir" in again.stderr and "--overwrite" in again.stderr, again.stderr
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    replaced = run_cli("sft", str(REPO / "recipes" / "sft_tiny.yaml"), "--set", "train.steps=4", "--set",
+                       f"output_dir={out}", "--set", "data.num_examples=64", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert json.loads((out / "parityrl_sft.json").read_text())["sft_steps"] == 4
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging dirs left
 
 
 @pytest.mark.slow
