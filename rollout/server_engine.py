@@ -61,7 +61,7 @@ from rollout.types import Rollouts, SamplingSpec
 from rollout.weight_export import payload_bytes
 from rollout.vllm_engine import (
     DEFAULT_PACKED_MODULES,
-    to_engine_dtype,
+    engine_named_tensors,
     check_update,
     checkpoint_shapes,
     eos_token_ids,
@@ -462,12 +462,7 @@ class ServerEngine:
         if not self.pushes_weights:
             raise RuntimeError(f"ServerEngine({self.url}) was created with pushes_weights=False (a data-parallel rank "
                                "other than 0): rank 0 pushes; call follow_push after it")
-        named = []
-        for item in named_tensors:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)):
-                raise TypeError(f"named_tensors: expected (str, torch.Tensor) pairs, got {type(item).__name__}")
-            named.append((item[0], to_engine_dtype(item[0], item[1].detach(), self.torch_dtype)))
+        named = engine_named_tensors(named_tensors, self.torch_dtype)
         if not named:
             return
         self._check_update(named)

@@ -228,6 +228,21 @@ def to_engine_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return t.to(dtype)
 
 
+def engine_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+                         ) -> list[tuple[str, torch.Tensor]]:
+    """An update's (HF name, tensor) pairs, checked to be pairs and cast to the engine dtype (``to_engine_dtype``).
+
+    Shared by every engine that takes HF-named tensors (in-process and server).
+    """
+    named = []
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise TypeError(f"named_tensors: expected (str, torch.Tensor) pairs, got {type(item).__name__}")
+        named.append((item[0], to_engine_dtype(item[0], item[1].detach(), dtype)))
+    return named
+
+
 def _sampled_logprobs(completion, topk: int = 0):
     """(sampled-token log-probs, top-k ids, top-k log-probs) from vLLM's FlatLogprobs output.
 
@@ -383,12 +398,7 @@ class VLLMEngine:
         Each update must contain whole fused groups (see module docstring). Tensors are
         cast to the engine dtype. The prefix cache is reset afterwards.
         """
-        named = []
-        for item in named_tensors:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)):
-                raise TypeError(f"named_tensors: expected (str, torch.Tensor) pairs, got {type(item).__name__}")
-            named.append((item[0], to_engine_dtype(item[0], item[1].detach(), self.torch_dtype)))
+        named = engine_named_tensors(named_tensors, self.torch_dtype)
         if not named:
             return
         self._check_update(named)

@@ -149,12 +149,8 @@ def _sft(args) -> int:
 
     try:
         cfg = load_sft_recipe(args.recipe, args.overrides)
-    except RecipeError as e:
-        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
-        return 2
-    try:
         out = run_sft(cfg, overwrite=args.overwrite)
-    except RecipeError as e:  # data that does not fit the recipe (e.g. fewer tokens than one packed block)
+    except RecipeError as e:  # the recipe, or data that does not fit it (e.g. fewer tokens than one packed block)
         print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
         return 2
     except FileExistsError as e:

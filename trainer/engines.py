@@ -130,12 +130,12 @@ def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch
         engine.follow_push()
         return {}
     fp8_cuda = recipe.startswith("fp8") and torch.cuda.is_available() and hasattr(engine, "llm")
+    if fp8_cuda:
+        from rollout.fp8_export import fp8_block_weights
     chunks = layer_chunks(merged, chunk_bytes) if getattr(engine, "accepts_partial_updates", False) else [list(merged)]
     n_bytes = n_tensors = 0
     for named in chunks:
         if fp8_cuda:
-            from rollout.fp8_export import fp8_block_weights
-
             named = list(fp8_block_weights(named))
         engine.load_weights(named)
         n_bytes += payload_bytes(named)

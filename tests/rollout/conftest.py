@@ -37,6 +37,25 @@ def hf_reference(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
 
 
+@pytest.fixture(scope="session")
+def perturbed_copy():
+    """``f(model, names, scale, seed)``: a deep copy of ``model`` with the named parameters moved by seeded noise of
+    ``scale`` times each one's std (a "trained" model the engine does not hold yet)."""
+    import copy
+
+    def make(model, names, scale, seed):
+        g = torch.Generator().manual_seed(seed)
+        out = copy.deepcopy(model)
+        params = dict(out.named_parameters())
+        with torch.no_grad():
+            for n in names:
+                p = params[n]
+                p.add_((torch.randn(p.shape, generator=g) * scale * p.float().std()).to(p.dtype))
+        return out
+
+    return make
+
+
 @pytest.fixture
 def restored_engine(vllm_engine, hf_reference):
     """The shared engine holding the reference weights: reloaded before the test (a training test that ran

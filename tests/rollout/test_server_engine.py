@@ -393,24 +393,12 @@ def test_generate_layout_determinism_and_parity_with_hf(server_engine, prompts, 
     assert torch.cat(errs).mean() < 0.03  # test_vllm_engine.py's top-5 bound
 
 
-def _perturbed_copy(model, names, scale, seed):
-    import copy
-
-    g = torch.Generator().manual_seed(seed)
-    out = copy.deepcopy(model)
-    params = dict(out.named_parameters())
-    with torch.no_grad():
-        for n in names:
-            p = params[n]
-            p.add_((torch.randn(p.shape, generator=g) * scale * p.float().std()).to(p.dtype))
-    return out
-
-
 @pytest.mark.slow
-def test_weight_push_changes_outputs_and_keeps_parity(server_engine, hf_reference, prompts, hf_logprobs):
+def test_weight_push_changes_outputs_and_keeps_parity(server_engine, hf_reference,
+                                                      prompts, hf_logprobs, perturbed_copy):
     engine = server_engine
     names = [f"model.layers.1.self_attn.{x}_proj.weight" for x in "qkv"] + ["model.layers.2.mlp.down_proj.weight"]
-    target = _perturbed_copy(hf_reference, names, scale=4.0, seed=0)
+    target = perturbed_copy(hf_reference, names, scale=4.0, seed=0)
     spec = SamplingSpec(n=2, temperature=0.7, max_new_tokens=24, seed=5)
     before = engine.generate(prompts, spec)
     stale = abs_errors(before.rollout_logprobs, hf_logprobs(target, before.prompt_ids, before.completion_ids, 0.7))

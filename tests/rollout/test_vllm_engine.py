@@ -151,24 +151,12 @@ def test_top_k_logprobs_are_renormalised(vllm_engine, prompts):
     assert all(x == 0.0 for lp in r.rollout_logprobs for x in lp)
 
 
-def _perturbed_copy(model, names, scale, seed):
-    import copy
-
-    g = torch.Generator().manual_seed(seed)
-    out = copy.deepcopy(model)
-    params = dict(out.named_parameters())
-    with torch.no_grad():
-        for n in names:
-            p = params[n]
-            p.add_((torch.randn(p.shape, generator=g) * scale * p.float().std()).to(p.dtype))
-    return out
-
-
 @pytest.mark.slow
-def test_partial_load_weights_syncs_only_the_given_modules(restored_engine, hf_reference, prompts, hf_logprobs):
+def test_partial_load_weights_syncs_only_the_given_modules(restored_engine, hf_reference,
+                                                           prompts, hf_logprobs, perturbed_copy):
     engine = restored_engine
     names = [f"model.layers.1.self_attn.{x}_proj.weight" for x in "qkv"] + ["model.layers.2.mlp.down_proj.weight"]
-    target = _perturbed_copy(hf_reference, names, scale=4.0, seed=0)
+    target = perturbed_copy(hf_reference, names, scale=4.0, seed=0)
     spec = SamplingSpec(n=2, temperature=0.7, max_new_tokens=24, seed=5)
 
     before = engine.generate(prompts, spec)  # engine still has the old weights
