@@ -388,6 +388,8 @@ def main() -> int:
     p.add_argument("--no-wrap", action="store_true",
                    help="failure demonstration: prepare the PEFT model itself, so the backbone is called without "
                         "the engine's forward; under ZeRO-3 micro-batch gradients then overwrite each other")
+    p.add_argument("--report", type=Path, default=None,
+                   help="also write the report JSON to this file (the ranks share stdout, where lines can interleave)")
     args = p.parse_args()
     if "RANK" not in os.environ:
         raise SystemExit("launch with: torchrun --nproc_per_node 2 bench/zero_cpu_check.py --zero 2|3")
@@ -411,6 +413,8 @@ def main() -> int:
         report.update(dtype=args.dtype, optim=args.optim, steps=args.steps, micro=args.micro, targets=args.targets,
                       no_wrap=args.no_wrap)
         print("ZERO_CPU_CHECK " + json.dumps(report), flush=True)
+        if args.report:
+            args.report.write_text(json.dumps(report))
         ok[0] = int(report["ok"])
     dist.broadcast(ok, src=0)
     return 0 if int(ok) else 1

@@ -1,4 +1,11 @@
-"""Worker for tests/trainer/test_data_parallel.py (torchrun, 2 ranks): broadcast_object and raise_together."""
+"""Worker for tests/trainer/test_data_parallel.py (torchrun, 2 ranks): broadcast_object and raise_together.
+
+Each rank writes its outcome to its own file (argv[1]/rank_N.txt): two ranks printing to one pipe can
+interleave their lines (seen in CI: "RANK 1 ...RANK 0 ..." on one line).
+"""
+import sys
+from pathlib import Path
+
 import torch
 
 from trainer.data_parallel import DataParallel
@@ -18,7 +25,7 @@ def main() -> None:
         outcome = f"own=ValueError: {e}"
     except RuntimeError as e:
         outcome = f"others=RuntimeError: {str(e).split(' (')[0]}"
-    print(f"RANK {dp.rank} tag={tag} {outcome}", flush=True)
+    (Path(sys.argv[1]) / f"rank_{dp.rank}.txt").write_text(f"RANK {dp.rank} tag={tag} {outcome}")
     torch.distributed.destroy_process_group()
 
 

@@ -7,12 +7,14 @@ batch composition (padding width, GEMM shapes) moves results by ~1e-7 only; in B
 the same sequence scored in a differently padded batch differs by ~1e-3, which would
 hide what is tested. Gradients are compared, not post-Adam weights: Adam's first step
 is lr * sign(g) for |g| >> eps, so a gradient of +-1e-9 flips a weight by 2 lr.
-Prints one JSON line (rank 0) with the differences; the test asserts on them.
+Rank 0 writes the differences as JSON to argv[2] (not stdout, which both ranks share); the test asserts on them.
+Usage: torchrun --nproc_per_node 2 dp_equivalence_worker.py <recipe.yaml> <result.json>
 """
 import copy
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -85,11 +87,11 @@ def main() -> int:
     if dp.rank == 0:
         gmax = max(float(v.abs().max()) for v in ref_grads.values())
         gdiff = max(float((ref_grads[k] - dp_grads[k]).abs().max()) for k in ref_grads)
-        print("RESULT " + json.dumps({
+        Path(sys.argv[2]).write_text(json.dumps({
             "loss_ref": ref_out["metrics"]["train/loss"], "loss_dp": dp_out["metrics"]["train/loss"],
             "grad_max": gmax, "grad_max_diff": gdiff,
             "parity_ref": ref_parity, "parity_dp": dp_parity, "parity_pooled_same_inputs": pooled_same,
-        }), flush=True)
+        }))
     torch.distributed.destroy_process_group()
     return 0
 
