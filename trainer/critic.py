@@ -46,7 +46,8 @@ class NegativeKLWatch:
         return False
 
 
-def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_size: int, cfg, controller):
+def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_size: int, cfg, controller,
+                all_sum=None):
     """(advantages [S, C], returns [S, C], metrics) for one batch, and the controller updated.
 
     scored: ``score_pass`` output with ``train_logprobs`` (pi_old), ``ref_logprobs`` and ``values``.
@@ -54,19 +55,27 @@ def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_s
     ``cfg.reward_kl_estimator``) plus the score at the last token (scaled to unit variance over
     the batch, mean kept, with ``cfg.whiten_rewards``); GAE then gives the
     advantages (whitened if configured) and the returns (unwhitened advantages + values).
+    all_sum: with data parallel, ``DataParallel.all_sum``: the whitening statistics and the
+    per-sequence KL the controller steers by are the whole batch's, so every rank keeps the
+    same beta (each rank's own KL would move each rank's beta apart) and the advantages are
+    one process's. The other metrics are this rank's (the loop averages them over ranks).
     """
     a = cfg.algorithm
     beta = controller.value
     token_rewards, kl = ppo_token_rewards(rewards, scored["train_logprobs"], scored["ref_logprobs"], mask, beta,
                                           a.reward_kl_estimator)
     if a.whiten_rewards:
-        token_rewards = whiten(token_rewards, mask, shift_mean=False)
+        token_rewards = whiten(token_rewards, mask, shift_mean=False, all_sum=all_sum)
     inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=group_size, values=scored["values"],
-                             token_rewards=token_rewards)
+                             token_rewards=token_rewards, all_sum=all_sum)
     advantages = ADVANTAGES.get(a.name)(inputs, a)
     returns = ppo_returns(inputs, a)
     valid = mask > 0
-    seq_kl = float(kl.sum(-1).mean())
+    kl_sum_and_count = torch.stack([kl.sum().double(), torch.tensor(float(mask.shape[0]), dtype=torch.float64,
+                                                                    device=kl.device)])
+    if all_sum is not None:
+        kl_sum_and_count = all_sum(kl_sum_and_count)
+    seq_kl = float(kl_sum_and_count[0] / kl_sum_and_count[1])
     metrics = {
         "train/kl_ref": float(kl[valid].mean()),  # per token, with the reward's estimator
         "train/kl_ref_seq": seq_kl,  # per sequence (sum over tokens): what the controller steers
@@ -75,7 +84,7 @@ def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_s
         "train/return_mean": float(returns[valid].mean()),
         "train/explained_variance": explained_variance(scored["values"], returns, mask),
     }
-    controller.update(seq_kl, int(mask.shape[0]))
+    controller.update(seq_kl, int(kl_sum_and_count[1]))
     return advantages, returns, metrics
 
 

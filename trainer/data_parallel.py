@@ -74,6 +74,10 @@ class DataParallel:
             torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
         return t
 
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks (a new tensor; ``t`` itself with one process). Collective."""
+        return self._all_reduce(t.clone()) if self.active else t
+
     def global_normalizer(self, mask: torch.Tensor, max_len: int) -> LossNormalizer:
         """``LossNormalizer`` of the whole (all ranks') rollout batch."""
         valid = mask != 0

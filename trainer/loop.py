@@ -430,13 +430,14 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             if value_head is not None:
                 # A critic's advantages need the batch's values and reference log-probs first.
                 out = score_pass(model, batch, cfg, value_head=value_head, with_ref=True)
-                advantages, returns, critic_metrics = ppo_targets(out, rewards, batch.mask, g, cfg, kl_controller)
+                advantages, returns, critic_metrics = ppo_targets(out, rewards, batch.mask, g, cfg, kl_controller,
+                                                                  all_sum=dp.all_sum)
                 critic_metrics = dp.mean_metrics(critic_metrics)
                 m.update(critic_metrics)
                 kl_watch.update(step, critic_metrics["train/kl_ref"])
             else:
                 advantages = ADVANTAGES.get(cfg.algorithm.name)(
-                    AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=g), cfg.algorithm)
+                    AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=g, all_sum=dp.all_sum), cfg.algorithm)
                 if updates == 1:
                     out = policy_gradient_pass(model, batch, advantages, cfg, backward, dp=dp)
                     m.update(out["metrics"])

@@ -40,14 +40,23 @@ def test_single_process_raise_together_and_broadcast():
     assert dp.broadcast_object({"tag": 1}) == {"tag": 1}
 
 
-def test_two_ranks_raise_together_and_broadcast(tmp_path):
-    """Rank 1 fails alone: rank 0 stops too, naming it, instead of waiting in the next collective."""
+def test_two_ranks_raise_together_broadcast_and_pool_batch_statistics(tmp_path):
+    """Rank 1 fails alone: rank 0 stops too, naming it, instead of waiting in the next collective.
+    Batch-level statistics (whitening, REINFORCE++, PPO's targets and KL controller) pooled with
+    DataParallel.all_sum give each rank its rows of the whole-batch result."""
     proc = subprocess.run([*TORCHRUN, str(Path(__file__).parent / "dp_collectives_worker.py"), str(tmp_path)],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [(tmp_path / f"rank_{r}.txt").read_text() for r in (0, 1)]
-    assert lines == ["RANK 0 tag=abc others=RuntimeError: data-parallel rank(s) [1] failed",
-                     "RANK 1 tag=abc own=ValueError: bad reward on rank 1"]
+    results = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert [r["raise_together"] for r in results] == [
+        "RANK 0 tag=abc others=RuntimeError: data-parallel rank(s) [1] failed",
+        "RANK 1 tag=abc own=ValueError: bad reward on rank 1"]
+    for r in results:
+        pooled = r["pooled"]
+        for key in ("whiten", "reinforce_pp", "ppo_advantages", "ppo_returns", "kl_ref_seq"):
+            assert pooled[key] < 1e-5, (key, pooled)
+        # every rank's adaptive beta is the one process's (each rank's own KL would move it elsewhere)
+        assert pooled["beta"] == pytest.approx(pooled["beta_whole"], rel=1e-12) and pooled["beta"] != 0.1
 
 
 def test_shard_keeps_whole_prompts_and_refuses_uneven_splits():
@@ -99,3 +108,37 @@ def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_en
     assert s1["parity/num_tokens"] == one[0]["parity/num_tokens"]
     assert s1["parity/mae"] == pytest.approx(one[0]["parity/mae"], rel=1e-3)
     assert all(r["parity/mae"] < 1e-2 for r in two[1:]) and two[0]["probe/mae"] < 1e-2
+
+
+@pytest.mark.slow
+def test_two_rank_ppo_matches_one_process(tmp_path, tiny_model_dir, vllm_engine):
+    """PPO's batch-level statistics pooled over the ranks: whitened rewards and advantages and the adaptive KL
+    controller's beta are the single process's (one update per batch, so the updates see the same rows)."""
+    from trainer.config import load_recipe
+    from trainer.loop import train
+
+    recipe = REPO / "recipes/ppo_tiny.yaml"
+    common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
+              "logging.wandb.mode=disabled", "algorithm.epochs=1", "algorithm.mini_batches=1",
+              "algorithm.whiten_rewards=true", "algorithm.reward_kl_target=0.05"]
+    run2 = tmp_path / "two"
+    proc = subprocess.run([*TORCHRUN, "-m", "trainer.train", str(recipe),
+                           *[x for s in [*common, f"logging.run_dir={run2}", "name=two"] for x in ("--set", s)]],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = [json.loads(x) for x in (run2 / "metrics.jsonl").read_text().splitlines()]
+    one = train(load_recipe(recipe, [*common, f"logging.run_dir={tmp_path / 'one'}", "name=one"]),
+                engine=vllm_engine).history
+    s1 = two[1]
+    assert s1["reward/mean"] == one[0]["reward/mean"] and s1["parity/num_tokens"] == one[0]["parity/num_tokens"]
+    assert s1["train/kl_ref_seq"] == pytest.approx(one[0]["train/kl_ref_seq"], rel=1e-3)
+    assert s1["train/grad_norm"] == pytest.approx(one[0]["train/grad_norm"], rel=1e-3)
+    # step 2 runs with the beta the controller set after step 1 (the KL is 0 before the first update, so that
+    # step cannot tell pooled from per-rank KL: the collectives test does), then its KL is the policy's own
+    assert two[2]["train/reward_kl_coef"] == pytest.approx(one[1]["train/reward_kl_coef"], rel=1e-6)
+    assert two[2]["train/reward_kl_coef"] != two[1]["train/reward_kl_coef"]  # the controller did move it
+    assert two[2]["train/kl_ref_seq"] > 0
+    assert two[2]["train/kl_ref_seq"] == pytest.approx(one[1]["train/kl_ref_seq"], rel=1e-2)
+    print(f"[ppo dp vs one] step 1 grad norm {s1['train/grad_norm']:.9g} / {one[0]['train/grad_norm']:.9g}; "
+          f"step 2 kl_ref_seq {two[2]['train/kl_ref_seq']:.6g} / {one[1]['train/kl_ref_seq']:.6g}; beta at step 2 "
+          f"{two[2]['train/reward_kl_coef']:.9g} / {one[1]['train/reward_kl_coef']:.9g}")

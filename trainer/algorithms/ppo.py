@@ -227,7 +227,7 @@ def ppo_advantages(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:
     """
     rewards, values = _gae_inputs("ppo_advantages", batch)
     adv, _ = gae(rewards, values, batch.mask, cfg.gamma, cfg.lam)
-    return whiten(adv, batch.mask) if cfg.whiten_advantages else adv
+    return whiten(adv, batch.mask, all_sum=batch.all_sum) if cfg.whiten_advantages else adv
 
 
 def ppo_returns(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:

@@ -88,6 +88,10 @@ class AdvantageInputs:
         answers prompt ``i // group_size``), as produced by ``rollout.types.Rollouts``.
     values: [S, T] optional critic values (PPO/GAE).
     token_rewards: [S, T] optional per-token rewards (PPO/GAE, KL-in-reward).
+    all_sum: with data parallel, sums a tensor over the ranks (``DataParallel.all_sum``):
+        estimators with batch-level statistics (whitening) use it so that each rank's
+        shard gets the whole batch's; None = these rows are the whole batch. Group
+        statistics need none: a group never spans two ranks.
     """
 
     rewards: torch.Tensor
@@ -95,6 +99,7 @@ class AdvantageInputs:
     group_size: int
     values: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
+    all_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.mask.dim() != 2:

@@ -39,10 +39,10 @@ def reinforce_pp_baseline_advantages(batch: AdvantageInputs, cfg: Any) -> torch.
     valid tokens in the batch; NaN/inf rewards raise naming the sample index. Computed in float64,
     returned in float32 (or the wider rewards dtype).
 
-    Must see the WHOLE rollout batch (as every advantage estimator here): its statistics are global.
+    Its statistics are the whole rollout batch's: with data parallel, ``batch.all_sum`` pools them.
     """
     r = grouped_rewards("reinforce_pp_baseline_advantages", batch.rewards, batch.group_size)
     centred = r - r.mean(dim=-1, keepdim=True)
     centred = torch.where(constant_groups(r), torch.zeros_like(centred), centred)
-    adv = whiten(broadcast_to_tokens(centred.flatten(), batch.mask, torch.float64), batch.mask)
+    adv = whiten(broadcast_to_tokens(centred.flatten(), batch.mask, torch.float64), batch.mask, all_sum=batch.all_sum)
     return adv.to(torch.promote_types(batch.rewards.dtype, torch.float32))

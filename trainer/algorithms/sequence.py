@@ -12,6 +12,8 @@ Group layout is the one of ``AdvantageInputs``: samples are group-contiguous, sa
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 # Bessel-corrected variance plus this under the square root, as TRL's ``masked_whiten``
@@ -108,7 +110,8 @@ def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask:
     return (lp - old).sum(dim=-1)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = WHITEN_EPS) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = WHITEN_EPS,
+           all_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """Masked whitening of ``x`` [S, T] over its valid tokens; exactly 0 on padding.
 
         m = mean of the valid x,  v = sum (x - m)^2 / (N - 1)   (Bessel-corrected, N valid tokens)
@@ -116,22 +119,29 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
         out = (x - m) / sqrt(v + eps) + m      otherwise (scale only, keep the mean)
 
     As TRL's ``masked_whiten`` (PPO advantages) and verl's ``masked_whiten`` (REINFORCE++).
+    ``all_sum``: with data parallel, sums a tensor over the ranks (``DataParallel.all_sum``),
+    so m, v and N are the whole batch's, as one process holding every rank's rows would
+    compute them (two reductions: the sum and count, then the squared deviations); None =
+    ``x`` is the whole batch.
     Raises ValueError with fewer than 2 valid tokens (the unbiased variance is undefined).
     Padding values are ignored even if NaN/inf. Returns a detached tensor (advantages and
     rewards are constants of the loss) computed in at least float32.
     """
     if x.shape != mask.shape:
         raise ValueError(f"whiten: mask has shape {tuple(mask.shape)}, expected {tuple(x.shape)} (x's)")
+    total = all_sum or (lambda t: t)
     valid = mask != 0
-    n = int(valid.sum().item())
-    if n < 2:
-        raise ValueError(f"whiten: needs at least 2 valid tokens for an unbiased variance, got {n}")
     dtype = torch.promote_types(x.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=x.device)
     xv = torch.where(valid, x.detach().to(dtype), zero)
-    mean = xv.sum() / n
+    # float64 for the reduction: exact for the count, and the sum's own value comes back unchanged.
+    sum_and_count = total(torch.stack([xv.sum().double(), valid.sum().double()]))
+    n = int(sum_and_count[1].item())
+    if n < 2:
+        raise ValueError(f"whiten: needs at least 2 valid tokens for an unbiased variance, got {n}")
+    mean = sum_and_count[0].to(dtype) / n
     centred = torch.where(valid, xv - mean, zero)
-    var = centred.square().sum() / (n - 1)
+    var = total(centred.square().sum().double()).to(dtype) / (n - 1)
     out = centred * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
