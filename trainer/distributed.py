@@ -71,27 +71,17 @@ def deepspeed_stage(accelerator) -> int:
 def check_deepspeed_recipe(cfg, stage: int) -> None:
     """Refuse, at start and naming the key, what the loop does not run under DeepSpeed ZeRO ``stage``.
 
-    - a critic (``algorithm.name`` in ``CRITIC_ALGORITHMS``, i.e. PPO): the value head is a
-      second trainable module outside the DeepSpeed engine, which owns the only optimizer;
-    - ``precision.recipe: fp8_unified``: ``trainer.precision.convert_to_fp8`` swaps the
-      decoder linears for FP8-emulating modules whose weights ZeRO-3 would partition
-      underneath the quantizer (never run).
-    No-op when ``stage`` is 0.
+    ``precision.recipe: fp8_unified`` under ZeRO-3: the trainer's FP8 LoRA layers
+    (``trainer.precision``) read ``base_layer.weight`` and the adapters' weights directly
+    to merge and quantize them, without calling those submodules, so ZeRO-3's per-module
+    hooks would leave them partitioned (empty). ZeRO-2 does not partition weights: allowed
+    (tested against data parallel). No-op when ``stage`` is 0.
     """
-    if not stage:
-        return
-    from trainer.config import CRITIC_ALGORITHMS
-
-    problems = []
-    if cfg.algorithm.name in CRITIC_ALGORITHMS:
-        problems.append(f"algorithm.name = {cfg.algorithm.name!r} (its value head would be a second trainable "
-                        "module outside the DeepSpeed engine)")
-    if cfg.precision.recipe == "fp8_unified":
-        problems.append("precision.recipe = 'fp8_unified' (the trainer's FP8 linears were never run with sharded "
-                        "weights; bf16 runs, fp16 and fp8_rollout change only the dtype or the engine)")
-    if problems:
-        raise NotImplementedError(f"DeepSpeed ZeRO-{stage} does not support " + "; ".join(problems)
-                                  + ". Launch without DeepSpeed (recipes/accelerate/ddp.yaml or torchrun) for these.")
+    if stage == 3 and cfg.precision.recipe == "fp8_unified":
+        raise NotImplementedError(
+            "DeepSpeed ZeRO-3 does not support precision.recipe = 'fp8_unified' (the trainer's FP8 LoRA layers read "
+            "their sharded weights directly to merge and quantize them). Use ZeRO-2 "
+            "(recipes/accelerate/zero2.yaml) or data parallel (ddp.yaml / torchrun) for it.")
 
 
 def accelerator_kwargs() -> dict:
@@ -283,11 +273,19 @@ class PolicyForward(nn.Module):
     ``disable_adapter`` are forwarded because accelerate reads ``model.config`` (the
     "auto" bucket sizes) and the loop calls ``model.disable_adapter()`` on what prepare
     returned (the engine forwards unknown attributes to this module).
+
+    ``value_head``: PPO's critic (``trainer.value_head.ValueHead``), or None. It becomes a
+    submodule, so the engine owns it like the adapters (its parameters in the ZeRO
+    optimizer, its gradient reduced, its state in the engine's checkpoint), and the
+    forward returns ``(hidden, values)``: the values are computed INSIDE the engine's
+    forward, where ZeRO-3's module hooks expect every submodule call (a call after the
+    forward returned would be outside the recorded trace).
     """
 
-    def __init__(self, policy: nn.Module) -> None:
+    def __init__(self, policy: nn.Module, value_head: nn.Module | None = None) -> None:
         super().__init__()
         self.policy = policy
+        self.value_head = value_head
 
     @property
     def config(self):
@@ -296,22 +294,25 @@ class PolicyForward(nn.Module):
     def disable_adapter(self):
         return self.policy.disable_adapter()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+        """hidden [S, T, H], or (hidden, values [S, T]) with a value head."""
         from trainer.policy import split_model
 
         backbone, _ = split_model(self.policy)
-        return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=False).last_hidden_state
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        return hidden if self.value_head is None else (hidden, self.value_head(hidden))
 
 
-def wrap_for_prepare(accelerator, policy: nn.Module) -> nn.Module:
-    """What to pass to ``accelerator.prepare``: ``PolicyForward(policy)`` under DeepSpeed, else ``policy``.
+def wrap_for_prepare(accelerator, policy: nn.Module, value_head: nn.Module | None = None) -> nn.Module:
+    """What to pass to ``accelerator.prepare``: ``PolicyForward(policy, value_head)`` under DeepSpeed, else ``policy``.
 
     (Without DeepSpeed the loop does not prepare the model: ``trainer.data_parallel``
     reduces gradients itself, for the same reason -- DDP's reducer is armed in its own
-    ``forward``, which the policy's direct backbone call would skip.)
+    ``forward``, which the policy's direct backbone call would skip. The value head then
+    stays a separate module, its gradient reduced with the adapters'.)
     """
-    return PolicyForward(policy) if deepspeed_stage(accelerator) else policy
+    return PolicyForward(policy, value_head) if deepspeed_stage(accelerator) else policy
 
 
 def unwrap_policy(accelerator, model: nn.Module) -> nn.Module:

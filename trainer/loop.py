@@ -62,11 +62,11 @@ def _forward(model, micro: TokenBatch, cfg: RunConfig, value_head=None):
     Entropy comes from the same kernel pass: it feeds the breakdown of the mismatch by
     trainer entropy and PPO's entropy bonus. Values: the critic on the same hidden states.
     """
-    hidden, lm_head = completion_hidden(model, micro)
+    hidden, lm_head, values = completion_hidden(model, micro, value_head)
     lp, ent, *top = logprobs_from_hidden(hidden, lm_head, micro, temperature=cfg.rollout.temperature,
                                          chunk_size=cfg.parity.chunk_size, return_entropy=True,
                                          topk_ids=micro.topk_ids)
-    return lp, ent, (top[0] if top else None), (None if value_head is None else value_head(hidden))
+    return lp, ent, (top[0] if top else None), values
 
 
 class _Scores:
@@ -316,7 +316,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         # ``policy`` is the PEFT model inside it (weight sync, adapter checkpoint).
         fill_deepspeed_config(accelerator, micro_batch_size=cfg.train.micro_batch_size,
                               max_grad_norm=cfg.train.max_grad_norm)
-        model, optimizer = accelerator.prepare(wrap_for_prepare(accelerator, model), optimizer)
+        # PPO's value head goes inside the engine with the policy (PolicyForward).
+        model, optimizer = accelerator.prepare(wrap_for_prepare(accelerator, model, value_head), optimizer)
         policy = unwrap_policy(accelerator, model)
     else:
         # The model is not prepared: no DDP wrapper (see dp above); it is already on the device.

@@ -62,27 +62,36 @@ def split_model(model):
     return backbone, lm_head
 
 
-def completion_hidden(model, batch: TokenBatch):
-    """(hidden [S, C, H] of the positions that predict the completion tokens, lm_head Linear).
+def completion_hidden(model, batch: TokenBatch, value_head=None):
+    """(hidden [S, C, H] of the positions that predict the completion tokens, lm_head Linear, values [S, C] or None).
 
     ``model``: a (PEFT) causal LM, or a DeepSpeed engine around
     ``trainer.distributed.PolicyForward``, then called as a whole (the engine's forward
     does bookkeeping its backward needs: see ``PolicyForward``). Under ZeRO-3 the
     lm_head returned holds gathered copies of its weights (``full_lm_head``): it is read
     directly, never called, so ZeRO-3's per-module hooks would leave it partitioned.
+    ``value_head``: PPO's critic, read at the same positions; inside a DeepSpeed engine it
+    must be the one ``PolicyForward`` holds (the engine's forward computes the values).
     """
     from trainer.distributed import full_lm_head, wrapped_policy_forward
 
     wrapped = wrapped_policy_forward(model)
     if wrapped is not None:
-        hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        if value_head is not None and value_head is not wrapped.value_head:
+            raise ValueError("completion_hidden: this value head is not the one inside the DeepSpeed engine "
+                             "(pass it to trainer.distributed.wrap_for_prepare)")
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        hidden, values = out if wrapped.value_head is not None else (out, None)
         _, lm_head = split_model(wrapped.policy)
     else:
         backbone, lm_head = split_model(model)
         hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                           position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        # On every position, as the engine's forward does: the same GEMM shape, so both give the same bits.
+        values = None if value_head is None else value_head(hidden)
     p, c = batch.prompt_len, batch.targets.shape[1]
-    return hidden[:, p - 1:p - 1 + c], full_lm_head(lm_head)
+    values = None if value_head is None else values[:, p - 1:p - 1 + c]
+    return hidden[:, p - 1:p - 1 + c], full_lm_head(lm_head), values
 
 
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
@@ -93,7 +102,7 @@ def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_s
     (logprobs, entropy or None); with ``topk_ids`` [S, C, k] also, third, the
     (gradient-free) log-probs of those ids from the same forward pass.
     """
-    hidden, lm_head = completion_hidden(model, batch)
+    hidden, lm_head, _ = completion_hidden(model, batch)
     return logprobs_from_hidden(hidden, lm_head, batch, temperature=temperature, chunk_size=chunk_size,
                                 return_entropy=return_entropy, topk_ids=topk_ids)
 

@@ -178,16 +178,43 @@ def test_completion_hidden_through_policy_forward_is_the_direct_computation(poli
     wrapped = _Wrapped(D.PolicyForward(policy))
     assert D.wrapped_policy_forward(wrapped) is wrapped.module and D.wrapped_policy_forward(policy) is None
     with torch.no_grad():
-        h_direct, head_direct = completion_hidden(policy, batch)
-        h_wrapped, head_wrapped = completion_hidden(wrapped, batch)
+        h_direct, head_direct, no_values = completion_hidden(policy, batch)
+        h_wrapped, head_wrapped, _ = completion_hidden(wrapped, batch)
         lp_direct, _ = completion_logprobs(policy, batch, temperature=1.0)
         lp_wrapped, _ = completion_logprobs(wrapped, batch, temperature=1.0)
         with wrapped.module.disable_adapter():  # what the loop calls on the prepared model
             lp_base, _ = completion_logprobs(wrapped, batch, temperature=1.0)
-    assert torch.equal(h_direct, h_wrapped) and head_direct is head_wrapped
+    assert torch.equal(h_direct, h_wrapped) and head_direct is head_wrapped and no_values is None
     assert torch.equal(lp_direct, lp_wrapped)
     assert not torch.equal(lp_base, lp_wrapped)  # the adapter really was disabled
     assert wrapped.module.config is policy.config
+
+
+def test_value_head_inside_policy_forward_gives_the_direct_values_and_gradients(policy):
+    """PPO under DeepSpeed: the engine's forward computes the values; same values and gradients as outside."""
+    from trainer.policy import completion_hidden
+    from trainer.value_head import ValueHead
+
+    batch = build_token_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], pad_id=0)
+    head = ValueHead(policy.config.hidden_size)
+    torch.nn.init.normal_(head.linear.weight, std=0.1)  # zero-initialised heads would hide a wrong position
+    wrapped = _Wrapped(D.PolicyForward(policy, head))
+    grads = []
+    for model in (policy, wrapped):
+        head.zero_grad(set_to_none=True)
+        hidden, _, values = completion_hidden(model, batch, head)
+        assert values.shape == batch.targets.shape
+        (values * batch.mask).sum().backward()
+        grads.append((values.detach(), head.linear.weight.grad.clone()))
+    # position t of the values is the head on the hidden state that predicts completion token t
+    with torch.no_grad():
+        assert torch.allclose(grads[0][0], head(completion_hidden(policy, batch)[0]))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    with pytest.raises(ValueError, match="not the one inside the DeepSpeed engine"):
+        completion_hidden(wrapped, batch, ValueHead(policy.config.hidden_size))
+    with torch.no_grad():  # the reference forward (adapter off) through the engine ignores the values
+        _, _, none = completion_hidden(wrapped, batch)
+    assert none is None
 
 
 def test_wrap_and_unwrap(policy):
@@ -196,5 +223,7 @@ def test_wrap_and_unwrap(policy):
         assert D.unwrap_policy(plain, policy) is policy
     for acc in (_accelerator(2), _accelerator(3, num_processes=2)):
         wrapper = D.wrap_for_prepare(acc, policy)
-        assert isinstance(wrapper, D.PolicyForward) and wrapper.policy is policy
+        assert isinstance(wrapper, D.PolicyForward) and wrapper.policy is policy and wrapper.value_head is None
         assert D.unwrap_policy(acc, _Wrapped(wrapper)) is policy
+        head = torch.nn.Linear(2, 1)
+        assert D.wrap_for_prepare(acc, policy, head).value_head is head  # PPO: the engine owns the critic
