@@ -35,7 +35,8 @@ routes (``vllm/entrypoints/rl/online/api_router.py``, enabled by
 source but NOT run here: this project is developed on CPU-only machines). Both sit
 behind vLLM's ``TrainerWeightTransferEngine`` interface, driven by ``HTTPWeightSyncClient``.
 Updates must hold whole fused groups (``check_fused_groups``); the prefix cache is
-reset after each push (``POST /reset_prefix_cache``).
+reset after each push (``POST /reset_prefix_cache``). A push may come in chunks of whole
+layers (``load_weight_chunks``), each its own transfer round, under one weight version.
 
 Failures: startup waits for ``GET /health`` up to ``timeout_s`` and then raises
 ``EngineUnavailable`` naming the URL; so does any connection failure or timeout later,
@@ -350,9 +351,9 @@ class ServerEngine:
     def _version(self) -> str:
         return f"parityrl-{self._version_tag}-{self._version_n}"
 
-    def _set_version(self) -> None:
+    def _set_version(self, version: str | None = None) -> None:
         self.http.call("POST", "/update_weight_version", "weight push (update_weight_version)",
-                       json={"new_version": self._version()})
+                       json={"new_version": version or self._version()})
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
@@ -453,37 +454,56 @@ class ServerEngine:
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push the named parameters (HF names) to the server; names not given keep their values.
+        """Push the named parameters (HF names) to the server as one weight version; names not given keep
+        their values. ``load_weight_chunks`` with a single chunk."""
+        self.load_weight_chunks([named_tensors])
 
-        Whole fused groups only (``check_fused_groups``); tensors are cast to the engine
-        dtype. Sets a new weight version and resets the server's prefix cache.
-        ``last_push`` records the payload bytes, bytes on the wire/file and seconds.
+    def load_weight_chunks(self, chunks: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """Push an update made of several chunks (``rollout.weight_export.layer_chunks``) as ONE weight version.
+
+        Each chunk is checked (whole fused groups, ``check_fused_groups``), cast to the
+        engine dtype, sent with one round of vLLM's transfer lifecycle and released before
+        the next chunk is taken from ``chunks``: when ``chunks`` is a generator (the merge
+        of a ZeRO-3 trainer is), the trainer holds one chunk, not the whole update. While
+        chunks arrive, the server's weight version is ``<last>-partial``: if the push fails
+        part-way the server holds a mix of old and new weights, and every later generate
+        refuses its samples (their version is not this trainer's) until a complete push.
+        After the last chunk: a new weight version and a reset prefix cache.
+        ``last_push`` records the payload bytes, bytes on the wire/file, tensors, chunks and seconds.
         """
         if not self.pushes_weights:
             raise RuntimeError(f"ServerEngine({self.url}) was created with pushes_weights=False (a data-parallel rank "
                                "other than 0): rank 0 pushes; call follow_push after it")
-        named = engine_named_tensors(named_tensors, self.torch_dtype)
-        if not named:
-            return
-        self._check_update(named)
-        if self.backend == "nccl":  # broadcast from the trainer's GPU
-            named = [(n, t.to("cuda", non_blocking=True)) for n, t in named]
         t0 = time.perf_counter()
-        self._source.set(named)
-        try:
-            self._transfer.send_weights()
-        finally:
-            self._source.set([])  # do not keep the step's tensors alive
+        totals = {"bytes": 0.0, "tensors": 0.0, "file_bytes": 0.0, "chunks": 0.0}
+        for chunk in chunks:
+            named = engine_named_tensors(chunk, self.torch_dtype)
+            if not named:
+                continue
+            self._check_update(named)
+            if not totals["chunks"]:
+                self._set_version(f"{self._version()}-partial")
+            if self.backend == "nccl":  # broadcast from the trainer's GPU
+                named = [(n, t.to("cuda", non_blocking=True)) for n, t in named]
+            self._source.set(named)
+            try:
+                self._transfer.send_weights()
+            finally:
+                self._source.set([])  # do not keep the chunk's tensors alive
+            payload = payload_bytes(named)
+            totals["bytes"] += payload
+            totals["tensors"] += len(named)
+            totals["file_bytes"] += getattr(self._transfer, "last_file_bytes", payload)
+            totals["chunks"] += 1
+        if not totals["chunks"]:
+            return
         self._version_n += 1
         self._set_version()
         out = self.http.call("POST", "/reset_prefix_cache", "weight push (reset_prefix_cache)")
         if not (out or {}).get("success"):
             raise ServerEngineError(f"vLLM server at {self.url} refused to reset its prefix cache after a weight push "
                                     "(requests still running?); KV blocks of the old weights would be reused")
-        payload = payload_bytes(named)
-        self.last_push = {"bytes": float(payload), "tensors": float(len(named)),
-                          "file_bytes": float(getattr(self._transfer, "last_file_bytes", payload)),
-                          "seconds": time.perf_counter() - t0}
+        self.last_push = {**totals, "seconds": time.perf_counter() - t0}
 
     def follow_push(self) -> None:
         """On a rank that does not push (``pushes_weights=False``): the pushing rank has just pushed (the

@@ -193,7 +193,9 @@ def layer_chunks(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int | Non
     fused groups stay in one chunk (``iter_merged_lora_weights`` yields a group's members
     together, in model order). Whole layers are added to a chunk while it stays within
     ``max_bytes`` (a layer larger than that is a chunk alone); None: one layer per chunk.
-    Tensors outside the decoder layers form chunks of their own runs.
+    Tensors outside the decoder layers form chunks of their own runs. Lazy: a chunk is
+    yielded as soon as it is known to be complete, which takes the first tensor of the
+    next layer (or, when the chunk still has room, the whole next layer).
     """
     def runs() -> Iterator[NamedTensors]:
         run: NamedTensors = []
@@ -221,6 +223,9 @@ def layer_chunks(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int | Non
             chunk, size = [], 0
         chunk += run
         size += b
+        if size >= max_bytes:  # full: no further layer fits, so do not hold it while the next one is made
+            yield chunk
+            chunk, size = [], 0
     if chunk:
         yield chunk
 

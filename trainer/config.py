@@ -137,10 +137,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.3  # CUDA only: the share the colocated engine may take
     enforce_eager: bool = True
     max_num_seqs: int = 256
-    # The colocated engine takes the merged weights in chunks of whole decoder layers of at
-    # most this size (trainer.engines.sync_weights): a bound on the extra memory of a sync
-    # (the merged copy) instead of the whole model's size; each extra chunk costs one more
-    # reload call (~8 ms measured on CPU). 1 GiB: ~2 layers of a 7B model, all of a small one.
+    # The engine (colocated, or a server as one weight version) takes the merged weights in
+    # chunks of whole decoder layers of at most this size (trainer.engines.sync_weights): a
+    # bound on the extra memory of a sync (the merged copy) instead of the whole model's size;
+    # each extra chunk costs one more reload call / transfer round (~8 ms measured on CPU).
+    # 1 GiB: ~2 layers of a 7B model, all of a small one.
     sync_chunk_bytes: int = 1024**3
     # Push the updated weights into the engine after every optimizer step. Turning it
     # off makes rollouts stale (off-policy); it exists so tests can show the parity

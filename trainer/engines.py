@@ -108,11 +108,13 @@ def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch
     BF16 rounding of them.
     ``gather``: ``trainer.distributed.zero3_gather(policy)`` under ZeRO-3 (one module's
     shards gathered at a time; every rank must call this then).
-    Engines that keep the values of names not sent (``accepts_partial_updates``: the
-    colocated vLLM and HF engines) get the update in chunks of whole decoder layers of at
-    most ``chunk_bytes`` (``rollout.sync_chunk_bytes``; None: one layer per chunk), so at most
-    one chunk of merged weights exists at once; a server gets one push per sync (one
-    weight version).
+    The update goes in chunks of whole decoder layers of at most ``chunk_bytes``
+    (``rollout.sync_chunk_bytes``; None: one layer per chunk), each made only when the
+    engine has taken the previous one, so at most one chunk of merged weights exists at
+    once: engines that keep the values of names not sent (``accepts_partial_updates``: the
+    colocated vLLM and HF engines) take each chunk as an update of its own; a server takes
+    them all as one weight version (``ServerEngine.load_weight_chunks``). Other engines get
+    the whole update at once.
     FP8 recipes on CUDA push the block-FP8 weights + scales computed by the trainer's own
     quantizer (``rollout.fp8_export.fp8_block_weights``); on CPU the emulating engine
     quantizes the merged BF16 weights with the same function (``rollout.fp8_quant``).
@@ -132,12 +134,22 @@ def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch
     fp8_cuda = recipe.startswith("fp8") and torch.cuda.is_available() and hasattr(engine, "llm")
     if fp8_cuda:
         from rollout.fp8_export import fp8_block_weights
-    chunks = layer_chunks(merged, chunk_bytes) if getattr(engine, "accepts_partial_updates", False) else [list(merged)]
-    n_bytes = n_tensors = 0
-    for named in chunks:
-        if fp8_cuda:
-            named = list(fp8_block_weights(named))
-        engine.load_weights(named)
-        n_bytes += payload_bytes(named)
-        n_tensors += len(named)
-    return {"perf/sync_bytes": float(n_bytes), "perf/sync_tensors": float(n_tensors)}
+    streams = hasattr(engine, "load_weight_chunks")
+    chunked = streams or getattr(engine, "accepts_partial_updates", False)
+    totals = {"perf/sync_bytes": 0.0, "perf/sync_tensors": 0.0, "perf/sync_chunks": 0.0}
+
+    def prepared():
+        for named in (layer_chunks(merged, chunk_bytes) if chunked else [list(merged)]):
+            if fp8_cuda:
+                named = list(fp8_block_weights(named))
+            totals["perf/sync_bytes"] += payload_bytes(named)
+            totals["perf/sync_tensors"] += len(named)
+            totals["perf/sync_chunks"] += 1
+            yield named
+
+    if streams:
+        engine.load_weight_chunks(prepared())
+    else:
+        for named in prepared():
+            engine.load_weights(named)
+    return totals

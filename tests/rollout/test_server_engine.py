@@ -424,6 +424,48 @@ def test_weight_push_changes_outputs_and_keeps_parity(server_engine, hf_referenc
     assert restored.completion_ids == before.completion_ids and restored.rollout_logprobs == before.rollout_logprobs
 
 
+@pytest.mark.slow
+def test_a_push_in_layer_chunks_is_one_version_and_a_broken_one_is_refused(server_engine, hf_reference, prompts,
+                                                                              perturbed_copy):
+    """load_weight_chunks (the sync's path, one decoder layer per chunk here): the server ends up with the same
+    weights as after one push -- the same samples bit for bit -- under one new weight version. A push that
+    fails after its first chunk leaves a partial version: generate refuses it until a complete push."""
+    from rollout.weight_export import layer_chunks
+
+    engine = server_engine
+    names = [f"model.layers.{i}.self_attn.{x}_proj.weight" for i in (1, 2) for x in "qkv"]
+    target = perturbed_copy(hf_reference, names, scale=4.0, seed=1)
+    update = [(n, t) for n, t in target.named_parameters() if n in names]
+    original = [(n, t) for n, t in hf_reference.named_parameters() if n in names]
+    spec = SamplingSpec(n=2, temperature=0.7, max_new_tokens=24, seed=5)
+    before = engine.generate(prompts, spec)
+
+    engine.load_weights(update)
+    whole_push = dict(engine.last_push)
+    whole = engine.generate(prompts, spec)
+    engine.load_weights(original)
+    version = engine._version_n
+    engine.load_weight_chunks(layer_chunks(update))
+    print(f"push of 6 tensors: whole {whole_push['seconds']:.3f} s, in 2 layer chunks {engine.last_push['seconds']:.3f} s")
+    assert engine.last_push["chunks"] == 2 and engine.last_push["tensors"] == 6
+    assert engine._version_n == version + 1
+    chunked = engine.generate(prompts, spec)
+    assert chunked.completion_ids == whole.completion_ids and chunked.rollout_logprobs == whole.rollout_logprobs
+    assert chunked.completion_ids != before.completion_ids
+
+    def broken():  # layer 1 goes out, then layer 2's q/k/v group arrives incomplete
+        yield original[:3]
+        yield original[3:5]
+
+    with pytest.raises(ValueError, match="v_proj"):
+        engine.load_weight_chunks(broken())
+    with pytest.raises(ServerEngineError, match="partial"):
+        engine.generate(prompts, spec)
+    engine.load_weight_chunks(layer_chunks(original))
+    restored = engine.generate(prompts, spec)
+    assert restored.completion_ids == before.completion_ids and restored.rollout_logprobs == before.rollout_logprobs
+
+
 def overrides_for(tmp_path, name, url, *overrides) -> list[str]:
     return [f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled",
             "rollout.prompts_per_step=8", "algorithm.group_size=4", "train.micro_batch_size=16",
@@ -481,10 +523,12 @@ def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_ser
     pushes, rank 1 follows its weight version (under ZeRO-3 it takes part in the gathers); each rank samples
     its shard with one process's seeds."""
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    chunks = []
     if trainers == "zero3":
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO3_INIT="false",
                    ACCELERATE_DEEPSPEED_CONFIG_FILE=str(REPO / "recipes/accelerate/zero3.json"))
-    sets = [x for o in overrides_for(tmp_path, "dp2", server.url, *SHARED_RUN) for x in ("--set", o)]
+        chunks = ["rollout.sync_chunk_bytes=1"]  # rank 0 streams the push one gathered layer at a time
+    sets = [x for o in overrides_for(tmp_path, "dp2", server.url, *SHARED_RUN, *chunks) for x in ("--set", o)]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "trainer.train", str(RECIPE), *sets], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1200)
@@ -500,6 +544,7 @@ def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_ser
     assert all(r["parity/mae"] < PARITY_MAE_BOUND for r in two[1:])
     assert all(r["probe/mae"] < PARITY_MAE_BOUND for r in two)
     assert all(r["perf/sync_bytes"] == one[0]["perf/sync_bytes"] for r in two[1:])
+    assert all(r["perf/sync_chunks"] == (4 if chunks else 1) for r in two[1:]) and one[0]["perf/sync_chunks"] == 1
     # The gradient reduced by DeepSpeed (or by the loop's all-reduce) has one process's norm.
     assert two[1]["train/grad_norm"] == pytest.approx(one[0]["train/grad_norm"], rel=1e-4)
 

@@ -63,7 +63,8 @@ def test_the_engine_gets_the_merge_in_its_own_dtype_one_layer_per_call(policy_an
     rounded = dict(merged_lora_weights(policy, dtype=torch.bfloat16))
     assert max(float((rounded[n].float() - t).abs().max()) for n, t in exact.items()) > 1e-4
     assert calls == [7] * policy.config.num_hidden_layers  # one call per layer, its 7 LoRA modules
-    assert out == {"perf/sync_bytes": float(payload_bytes(list(exact.items()))), "perf/sync_tensors": 28.0}
+    assert out == {"perf/sync_bytes": float(payload_bytes(list(exact.items()))), "perf/sync_tensors": 28.0,
+                   "perf/sync_chunks": 4.0}
 
 
 def test_layer_chunks_fill_a_byte_budget_with_whole_layers(policy_and_base):
@@ -81,6 +82,35 @@ def test_an_engine_without_partial_updates_gets_one_push(policy_and_base):
     engine = _Recorder()
     out = sync_weights(engine, policy, "bf16")
     assert len(engine.calls) == 1 and len(engine.calls[0]) == 28 and out["perf/sync_tensors"] == 28.0
+    assert out["perf/sync_chunks"] == 1.0
+
+
+def test_a_server_gets_the_layers_as_a_stream_each_made_after_the_previous_was_sent(policy_and_base):
+    """ServerEngine.load_weight_chunks protocol: one call (one weight version) consuming a generator; the
+    export is lazy, so when a chunk arrives only its own layer's modules have been merged (ZeRO-3: gathered)."""
+    import contextlib
+
+    policy, _ = policy_and_base
+    merged_modules = []
+
+    def gather(params):  # called once per exported module, as zero3_gather is
+        merged_modules.append(len(params))
+        return contextlib.nullcontext()
+
+    class _Server:
+        def __init__(self):
+            self.seen = []
+
+        def load_weight_chunks(self, chunks):
+            for chunk in chunks:
+                self.seen.append((len(chunk), len(merged_modules)))
+
+    engine = _Server()
+    out = sync_weights(engine, policy, "bf16", gather=gather, chunk_bytes=1)
+    layers = policy.config.num_hidden_layers
+    # a layer ends where the next begins: its first module is merged (looked at) before the chunk is sent
+    assert engine.seen == [(7, min(7 * (i + 1) + 1, 7 * layers)) for i in range(layers)]
+    assert out["perf/sync_chunks"] == layers and out["perf/sync_tensors"] == 7 * layers
 
 
 def test_a_follower_rank_only_follows_the_push(policy_and_base):
