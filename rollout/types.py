@@ -7,6 +7,7 @@ Samples are laid out group-contiguous: sample ``i`` answers prompt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -103,3 +104,37 @@ class Rollouts:
     @property
     def num_completion_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)
+
+    def take_groups(self, groups: Sequence[int]) -> "Rollouts":
+        """The samples of the given groups (prompt indices), in that order; groups stay whole."""
+        g = self.group_size
+        idx = [gi * g + j for gi in groups for j in range(g)]
+        bad = [gi for gi in groups if not 0 <= gi < len(self) // g]
+        if bad:
+            raise IndexError(f"Rollouts.take_groups: groups {bad[:5]} out of range for {len(self) // g} groups")
+
+        def pick(values: list) -> list:
+            return [values[i] for i in idx] if values else []
+
+        return Rollouts(prompt_ids=pick(self.prompt_ids), completion_ids=pick(self.completion_ids),
+                        rollout_logprobs=pick(self.rollout_logprobs), finish_reasons=pick(self.finish_reasons),
+                        group_size=g, completion_texts=pick(self.completion_texts), topk_ids=pick(self.topk_ids),
+                        topk_logprobs=pick(self.topk_logprobs))
+
+    @classmethod
+    def concat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
+        """One batch of the samples of ``parts``, in order (same group size and top-k)."""
+        if not parts:
+            raise ValueError("Rollouts.concat: no parts")
+        sizes, ks = {p.group_size for p in parts}, {p.topk for p in parts if len(p)}
+        if len(sizes) > 1 or len(ks) > 1:
+            raise ValueError(f"Rollouts.concat: parts differ in group_size {sorted(sizes)} or top-k {sorted(ks)}")
+
+        def joined(name: str) -> list:
+            return [x for p in parts for x in getattr(p, name)]
+
+        texts = joined("completion_texts") if all(p.completion_texts or not len(p) for p in parts) else []
+        return cls(prompt_ids=joined("prompt_ids"), completion_ids=joined("completion_ids"),
+                   rollout_logprobs=joined("rollout_logprobs"), finish_reasons=joined("finish_reasons"),
+                   group_size=parts[0].group_size, completion_texts=texts, topk_ids=joined("topk_ids"),
+                   topk_logprobs=joined("topk_logprobs"))

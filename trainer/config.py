@@ -104,6 +104,13 @@ class AlgorithmConfig:
     # shuffle per epoch) is one optimizer step.
     epochs: int = 1
     mini_batches: int = 1
+    # DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2; trainer/dynamic_sampling.py): drop
+    # groups whose rewards are all equal (no GRPO signal) and draw further prompt batches until
+    # rollout.prompts_per_step groups with signal are kept, at most max_sampling_rounds batches
+    # per step (verl's DAPO example uses 10; verl's default, 0 = unlimited, can loop forever on
+    # a task the policy always or never solves). Short after the last round: train on fewer groups.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 10
     # PPO (trainer/algorithms/ppo.py; defaults follow TRL's PPOConfig, as in StackLLaMA):
     gamma: float = 1.0  # GAE discount over completion tokens
     lam: float = 0.95  # GAE lambda
@@ -477,6 +484,11 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     if a.name.startswith("pmd"):
         need(a.kl_coef == 0, "algorithm.kl_coef", a.kl_coef,
              f"0 for {a.name}: PMD has no KL-to-reference term, tau is its proximal weight")
+    if a.dynamic_sampling:
+        need(a.name not in CRITIC_ALGORITHMS, "algorithm.dynamic_sampling", a.dynamic_sampling,
+             f"false for {a.name}: it keeps groups whose rewards differ, a group-relative criterion")
+    need(isinstance(a.max_sampling_rounds, int) and a.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds",
+         a.max_sampling_rounds, "an integer >= 1 (prompt batches drawn per step with dynamic sampling)")
     need(a.epochs >= 1, "algorithm.epochs", a.epochs, "an integer >= 1")
     need(a.mini_batches >= 1, "algorithm.mini_batches", a.mini_batches, "an integer >= 1")
     samples = r.prompts_per_step * a.group_size

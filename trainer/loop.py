@@ -25,6 +25,7 @@ from trainer.batch import TokenBatch, batch_from_rollouts
 from trainer.config import CRITIC_ALGORITHMS, RunConfig, correction_config, to_dict
 from trainer.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.data_parallel import DataParallel
+from trainer.dynamic_sampling import Drawn, fill_with_signal
 from trainer.value_head import ValueHead
 from trainer.engines import make_engine, sampling_spec, sync_weights
 from trainer.policy import (add_lora, completion_hidden, completion_logprobs, load_base_model, load_tokenizer,
@@ -258,6 +259,49 @@ def _probe(engine, model, probe_ids, cfg: RunConfig, tokenizer, device, dp: Data
     return run_probe(engine, model, probe_ids, cfg, pad_id=tokenizer.pad_token_id, device=device, dp=dp)
 
 
+def _draw_round(engine, batcher, tokenizer, reward_fns, cfg: RunConfig, step: int, round_index: int,
+                dp: DataParallel) -> Drawn:
+    """One prompt batch of ``step``: this rank's shard generated and scored.
+
+    Round ``round_index`` > 0 (dynamic sampling) samples with the seeds of the sample indices
+    after the previous rounds', so no two rounds of a step share a seed.
+    """
+    from trainer.data import encode_prompts
+    from trainer.rewards import compute_rewards
+
+    d = cfg.data
+    t = time.perf_counter()
+    rows = dp.shard(next(batcher))  # every rank draws the same batch and keeps its slice
+    prompts = [r["prompt"] for r in rows]
+    prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
+                                max_prompt_tokens=d.max_prompt_tokens)
+    spec = sampling_spec(cfg, step)
+    first = round_index * cfg.rollout.prompts_per_step * spec.n + dp.offset(len(prompt_ids) * spec.n)
+    rollouts = engine.generate(prompt_ids, replace(spec, index_offset=first))
+    generate_s = time.perf_counter() - t
+    t = time.perf_counter()
+    g = spec.n
+    completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+    columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+    total, per_fn = compute_rewards(reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
+                                    completions, columns)
+    return Drawn(rows=rows, rollouts=rollouts, rewards=total, per_fn=per_fn, generate_s=generate_s,
+                 reward_s=time.perf_counter() - t)
+
+
+def _drawn_metrics(drawn: Drawn, dp: DataParallel) -> dict[str, float]:
+    """Rollout and reward metrics of every sample drawn this step (timings: this rank's)."""
+    r = drawn.rollouts
+    m = {"perf/rollout_s": drawn.generate_s,
+         "perf/rollout_tokens_per_s": r.num_completion_tokens / max(drawn.generate_s, 1e-9),
+         "perf/reward_s": drawn.reward_s}
+    m.update(dp.mean_metrics({"rollout/mean_length": _mean([len(c) for c in r.completion_ids]),
+                              "rollout/frac_truncated": _mean([float(f == "length") for f in r.finish_reasons])}))
+    m.update(dp.mean_metrics({"reward/mean": _mean(drawn.rewards),
+                              **{f"reward/{name}": _mean(vals) for name, vals in drawn.per_fn.items()}}))
+    return m
+
+
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     """Run ``cfg`` to ``cfg.train.steps``. ``engine``: an already-started engine to reuse (tests share one)."""
     from accelerate import Accelerator
@@ -266,7 +310,6 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     from trainer.data import PromptBatcher, encode_prompts, load_prompt_dataset
     from trainer.default_model import resolve_model_path
     from trainer.reward_model import build_reward_sources
-    from trainer.rewards import compute_rewards
     from rollout.weight_export import merged_lora_weights  # noqa: F401  (import early: fail before the engine starts)
     from trainer.distributed import (accelerator_kwargs, check_deepspeed_recipe, deepspeed_stage, fill_deepspeed_config,
                                      make_backward, model_load_context, optimizer_step, unwrap_policy,
@@ -395,31 +438,21 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             t_step = time.perf_counter()
             m: dict[str, float] = {}
 
-            # ---------------------------------------------------- rollout
-            t = time.perf_counter()
-            rows = dp.shard(next(batcher))  # every rank draws the same batch and keeps its slice
-            prompts = [r["prompt"] for r in rows]
-            prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
-                                        max_prompt_tokens=d.max_prompt_tokens)
-            spec = sampling_spec(cfg, step)
-            rollouts = engine.generate(prompt_ids, replace(spec, index_offset=dp.offset(len(prompt_ids) * spec.n)))
-            m["perf/rollout_s"] = time.perf_counter() - t
-            m["perf/rollout_tokens_per_s"] = rollouts.num_completion_tokens / max(m["perf/rollout_s"], 1e-9)
-            lengths = [len(c) for c in rollouts.completion_ids]
-            m.update(dp.mean_metrics({"rollout/mean_length": _mean(lengths),
-                                      "rollout/frac_truncated": _mean([float(f == "length")
-                                                                       for f in rollouts.finish_reasons])}))
+            # ---------------------------------------------------- rollout and reward
+            def draw(round_index: int) -> Drawn:
+                return _draw_round(engine, batcher, tokenizer, reward_fns, cfg, step, round_index, dp)
 
-            # ---------------------------------------------------- reward
-            t = time.perf_counter()
+            if cfg.algorithm.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
+                train_part, drawn, ds_metrics = fill_with_signal(
+                    draw, share=cfg.rollout.prompts_per_step // dp.world, group_size=cfg.algorithm.group_size,
+                    mini_batches=cfg.algorithm.mini_batches, max_rounds=cfg.algorithm.max_sampling_rounds, dp=dp)
+                m.update(ds_metrics)
+            else:
+                train_part = draw(0)
+                drawn = [train_part]
+            m.update(_drawn_metrics(Drawn.concat(drawn), dp))
             g = cfg.algorithm.group_size
-            completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
-            columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-            total, per_fn = compute_rewards(reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
-                                            completions, columns)
-            m["perf/reward_s"] = time.perf_counter() - t
-            m.update(dp.mean_metrics({"reward/mean": _mean(total),
-                                      **{f"reward/{name}": _mean(vals) for name, vals in per_fn.items()}}))
+            rollouts, total = train_part.rollouts, train_part.rewards
 
             # ---------------------------------------------------- advantages, forward / loss / backward
             batch = batch_from_rollouts(rollouts, tokenizer.pad_token_id, accelerator.device)

@@ -48,6 +48,8 @@ def test_defaults_and_overrides(tmp_path):
     ("algorithm: {name: pmd_part, tau: 0}\n", ["algorithm.tau = 0.0", "> 0"]),
     ("algorithm: {mini_batches: 5}\n", ["algorithm.mini_batches = 5", "divisor of the 128 samples"]),
     ("algorithm: {epochs: 0}\n", ["algorithm.epochs = 0", ">= 1"]),
+    ("algorithm: {name: ppo, dynamic_sampling: true}\n", ["algorithm.dynamic_sampling = True", "false for ppo"]),
+    ("algorithm: {dynamic_sampling: true, max_sampling_rounds: 0}\n", ["algorithm.max_sampling_rounds = 0", ">= 1"]),
     ("reward: {functions: {acc: not_a_spec}}\n", ["reward.functions.acc = 'not_a_spec'", "module:function"]),
     ("reward: {weights: {nope: 1.0}}\n", ["reward.weights.nope", "exact_answer"]),
     ("model: {lora: {target_modules: [q_proj, lm_head]}}\n", ["model.lora.target_modules", "lm_head"]),

@@ -142,3 +142,25 @@ def test_two_rank_ppo_matches_one_process(tmp_path, tiny_model_dir, vllm_engine)
     print(f"[ppo dp vs one] step 1 grad norm {s1['train/grad_norm']:.9g} / {one[0]['train/grad_norm']:.9g}; "
           f"step 2 kl_ref_seq {two[2]['train/kl_ref_seq']:.6g} / {one[1]['train/kl_ref_seq']:.6g}; beta at step 2 "
           f"{two[2]['train/reward_kl_coef']:.9g} / {one[1]['train/reward_kl_coef']:.9g}")
+
+
+@pytest.mark.slow
+def test_two_ranks_with_dynamic_sampling_stay_in_step(tmp_path, tiny_model_dir):
+    """DAPO's refill rounds with 2 ranks: the ranks decide together how many prompt batches to draw and train on
+    the same number of groups (a rank drawing more batches than the other would desynchronise the batcher, and
+    unequal forward counts would hang ZeRO-3)."""
+    common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
+              "logging.wandb.mode=disabled", "algorithm.dynamic_sampling=true", f"logging.run_dir={tmp_path}",
+              "name=ds"]
+    proc = subprocess.run([*TORCHRUN, "-m", "trainer.train", str(REPO / "recipes/dapo_tiny.yaml"),
+                           *[x for s in common for x in ("--set", s)]],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    print("ds", [(r["rollout/ds_rounds"], r["rollout/ds_signal_frac"], r["rollout/ds_train_groups"]) for r in rows])
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/ds_fallback"] == 0 and r["rollout/ds_signal_frac"] < 1
+        assert r["rollout/ds_train_groups"] == 8 or r["rollout/ds_rounds"] == 10
+        # the pooled parity counts exactly the trained groups' tokens (8 groups x 4 samples, <= 24 tokens each)
+        assert 0 < r["parity/num_tokens"] <= r["rollout/ds_train_groups"] * 4 * 24 and r["parity/mae"] < 1e-2

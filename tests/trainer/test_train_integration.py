@@ -215,3 +215,30 @@ def test_ppo_with_value_head_and_kl_shaped_rewards(tmp_path, tiny_model_dir, vll
     more = train(cfg, resume=True, engine=vllm_engine)
     assert more.history[0]["step"] == 4
     assert more.history[0]["train/reward_kl_coef"] < betas[2]
+
+
+def test_dapo_dynamic_sampling_refills_the_batch_and_resumes_exactly(tmp_path, tiny_model_dir, vllm_engine):
+    """Groups with equal rewards are dropped and further prompt batches drawn until 8 groups with signal are held;
+    the batcher's state covers every round drawn, so a resumed run draws the same prompts and samples."""
+    sets = ["algorithm.dynamic_sampling=true", "algorithm.clip_eps_high=0.28", "train.steps=3", "checkpoint.every=1"]
+    full = train(cfg_for(tmp_path, "dapo", *sets), engine=vllm_engine)
+    h = full.history
+    print("ds_rounds", [x["rollout/ds_rounds"] for x in h], "signal_frac", [round(x["rollout/ds_signal_frac"], 3) for x in h],
+          "reward", [round(x["reward/mean"], 3) for x in h])
+    # the tiny policy solves ~1/3 of the prompts: a group of 4 is often all wrong, so refills happen
+    assert any(x["rollout/ds_rounds"] > 1 for x in h) and all(x["rollout/ds_signal_frac"] < 1 for x in h)
+    for x in h:
+        assert 1 <= x["rollout/ds_rounds"] <= 10 and x["rollout/ds_fallback"] == 0
+        assert x["rollout/ds_train_groups"] == 8 or x["rollout/ds_rounds"] == 10
+        assert x["parity/num_tokens"] > 0 and x["parity/mae"] < PARITY_MAE_BOUND
+
+    half = cfg_for(tmp_path, "dapo_split", *sets)
+    half.train.steps = 1
+    train(half, engine=vllm_engine)
+    half.train.steps = 3
+    resumed = train(half, resume=True, engine=vllm_engine)
+    assert [x["step"] for x in resumed.history] == [2, 3]
+    for a, b in zip(h[1:], resumed.history):
+        for key in ("rollout/ds_rounds", "rollout/ds_signal_frac", "reward/mean", "parity/num_tokens"):
+            assert a[key] == b[key], key
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5, abs=1e-7)
