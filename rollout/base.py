@@ -19,3 +19,16 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's memory."""
+
+    # Optional: ``load_weight_chunks(chunks)`` -- the engine takes an update as an iterable of
+    # chunks (whole decoder layers, ``rollout.weight_export.layer_chunks``), each taken before
+    # the next is made; ``trainer.engines.sync_weights`` then streams the merge into it.
+
+
+class LayerChunkUpdates:
+    """``load_weight_chunks`` for engines whose ``load_weights`` keeps the values of names not sent:
+    each chunk is loaded as an update of its own as it arrives (the colocated vLLM and HF engines)."""
+
+    def load_weight_chunks(self, chunks: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
+        for chunk in chunks:
+            self.load_weights(chunk)

@@ -24,11 +24,12 @@ from typing import Iterable, Sequence
 
 import torch
 
+from rollout.base import LayerChunkUpdates
 from rollout.types import Rollouts, SamplingSpec
 from rollout.vllm_engine import sample_seed, validate_request
 
 
-class HFEngine:
+class HFEngine(LayerChunkUpdates):
     """A ``transformers`` causal LM behind the ``rollout.base.RolloutEngine`` interface.
 
     model: a loaded ``PreTrainedModel`` (used as is, e.g. the trainer's own policy)
@@ -38,10 +39,6 @@ class HFEngine:
     eos_ids: stop tokens; default: the model's generation_config / config EOS ids.
     max_batch_size: sequences per ``generate`` call.
     """
-
-    # Names not given in load_weights keep their values: trainer.engines.sync_weights streams
-    # the update one decoder layer at a time.
-    accepts_partial_updates = True
 
     def __init__(self, model, *, dtype: str = "bfloat16", device: str = "cpu",
                  eos_ids: Sequence[int] | None = None, max_batch_size: int = 256) -> None:

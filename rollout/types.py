@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 
+def group_sample_indices(groups: Sequence[int], group_size: int) -> list[int]:
+    """Sample indices of the given groups (prompt indices), in that order: groups are contiguous."""
+    return [gi * group_size + j for gi in groups for j in range(group_size)]
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """What the engine samples with. The trainer scores with the same temperature.
@@ -108,7 +113,7 @@ class Rollouts:
     def take_groups(self, groups: Sequence[int]) -> "Rollouts":
         """The samples of the given groups (prompt indices), in that order; groups stay whole."""
         g = self.group_size
-        idx = [gi * g + j for gi in groups for j in range(g)]
+        idx = group_sample_indices(groups, g)
         bad = [gi for gi in groups if not 0 <= gi < len(self) // g]
         if bad:
             raise IndexError(f"Rollouts.take_groups: groups {bad[:5]} out of range for {len(self) // g} groups")

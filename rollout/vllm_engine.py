@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from rollout.base import LayerChunkUpdates
 from rollout.types import Rollouts, SamplingSpec
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
@@ -268,7 +269,7 @@ def _sampled_logprobs(completion, topk: int = 0):
     return sampled, top_ids, top_lps
 
 
-class VLLMEngine:
+class VLLMEngine(LayerChunkUpdates):
     """In-process vLLM behind the ``rollout.base.RolloutEngine`` interface.
 
     model: local HF directory (or hub id when a network is available).
@@ -286,10 +287,6 @@ class VLLMEngine:
     enable_sleep_mode: CUDA only; needed for ``sleep()``/``wake_up()`` to free memory.
     llm_kwargs: passed to ``vllm.LLM`` as is.
     """
-
-    # Names not given in load_weights keep their values: trainer.engines.sync_weights streams
-    # the update one decoder layer at a time.
-    accepts_partial_updates = True
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", max_model_len: int = 1024, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.5,

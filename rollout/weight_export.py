@@ -188,7 +188,7 @@ _LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
 def layer_chunks(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int | None = None) -> Iterator[NamedTensors]:
     """Group consecutive (name, tensor) pairs into chunks of whole decoder layers (``...layers.<i>.``).
 
-    For engines that keep the values of names not sent: an update streamed this way
+    For engines that take an update in chunks (``load_weight_chunks``): an update streamed this way
     holds at most one chunk of merged weights (never the whole model's), and a layer's
     fused groups stay in one chunk (``iter_merged_lora_weights`` yields a group's members
     together, in model order). Whole layers are added to a chunk while it stays within

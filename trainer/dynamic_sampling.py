@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from rollout.types import Rollouts
+from rollout.types import Rollouts, group_sample_indices
 from trainer.algorithms.filters import groups_with_signal
 
 
@@ -58,14 +58,15 @@ class Drawn:
         return len(self.rows)
 
     def take_groups(self, groups: list[int]) -> "Drawn":
-        g = self.rollouts.group_size
-        idx = [gi * g + j for gi in groups for j in range(g)]
+        idx = group_sample_indices(groups, self.rollouts.group_size)
         return Drawn(rows=[self.rows[gi] for gi in groups], rollouts=self.rollouts.take_groups(groups),
                      rewards=[self.rewards[i] for i in idx],
                      per_fn={k: [v[i] for i in idx] for k, v in self.per_fn.items()})
 
     @staticmethod
     def concat(parts: list["Drawn"]) -> "Drawn":
+        if len(parts) == 1:  # the usual step (one round): nothing to copy
+            return parts[0]
         return Drawn(rows=[r for p in parts for r in p.rows], rollouts=Rollouts.concat([p.rollouts for p in parts]),
                      rewards=[x for p in parts for x in p.rewards],
                      per_fn={k: [x for p in parts for x in p.per_fn[k]] for k in parts[0].per_fn},
@@ -108,6 +109,6 @@ def fill_with_signal(draw: Callable[[int], Drawn], *, share: int, group_size: in
     drawn_groups = dp.world * sum(p.num_groups for p in drawn)  # every rank draws the same number
     metrics = {"rollout/ds_rounds": float(len(drawn)),
                "rollout/ds_signal_frac": sum(kept_per_rank) / drawn_groups,
-               "rollout/ds_train_groups": float(n * dp.world if n else share * dp.world),
+               "rollout/ds_train_groups": float((n or share) * dp.world),
                "rollout/ds_fallback": float(n == 0)}
     return train, drawn, metrics

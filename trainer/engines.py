@@ -111,10 +111,10 @@ def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch
     The update goes in chunks of whole decoder layers of at most ``chunk_bytes``
     (``rollout.sync_chunk_bytes``; None: one layer per chunk), each made only when the
     engine has taken the previous one, so at most one chunk of merged weights exists at
-    once: engines that keep the values of names not sent (``accepts_partial_updates``: the
-    colocated vLLM and HF engines) take each chunk as an update of its own; a server takes
-    them all as one weight version (``ServerEngine.load_weight_chunks``). Other engines get
-    the whole update at once.
+    once, to engines with ``load_weight_chunks``: the colocated vLLM and HF engines take each
+    chunk as an update of its own (``rollout.base.LayerChunkUpdates``); a server takes them
+    all as one weight version (``ServerEngine.load_weight_chunks``). Other engines get the
+    whole update in one ``load_weights``.
     FP8 recipes on CUDA push the block-FP8 weights + scales computed by the trainer's own
     quantizer (``rollout.fp8_export.fp8_block_weights``); on CPU the emulating engine
     quantizes the merged BF16 weights with the same function (``rollout.fp8_quant``).
@@ -135,11 +135,10 @@ def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch
     if fp8_cuda:
         from rollout.fp8_export import fp8_block_weights
     streams = hasattr(engine, "load_weight_chunks")
-    chunked = streams or getattr(engine, "accepts_partial_updates", False)
     totals = {"perf/sync_bytes": 0.0, "perf/sync_tensors": 0.0, "perf/sync_chunks": 0.0}
 
     def prepared():
-        for named in (layer_chunks(merged, chunk_bytes) if chunked else [list(merged)]):
+        for named in (layer_chunks(merged, chunk_bytes) if streams else [list(merged)]):
             if fp8_cuda:
                 named = list(fp8_block_weights(named))
             totals["perf/sync_bytes"] += payload_bytes(named)
