@@ -7,7 +7,7 @@
 One engine per process (``--engine fp8``: vLLM with ``rollout.fp8_quant``'s
 emulated block-FP8 linear layers; ``--engine bf16``: plain BF16). It samples
 completions of arithmetic-task prompts and scores them with two trainers, the
-BF16 HF model and the same model converted by ``trainer.precision.convert_to_fp8``;
+BF16 HF model and the same model converted by ``trainer.models.precision.convert_to_fp8``;
 ``parity.metrics.compare`` gives each pair's mismatch. With the FP8 engine the
 pairs are the recipes:
 
@@ -60,19 +60,19 @@ def parse_args(argv=None):
 
 def model_dir(args) -> str:
     if args.hidden_size is not None:
-        from trainer.tiny import ensure_tiny_base
+        from trainer.models.tiny import ensure_tiny_base
 
         h = args.hidden_size
         return str(ensure_tiny_base(hidden_size=h, intermediate_size=3 * h, num_heads=4, num_kv_heads=2))
-    from trainer.default_model import resolve_model_path
+    from trainer.models.builtin import resolve_model_path
 
     return resolve_model_path(args.model)
 
 
 def parity(model, rollouts, pad_id: int, temperature: float) -> dict:
     from parity.metrics import compare
-    from trainer.batch import batch_from_rollouts
-    from trainer.policy import completion_logprobs
+    from trainer.models.batch import batch_from_rollouts
+    from trainer.models.policy import completion_logprobs
 
     batch = batch_from_rollouts(rollouts, pad_id)
     with torch.no_grad():
@@ -86,7 +86,7 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 def engine_weight_mismatches(engine, trainer) -> list[str]:
     """Engine linear weights (vLLM names, fused) that are not bitwise the trainer's fake-quantized weights."""
-    from trainer.precision import fp8_weights
+    from trainer.models.precision import fp8_weights
 
     expected = fp8_weights(trainer)
 
@@ -130,10 +130,10 @@ def main(argv=None) -> dict:
     from rollout.vllm_engine import VLLMEngine
     from rollout.weight_export import merged_lora_weights
     from trainer.config import LoraConfig
-    from trainer.data import encode_prompts
-    from trainer.policy import add_lora, load_base_model, load_tokenizer
-    from trainer.precision import convert_to_fp8
-    from trainer.tasks.arithmetic import arithmetic_dataset
+    from trainer.data.datasets import encode_prompts
+    from trainer.models.policy import add_lora, load_base_model, load_tokenizer
+    from trainer.models.precision import convert_to_fp8
+    from trainer.data.tasks.arithmetic import arithmetic_dataset
 
     path = model_dir(args)
     tok = load_tokenizer(path)

@@ -7,7 +7,7 @@
 For each recipe, in its own process (each needs its own vLLM engine):
 1. ``parityrl compare`` on the same prompts and the same weights: the built-in tiny
    model (hidden 128) and a wider random model (hidden 512, 4 layers, built by
-   ``trainer.tiny`` -- where quantisation error is not swamped by tininess). Reported:
+   ``trainer.models.tiny`` -- where quantisation error is not swamped by tininess). Reported:
    parity MAE, kl_k3, frac_rho_outside_0.9_1.1 (``parity.metrics``).
 2. ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps: the reward at the end
    (mean of the last 5 steps) and the run's mean parity MAE.
@@ -35,7 +35,7 @@ def dtype_of(recipe: str) -> str:
 
 
 def write_prompts(path: Path, n: int) -> Path:
-    from trainer.data import load_prompt_dataset
+    from trainer.data.datasets import load_prompt_dataset
 
     ds = load_prompt_dataset("builtin:arithmetic", split="test", num_examples=n, seed=0)
     path.write_text("".join(json.dumps({"prompt": ds[i]["prompt"]}) + "\n" for i in range(len(ds))))
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from trainer.tiny import ensure_tiny_base
+    from trainer.models.tiny import ensure_tiny_base
 
     work = Path(tempfile.mkdtemp(prefix="parityrl_precision_"))
     prompts = write_prompts(work / "prompts.jsonl", args.prompts)

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 bench/zero_cpu_check.py --zero 2
     torchrun --nproc_per_node 2 bench/zero_cpu_check.py --zero 3 [--dtype float32] [--optim adamw]
     accelerate launch --config_file recipes/accelerate/zero3.yaml bench/zero_cpu_check.py --zero 3
-    torchrun --nproc_per_node 2 bench/zero_cpu_check.py --zero 0   # no DeepSpeed: trainer.data_parallel
+    torchrun --nproc_per_node 2 bench/zero_cpu_check.py --zero 0   # no DeepSpeed: trainer.distributed.data_parallel
 
 (PARITYRL_CACHE, HF_HUB_OFFLINE=1 as for the tests.) DeepSpeed runs through accelerate's
 DeepSpeed plugin, from the environment ``accelerate launch`` sets for
@@ -18,12 +18,12 @@ identity), ``--steps`` steps on a fixed 8-sequence batch: ``completion_logprobs`
 policy-gradient log-prob loss normalised by the batch's token count, backward,
 ``clip_grad_norm_``, optimizer step, LambdaLR step; ``merged_lora_weights`` before and
 after. Every rank then runs the same steps on its shard (rows ``[4r, 4r+4)``) in
-micro-batches (``--micro``) the way the loop would with ``trainer.distributed``
+micro-batches (``--micro``) the way the loop would with ``trainer.distributed.deepspeed``
 (``fill_deepspeed_config``, ``model_load_context``, ``wrap_for_prepare``,
 ``make_backward``, ``optimizer_step``), every rank's loss normalised by the WHOLE batch's
 token count as the loop does, and exports with ``zero3_gather``. ``--zero 0`` runs the
 loop's non-DeepSpeed data parallel instead (model not prepared,
-``trainer.data_parallel.DataParallel.all_reduce_grads``). Checks (rank 0; every rank
+``trainer.distributed.data_parallel.DataParallel.all_reduce_grads``). Checks (rank 0; every rank
 exits with the result):
 
 - loss, every step: the ranks' losses sum to the reference loss (step 1: rtol 1e-5,
@@ -78,7 +78,7 @@ def fixed_batch():
     """8 prompt/completion pairs of different lengths (ids of the tiny vocab) and +-1 advantages."""
     import torch
 
-    from trainer.batch import build_token_batch
+    from trainer.models.batch import build_token_batch
 
     g = torch.Generator().manual_seed(1234)
     prompts = [torch.randint(6, 500, (3 + (i * 5) % 7,), generator=g).tolist() for i in range(ROWS)]
@@ -93,7 +93,7 @@ def make_policy(model_dir: str, targets: list[str] | None, dtype: str):
     import torch
 
     from trainer.config import LoraConfig
-    from trainer.policy import add_lora, load_base_model
+    from trainer.models.policy import add_lora, load_base_model
 
     lora = LoraConfig() if targets is None else LoraConfig(target_modules=targets)
     model = add_lora(load_base_model(model_dir, dtype), lora)
@@ -107,7 +107,7 @@ def make_policy(model_dir: str, targets: list[str] | None, dtype: str):
 
 def loss_of(model, micro, adv, n_tokens: float, scale: float):
     """-sum(adv * logprob) / n_tokens (the whole batch's count) * scale."""
-    from trainer.policy import completion_logprobs
+    from trainer.models.policy import completion_logprobs
 
     lp, _ = completion_logprobs(model, micro, temperature=1.0)
     c = lp.shape[1]
@@ -186,13 +186,13 @@ class GatherProbe:
 
 
 def distributed_steps(args, model_dir: str) -> dict:
-    """The steps as the loop would run them with trainer.distributed (DeepSpeed) or trainer.data_parallel (--zero 0)."""
+    """The steps as the loop would run them with trainer.distributed.deepspeed (DeepSpeed) or trainer.distributed.data_parallel (--zero 0)."""
     import torch.distributed as dist
     from accelerate import Accelerator
 
     from rollout.weight_export import merged_lora_weights
-    from trainer.data_parallel import DataParallel
-    from trainer.distributed import (accelerator_kwargs, deepspeed_stage, fill_deepspeed_config, gathered_trainable,
+    from trainer.distributed.data_parallel import DataParallel
+    from trainer.distributed.deepspeed import (accelerator_kwargs, deepspeed_stage, fill_deepspeed_config, gathered_trainable,
                                      is_zero3_partitioned, make_backward, model_load_context, optimizer_step,
                                      unwrap_policy, wrap_for_prepare, zero3_gather)
 
@@ -216,7 +216,7 @@ def distributed_steps(args, model_dir: str) -> dict:
         model, optimizer = accelerator.prepare(policy if args.no_wrap else wrap_for_prepare(accelerator, policy),
                                                optimizer)
         policy = unwrap_policy(accelerator, model)
-    else:  # the loop's data parallel: the model is not prepared, trainer.data_parallel reduces the gradients
+    else:  # the loop's data parallel: the model is not prepared, trainer.distributed.data_parallel reduces the gradients
         model, optimizer = policy, accelerator.prepare(optimizer)
 
     out: dict = {"stage": stage, "world": world, "distributed_type": accelerator.distributed_type.value,
@@ -281,7 +281,7 @@ def checkpoint_roundtrip(accelerator, model, policy, optimizer, params, sub, sub
     import torch.distributed as dist
     from peft.utils import load_peft_weights
 
-    from trainer.distributed import gathered_trainable, make_backward, optimizer_step
+    from trainer.distributed.deepspeed import gathered_trainable, make_backward, optimizer_step
 
     where = [tempfile.mkdtemp(prefix="zero_ckpt_") if accelerator.is_main_process else None]
     dist.broadcast_object_list(where, src=0)  # one directory for every rank (one machine here)
@@ -376,7 +376,7 @@ def compare(args, ref: dict, got: dict) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--zero", type=int, choices=(0, 2, 3), required=True,
-                   help="ZeRO stage; 0: no DeepSpeed, the loop's own data parallel (trainer.data_parallel)")
+                   help="ZeRO stage; 0: no DeepSpeed, the loop's own data parallel (trainer.distributed.data_parallel)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="base model dtype")
     p.add_argument("--optim", choices=("sgd", "adamw"), default="sgd",
                    help="sgd (default): the update carries the gradient itself; adamw: the loop's optimizer")
@@ -402,7 +402,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from trainer.default_model import resolve_model_path
+    from trainer.models.builtin import resolve_model_path
 
     model_dir = resolve_model_path("builtin:tiny")
     ref = reference(args, model_dir) if int(os.environ["RANK"]) == 0 else None

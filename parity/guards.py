@@ -17,7 +17,7 @@ def threshold_violations(metrics: Mapping[str, float], *, max_mae: Optional[floa
     """Messages for each limit exceeded (a NaN metric counts as a breach); [] when within limits or unset.
 
     ``prefix``: the metric family checked, ``parity/`` (the step's rollouts) or ``probe/``
-    (the fixed-prompt probe after a weight sync, ``trainer.probe``).
+    (the fixed-prompt probe after a weight sync, ``trainer.rl.probe``).
     """
     out = []
     for key, limit in ((prefix + "mae", max_mae), (prefix + "kl_k3", max_kl_k3)):

@@ -104,7 +104,7 @@ EPS = 1e-10  # amax floor: zero blocks get a finite scale (same as vLLM's kernel
 _INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
 FP8_BACKENDS = ("emulated", "scaled_mm")
 # Hugging Face leaf names of the decoder linear layers both phases quantize (Llama, Mistral, Qwen2/3).
-# lm_head, embeddings, norms and attention stay BF16 (trainer/precision.py says why).
+# lm_head, embeddings, norms and attention stay BF16 (trainer/models/precision.py says why).
 FP8_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -22,7 +22,7 @@ class RolloutEngine(Protocol):
 
     # Optional: ``load_weight_chunks(chunks)`` -- the engine takes an update as an iterable of
     # chunks (whole decoder layers, ``rollout.weight_export.layer_chunks``), each taken before
-    # the next is made; ``trainer.engines.sync_weights`` then streams the merge into it.
+    # the next is made; ``trainer.rl.engines.sync_weights`` then streams the merge into it.
 
 
 class LayerChunkUpdates:

@@ -52,6 +52,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from parity.precision import BLOCK, FP8_TARGETS, quantize_weight_blocks
+from rollout.fp8_scheme import DECODER_LAYER as _DECODER_LAYER, EMULATED_FP8
 
 __all__ = [
     "EMULATED_FP8",
@@ -66,13 +67,11 @@ __all__ = [
     "write_fp8_checkpoint",
 ]
 
-EMULATED_FP8 = "parityrl_fp8_emulated"  # registered with vLLM by importing rollout.fp8_quant
 FP8_RECIPES = ("fp8_rollout", "fp8_unified")
 PRECISION_RECIPES = ("bf16", "fp16") + FP8_RECIPES
 # vLLM's Fp8Config for DeepSeek-V3-style block FP8 (vllm/model_executor/layers/quantization/fp8.py).
 FP8_BLOCK_QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 SCALE_SUFFIX = "weight_scale_inv"
-_DECODER_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 

@@ -4,7 +4,7 @@ vLLM's FP8 kernels (CUTLASS / DeepGEMM / Triton block-FP8 GEMMs) do not exist
 on CPU. Importing this module registers, with
 ``vllm.model_executor.layers.quantization.register_quantization_config``, the
 method ``"parityrl_fp8_emulated"`` (``EMULATED_FP8``), whose linear layers
-compute exactly what the trainer's ``trainer.precision`` layers compute::
+compute exactly what the trainer's ``trainer.models.precision`` layers compute::
 
     y = parity.precision.fp8_linear(x, W)     # fake_quant_act(x) @ fake_quant_weight(W)^T, in BF16
 
@@ -59,7 +59,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from parity.precision import BLOCK, FP8_TARGETS, fake_quant_weight_shards, fp8_linear
-from rollout.fp8_export import _DECODER_LAYER, EMULATED_FP8
+from rollout.fp8_scheme import DECODER_LAYER as _DECODER_LAYER, EMULATED_FP8
 
 __all__ = ["EMULATED_FP8", "EmulatedFp8Config", "EmulatedFp8LinearMethod"]
 

@@ -1,6 +1,6 @@
 """Rollouts from a separate vLLM server process (``rollout.mode: server``).
 
-The server is started by ``parityrl serve <recipe>`` (``trainer/serve.py``): its own
+The server is started by ``parityrl serve <recipe>`` (``trainer/commands/serve.py``): its own
 processes and devices, tensor parallel size >= 1. This client implements the
 ``rollout.base.RolloutEngine`` interface with the conventions of the colocated
 ``rollout.vllm_engine.VLLMEngine``, so the trainer cannot tell them apart:

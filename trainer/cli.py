@@ -32,7 +32,7 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parityrl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="RL training (GRPO) with vLLM rollouts and per-step parity metrics")
+    t = sub.add_parser("train", help="RL training (GRPO, PPO, PMD-mean, ...) with vLLM rollouts and per-step parity metrics")
     _add_recipe_args(t)
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run directory")
     s = sub.add_parser("sft", help="supervised fine-tuning (the warm start before RL)")
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate with the engine, score the same tokens with the trainer (HF), and write "
                     "summary.json, tokens.jsonl, samples.jsonl, report.xlsx and plots to --out."))
     _add_serve_args(sub.add_parser(
-        "serve", help="start the vLLM server that rollout.mode: server trains against (trainer/serve.py)",
+        "serve", help="start the vLLM server that rollout.mode: server trains against (trainer/commands/serve.py)",
         description="Start a vLLM server for the recipe's model on rollout.server_url, with processed log-probs, "
                     "token-in/token-out generation and the weight-transfer backend enabled."))
     return parser
@@ -120,32 +120,14 @@ def run_train(argv: list[str] | None = None, prog: str = "parityrl train") -> in
 
 
 def _train(args) -> int:
-    from trainer.config import load_recipe
+    from trainer.commands.train import run_train_command
 
-    try:
-        cfg = load_recipe(args.recipe, args.overrides)
-    except RecipeError as e:
-        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
-        return 2
-    from rollout.server_engine import EngineUnavailable
-    from trainer.loop import ParityLimitExceeded, train
-
-    try:
-        train(cfg, resume=args.resume)
-    except (FileExistsError, FileNotFoundError) as e:  # run-directory state: a user decision, not a crash
-        print(f"parityrl: {e}", file=sys.stderr)
-        return 2
-    except ParityLimitExceeded as e:
-        print(f"parityrl: stopped: {e}", file=sys.stderr)
-        return 3
-    except EngineUnavailable as e:  # a dead rollout server: the message names the URL and how to resume
-        print(f"parityrl: stopped: {e}", file=sys.stderr)
-        return 4
-    return 0
+    return run_train_command(args.recipe, args.overrides, resume=args.resume)
 
 
 def _sft(args) -> int:
-    from trainer.sft import load_sft_recipe, run_sft
+    from trainer.commands.sft import run_sft
+    from trainer.sft.recipe import load_sft_recipe
 
     try:
         cfg = load_sft_recipe(args.recipe, args.overrides)
@@ -161,7 +143,7 @@ def _sft(args) -> int:
 
 
 def _train_rm(args) -> int:
-    from trainer.reward_model import load_rm_recipe, run_train_rm
+    from trainer.commands.train_rm import load_rm_recipe, run_train_rm
 
     try:
         cfg = load_rm_recipe(args.recipe, args.overrides)
@@ -177,7 +159,7 @@ def _train_rm(args) -> int:
 
 
 def _merge(args) -> int:
-    from trainer.merge import MergeError, describe, merge_adapter
+    from trainer.commands.merge import MergeError, describe, merge_adapter
 
     try:
         out = merge_adapter(args.base, args.adapter, args.out, dtype=args.dtype)
@@ -190,7 +172,7 @@ def _merge(args) -> int:
 
 def _serve(args) -> int:
     from trainer.config import load_recipe
-    from trainer.serve import run_serve
+    from trainer.commands.serve import run_serve
 
     try:
         cfg = load_recipe(args.recipe, args.overrides)
@@ -202,7 +184,7 @@ def _serve(args) -> int:
 
 
 def _compare(args) -> int:
-    from trainer.compare import CompareError, run_compare
+    from trainer.commands.compare import CompareError, run_compare
 
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)
     try:

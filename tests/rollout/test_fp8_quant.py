@@ -153,7 +153,7 @@ def test_write_fp8_checkpoint(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    from trainer.tiny import ensure_tiny_base
+    from trainer.models.tiny import ensure_tiny_base
 
     with pytest.raises(ValueError, match="k_proj.weight: 64 rows"):
         write_fp8_checkpoint(ensure_tiny_base(), tmp_path / "tiny-fp8")  # CPU emulation only

@@ -1,4 +1,4 @@
-"""Server mode: rollout.server_engine, rollout.server_transfer, trainer/serve.py.
+"""Server mode: rollout.server_engine, rollout.server_transfer, trainer/commands/serve.py.
 
 Fast tier: URL parsing, the server command, the response parser, the
 ``parityrl_file`` transfer engines against a stand-in model, and start-up against a
@@ -7,7 +7,7 @@ port where nothing listens. Slow tier: a real ``parityrl serve`` subprocess on
 forward, weight pushes, three training steps, and a server killed mid-run.
 
 Bounds are the colocated suite's (tests/rollout/test_vllm_engine.py,
-tests/trainer/test_train_integration.py): the server runs the same vLLM code on the
+tests/trainer/rl/test_train_integration.py): the server runs the same vLLM code on the
 same CPU, and on these prompts it returns bit-identical samples and log-probs to the
 in-process engine (measured, see the report), so nothing looser is warranted.
 """
@@ -57,7 +57,7 @@ def test_parse_server_url():
 
 def test_startup_with_nothing_listening_fails_clearly_within_the_timeout(tmp_path):
     from trainer.config import load_recipe
-    from trainer.engines import make_engine
+    from trainer.rl.engines import make_engine
 
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -127,7 +127,7 @@ def test_server_settings_check_names_what_is_wrong(tmp_path):
 
 def test_serve_command_has_the_settings_the_trainer_relies_on():
     from trainer.config import RecipeError, load_recipe
-    from trainer.serve import serve_command
+    from trainer.commands.serve import serve_command
 
     cfg = load_recipe(RECIPE, ["rollout.server_url=http://127.0.0.1:8123", "parity.topk=40",
                                "rollout.kv_cache_memory_bytes=67108864"], check_paths=False)
@@ -157,7 +157,7 @@ def test_serve_command_has_the_settings_the_trainer_relies_on():
 
 
 def test_cpu_binding_for_tensor_parallel_on_one_numa_node():
-    from trainer.serve import cpu_bind_for_tp
+    from trainer.commands.serve import cpu_bind_for_tp
 
     assert cpu_bind_for_tp(1, [0, 1], 1) is None  # vLLM's auto binding
     assert cpu_bind_for_tp(2, [0, 1, 2, 3], 2) is None  # a NUMA node per rank: auto binding works
@@ -482,8 +482,8 @@ def cfg_for(tmp_path, name, url, *overrides):
 def test_three_training_steps_against_the_server(server, tmp_path, tiny_model_dir):
     from peft.utils import load_peft_weights
 
-    from trainer.checkpoint import latest_checkpoint
-    from trainer.loop import train
+    from trainer.io.checkpoint import latest_checkpoint
+    from trainer.rl.loop import train
 
     # lr 1e-2: the weights move a lot -- the same run with rollout.sync_weights=false measured
     # probe/mae 0.17 after step 1 and parity/mae 0.18, 0.39 at steps 2, 3 (18-39x the bound) --
@@ -510,7 +510,7 @@ SHARED_RUN = ("train.steps=2", "checkpoint.every=0", "parity.topk=5")
 
 @pytest.fixture(scope="module")
 def one_trainer_on_server(server, tmp_path_factory):
-    from trainer.loop import train
+    from trainer.rl.loop import train
 
     return train(cfg_for(tmp_path_factory.mktemp("one"), "one", server.url, *SHARED_RUN)).history
 
@@ -562,8 +562,8 @@ def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_ser
 
 @pytest.mark.slow
 def test_dead_server_stops_the_run_and_the_checkpoint_resumes(server, tmp_path, tiny_model_dir):
-    from trainer.checkpoint import latest_checkpoint, list_checkpoints
-    from trainer.loop import train
+    from trainer.io.checkpoint import latest_checkpoint, list_checkpoints
+    from trainer.rl.loop import train
 
     doomed = Server(tmp_path)
     cfg = cfg_for(tmp_path, "killed", doomed.url, "train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4")

@@ -251,6 +251,6 @@ def test_topk_logprobs_match_hf_and_give_a_small_topk_kl(restored_engine, hf_ref
     # Measured: MAE 0.0136 (the 2nd-5th tokens' log-probs carry the logits' rounding almost
     # undamped, unlike the sampled, mostly likely, token's: hence above the sampled-token MAE),
     # per-sample top-k KL at most 6e-4 (KL ~ E[d^2] / 2 over the buckets). Bounds ~2x / 5x that;
-    # a stale engine gives top-k KL > 0.25 (tests/trainer/test_train_integration.py).
+    # a stale engine gives top-k KL > 0.25 (tests/trainer/rl/test_train_integration.py).
     assert err.mean() < 0.03
     assert max(kls) < 3e-3

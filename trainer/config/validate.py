@@ -1,0 +1,245 @@
+"""Value ranges and cross-field rules of a training recipe, checked before anything heavy starts."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from trainer.config.schema import CRITIC_ALGORITHMS, LOOP_ALGORITHMS, RecipeError, RunConfig
+
+
+def _looks_local(path: str) -> bool:
+    # Hub ids ("org/name") also contain a slash, so only an explicit path prefix or an
+    # existing path counts as local; anything else is left to the hub loader.
+    return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
+
+
+def model_max_positions(model_path: str) -> Optional[int]:
+    """The model's context length from its config.json, without loading weights (None if unknown)."""
+    if model_path.startswith("builtin:"):
+        from trainer.models.tiny import builtin_max_positions
+
+        return builtin_max_positions(model_path)
+    cfg_file = Path(model_path).expanduser() / "config.json"
+    if not cfg_file.is_file():
+        return None
+    try:
+        conf = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return conf.get("max_position_embeddings") or conf.get("n_positions") or conf.get("max_seq_len")
+
+
+def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = True) -> None:
+    """Value ranges and cross-field rules. Raises RecipeError on the first problem."""
+
+    def need(ok: bool, key: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise RecipeError(f"{where}: {key} = {value!r}: expected {expected}")
+
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.train
+    from trainer.algorithms import ADVANTAGES, POLICY_LOSSES
+
+    registered = set(ADVANTAGES.names()) & set(POLICY_LOSSES.names())
+    need(a.name in registered and a.name in LOOP_ALGORITHMS, "algorithm.name", a.name,
+         "one of " + ", ".join(LOOP_ALGORITHMS))
+    if a.name in CRITIC_ALGORITHMS:
+        need(a.group_size >= 1, "algorithm.group_size", a.group_size, "an integer >= 1")
+        need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "a number in [0, 1]")
+        need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "a number in [0, 1]")
+        need(a.vf_coef >= 0, "algorithm.vf_coef", a.vf_coef, "a number >= 0")
+        need(a.value_clip is None or a.value_clip > 0, "algorithm.value_clip", a.value_clip, "null or a number > 0")
+        need(a.ent_coef >= 0, "algorithm.ent_coef", a.ent_coef, "a number >= 0")
+        need(a.reward_kl_coef >= 0, "algorithm.reward_kl_coef", a.reward_kl_coef, "a number >= 0")
+        need(a.reward_kl_target is None or a.reward_kl_target > 0, "algorithm.reward_kl_target", a.reward_kl_target,
+             "null (fixed beta) or a number > 0 (nats per sequence)")
+        need(a.reward_kl_horizon >= 1, "algorithm.reward_kl_horizon", a.reward_kl_horizon, "an integer >= 1")
+    else:
+        need(a.group_size >= 2, "algorithm.group_size", a.group_size,
+             "an integer >= 2 (GRPO's advantage compares completions of the same prompt)")
+    need(a.eps > 0, "algorithm.eps", a.eps, "a number > 0")
+    need(0 <= a.clip_eps_low < 1, "algorithm.clip_eps_low", a.clip_eps_low, "a number in [0, 1)")
+    need(a.clip_eps_high >= 0, "algorithm.clip_eps_high", a.clip_eps_high, "a number >= 0")
+    need(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "a number >= 0")
+    need(a.tau > 0, "algorithm.tau", a.tau, "a number > 0 (PMD's KL weight; the authors use 0.01-0.1)")
+    if a.name.startswith("pmd"):
+        need(a.kl_coef == 0, "algorithm.kl_coef", a.kl_coef,
+             f"0 for {a.name}: PMD has no KL-to-reference term, tau is its proximal weight")
+    if a.dynamic_sampling:
+        need(a.name not in CRITIC_ALGORITHMS, "algorithm.dynamic_sampling", a.dynamic_sampling,
+             f"false for {a.name}: it keeps groups whose rewards differ, a group-relative criterion")
+    need(isinstance(a.max_sampling_rounds, int) and a.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds",
+         a.max_sampling_rounds, "an integer >= 1 (prompt batches drawn per step with dynamic sampling)")
+    need(a.epochs >= 1, "algorithm.epochs", a.epochs, "an integer >= 1")
+    need(a.mini_batches >= 1, "algorithm.mini_batches", a.mini_batches, "an integer >= 1")
+    samples = r.prompts_per_step * a.group_size
+    need(samples % a.mini_batches == 0, "algorithm.mini_batches", a.mini_batches,
+         f"a divisor of the {samples} samples per step (rollout.prompts_per_step x algorithm.group_size), "
+         "so every optimizer step sees the same number of samples")
+
+    need(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "an integer >= 1")
+    need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0 (greedy decoding has no log-probs to learn from)")
+    need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a number in (0, 1]")
+    need(r.top_k >= 0, "rollout.top_k", r.top_k, "an integer >= 0 (0 = off)")
+    # The trainer scores tokens under softmax(logits / T) over the full vocabulary. The
+    # engine reports processed log-probs (after truncation, renormalised over the kept
+    # tokens), so with top-p / top-k the two sides would describe different
+    # distributions and the difference would be mis-read as numerical mismatch;
+    # reproducing the truncation needs whole sorted rows, which the chunked kernel avoids.
+    need(r.top_p == 1.0, "rollout.top_p", r.top_p,
+         "1.0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-p "
+         "truncation (the engine's processed log-probs are renormalised over the kept tokens)")
+    need(r.top_k == 0, "rollout.top_k", r.top_k,
+         "0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-k "
+         "truncation (the engine's processed log-probs are renormalised over the kept tokens)")
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
+    need(r.kv_cache_memory_bytes >= 16 * 1024**2, "rollout.kv_cache_memory_bytes", r.kv_cache_memory_bytes, "at least 16 MiB")
+    need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a number in (0, 1)")
+    need(r.max_num_seqs >= 1, "rollout.max_num_seqs", r.max_num_seqs, "an integer >= 1")
+    need(r.sync_chunk_bytes >= 1, "rollout.sync_chunk_bytes", r.sync_chunk_bytes, "an integer >= 1 (bytes)")
+    if r.mode == "server":  # the same parser the engine and `parityrl serve` use
+        from rollout.server_engine import parse_server_url
+
+        try:
+            parse_server_url(r.server_url)
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}") from None
+    need(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "a number of seconds > 0")
+
+    need(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
+    need(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "a number > 0")
+    need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "a number >= 0")
+    need(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas", t.adam_betas,
+         "two numbers in [0, 1)")
+    need(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "an integer >= 1")
+    need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
+    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
+
+    lora = cfg.model.lora
+    need(lora.r >= 1, "model.lora.r", lora.r, "an integer >= 1")
+    need(lora.alpha > 0, "model.lora.alpha", lora.alpha, "a number > 0")
+    need(0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "a number in [0, 1)")
+    # The training log-probs are the parity metrics' train side and the importance
+    # ratios' numerator: dropout would make them random, and the mismatch measured
+    # would be dropout noise, not numerics.
+    need(lora.dropout == 0, "model.lora.dropout", lora.dropout,
+         "0 for RL training: dropout makes the trainer's log-probs random, so the parity metrics and the "
+         "importance ratios would measure dropout noise (use it in `parityrl sft`)")
+    need(len(lora.target_modules) > 0, "model.lora.target_modules", lora.target_modules, "a non-empty list of module names")
+    # The train-side log-probs read the lm_head weight directly (fused kernel); a LoRA on
+    # it would be silently ignored there, so it is refused.
+    need("lm_head" not in lora.target_modules, "model.lora.target_modules", lora.target_modules, "a list without 'lm_head'")
+    need(cfg.model.lora.enabled, "model.lora.enabled", False,
+         "true for RL training (the reference policy is the base with the adapter disabled); full fine-tuning is for `parityrl sft`")
+
+    need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "an integer >= 1")
+    need(cfg.data.num_examples is None or cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples,
+         "null or an integer >= 1")
+    rw = cfg.reward
+    need(len(rw.functions) + len(rw.models) > 0, "reward.functions", rw.functions,
+         "at least one name: 'module:function' (or a reward model under reward.models)")
+    for name, spec in rw.functions.items():
+        need(":" in spec and all(spec.split(":", 1)), f"reward.functions.{name}", spec, "'module:function'")
+    for name, rm in rw.models.items():
+        key = f"reward.models.{name}"
+        need(name not in rw.functions, key, rm.path, f"a name not also used in reward.functions ({name!r} is both; "
+             "each name is one reward/<name> metric)")
+        need(bool(rm.path), f"{key}.path", rm.path, "the directory written by `parityrl train-rm`")
+        need(rm.batch_size >= 1, f"{key}.batch_size", rm.batch_size, "an integer >= 1")
+        need(math.isfinite(rm.baseline), f"{key}.baseline", rm.baseline, "a finite number")
+        # The scorer re-encodes the decoded prompt + completion and appends EOS; a rollout
+        # can be max_prompt_tokens + max_new_tokens long, so a smaller limit would fail mid-run.
+        longest = cfg.data.max_prompt_tokens + r.max_new_tokens + 1
+        need(rm.max_tokens is None or rm.max_tokens >= longest, f"{key}.max_tokens", rm.max_tokens,
+             f"null or at least data.max_prompt_tokens + rollout.max_new_tokens + 1 (EOS) = {longest}")
+        if check_paths:
+            need((Path(rm.path).expanduser() / "config.json").is_file(), f"{key}.path", rm.path,
+                 "a local reward-model directory with a config.json (written by `parityrl train-rm`)")
+    sources = list(rw.functions) + list(rw.models)
+    for name in rw.weights:
+        need(name in sources, f"reward.weights.{name}", rw.weights[name],
+             "a weight for a name listed in reward.functions or reward.models (" + ", ".join(sources) + ")")
+    need(cfg.parity.chunk_size is None or cfg.parity.chunk_size >= 1, "parity.chunk_size", cfg.parity.chunk_size,
+         "null or an integer >= 1")
+    for key in ("max_mae", "max_kl_k3"):
+        v = getattr(cfg.parity, key)
+        need(v is None or v > 0, f"parity.{key}", v, "null or a number > 0")
+    # The top-k costs a [tokens, k] transfer per step; beyond a few hundred the rest
+    # bucket is negligible anyway and vLLM's sampler slows down (torch.topk on the vocab).
+    need(0 <= cfg.parity.topk <= 256, "parity.topk", cfg.parity.topk, "an integer in [0, 256] (0 = off)")
+    rec, dt = cfg.precision.recipe, cfg.model.dtype
+    need(rec != "fp16" or dt == "float16", "model.dtype", dt,
+         "float16 with precision.recipe fp16 (both phases run in FP16)")
+    need(dt != "float16" or rec == "fp16", "model.dtype", dt,
+         "bfloat16 or float32 unless precision.recipe is fp16 (set precision.recipe: fp16 to run in FP16)")
+    need(not rec.startswith("fp8") or dt == "bfloat16", "model.dtype", dt,
+         f"bfloat16 with precision.recipe {rec} (BF16 master weights; the FP8 layers dequantize to BF16)")
+    need(not (rec.startswith("fp8") and r.engine == "hf"), "rollout.engine", r.engine,
+         f"'vllm' with precision.recipe {rec} (the HF engine has no FP8 path)")
+    need(cfg.parity.probe_prompts >= 0, "parity.probe_prompts", cfg.parity.probe_prompts, "an integer >= 0 (0 = off)")
+    try:
+        correction_config(cfg)
+    except ValueError as e:
+        raise RecipeError(f"{where}: parity.correction.{e}") from None
+    need(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "an integer >= 0")
+    need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "an integer >= 1")
+    need(cfg.logging.breakdown_every >= 1, "logging.breakdown_every", cfg.logging.breakdown_every, "an integer >= 1")
+    need(cfg.logging.print_every >= 1, "logging.print_every", cfg.logging.print_every, "an integer >= 1")
+    try:
+        str(cfg.run_dir)
+    except (KeyError, IndexError, ValueError):
+        raise RecipeError(f"{where}: logging.run_dir = {cfg.logging.run_dir!r}: expected a path; the only placeholder is {{name}}") from None
+
+    if check_paths:
+        _check_paths(cfg, where)
+
+
+def check_model_path(mp: str, where: str) -> None:
+    """A built-in name that exists, or a local directory with a config.json; hub ids pass."""
+    if mp.startswith("builtin:"):
+        from trainer.models.tiny import BUILTIN_MODELS
+
+        if mp not in BUILTIN_MODELS:
+            raise RecipeError(f"{where}: model.path = {mp!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
+    elif _looks_local(mp):
+        d = Path(mp).expanduser()
+        if not d.is_dir():
+            raise RecipeError(f"{where}: model.path = {mp!r}: no such directory")
+        if not (d / "config.json").is_file():
+            raise RecipeError(f"{where}: model.path = {mp!r}: the directory has no config.json (expected a Hugging Face model directory)")
+
+
+def _check_paths(cfg: RunConfig, where: str) -> None:
+    from trainer.data.datasets import looks_like_path  # the data loader's own rule for "this is a file"
+
+    mp = cfg.model.path
+    check_model_path(mp, where)
+    src = cfg.data.source
+    if src.startswith("builtin:"):
+        if src != "builtin:arithmetic":
+            raise RecipeError(f"{where}: data.source = {src!r}: unknown built-in dataset; expected 'builtin:arithmetic'")
+    elif _looks_local(src) or looks_like_path(src):
+        if not Path(src).expanduser().exists():
+            raise RecipeError(f"{where}: data.source = {src!r}: no such file or directory")
+
+    max_pos = model_max_positions(mp)
+    need_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if max_pos is not None and need_len > max_pos:
+        raise RecipeError(
+            f"{where}: rollout.max_new_tokens = {cfg.rollout.max_new_tokens}: data.max_prompt_tokens "
+            f"({cfg.data.max_prompt_tokens}) + max_new_tokens = {need_len} exceeds the model's context of {max_pos} tokens"
+        )
+
+
+def correction_config(cfg: RunConfig):
+    """The recipe's correction section as parity.correction's own (validating) config."""
+    from parity.correction import CorrectionConfig
+
+    c = cfg.parity.correction
+    return CorrectionConfig(mode=c.mode, tis_cap=c.tis_cap, low=c.low, high=c.high)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,304 @@
+"""Prompt datasets: loading from any source, tokenising prompts, and a resumable batch order.
+
+Sources (``load_prompt_dataset``):
+
+* ``builtin:<name>`` — a generated task from ``trainer.data.tasks.BUILTIN_DATASETS``
+  (e.g. ``builtin:arithmetic``); extra generator arguments via ``builtin_kwargs``.
+* a local ``.json`` / ``.jsonl`` / ``.parquet`` file, or a directory written by
+  ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``.
+* anything else is a Hugging Face Hub id: ``datasets.load_dataset(source, split=split)``
+  (needs a network or a warm HF cache).
+
+Whatever the source, the result has a ``prompt`` column of strings and keeps
+every other column, because reward functions receive them as keyword
+arguments (``f(prompts, completions, **columns)``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+__all__ = ["PromptBatcher", "encode_prompts", "load_prompt_dataset"]
+
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# Suffixes that mark a source as a file path rather than a Hub id, so a missing
+# file is reported as such instead of as a failed Hub download.
+_PATH_LIKE_SUFFIXES = {".json", ".jsonl", ".parquet", ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zst", ".xz"}
+
+
+def load_prompt_dataset(
+    source: str,
+    *,
+    split: str = "train",
+    prompt_column: str = "prompt",
+    answer_column: str | None = "answer",
+    num_examples: int | None = None,
+    seed: int = 0,
+    builtin_kwargs: dict[str, Any] | None = None,
+) -> datasets.Dataset:
+    """Load a prompt dataset and normalise its columns.
+
+    Args:
+        source: ``builtin:<name>``, a local file/directory, or a Hub id (see module doc).
+        split: split to generate (builtin), select (DatasetDict directory, Hub);
+            ignored for a single local file, which is one split.
+        prompt_column: column holding the prompt strings; renamed to ``prompt``.
+        answer_column: column that must exist and is renamed to ``answer``
+            (what the built-in rewards read); ``None`` for no answer column.
+        num_examples: builtin: rows to generate (default
+            ``trainer.data.tasks.DEFAULT_NUM_EXAMPLES[split]``); other sources: keep
+            the first ``num_examples`` rows (a warning if there are fewer).
+        seed: seed of a builtin generator.
+        builtin_kwargs: extra keyword arguments of a builtin generator,
+            e.g. ``{"max_operand": 10}``; only valid with ``builtin:`` sources.
+
+    Returns:
+        ``datasets.Dataset`` with a string ``prompt`` column (and ``answer`` if
+        requested) plus all other columns of the source.
+    """
+    if num_examples is not None and (not isinstance(num_examples, int) or num_examples <= 0):
+        raise ValueError(f"num_examples={num_examples!r} must be a positive int or None")
+    if builtin_kwargs and not source.startswith("builtin:"):
+        raise ValueError(f"builtin_kwargs={builtin_kwargs!r} is only valid with a builtin: source, not {source!r}")
+    if source.startswith("builtin:"):
+        ds = _load_builtin(source, split, num_examples, seed, builtin_kwargs or {})
+    else:
+        path = Path(source).expanduser()
+        if path.exists() or looks_like_path(source):
+            ds = _load_local(path, split)
+        else:
+            ds = _as_dataset(datasets.load_dataset(source, split=split), source, split)
+        if num_examples is not None:
+            if num_examples > len(ds):
+                warnings.warn(
+                    f"num_examples={num_examples} but {source!r} has only {len(ds)} rows; using all of them",
+                    stacklevel=2,
+                )
+            ds = ds.select(range(min(num_examples, len(ds))))
+    return _normalise_columns(ds, source, prompt_column, answer_column)
+
+
+def _load_builtin(source: str, split: str, num_examples: int | None, seed: int, kwargs: dict) -> datasets.Dataset:
+    from trainer.data.tasks import BUILTIN_DATASETS, DEFAULT_NUM_EXAMPLES
+
+    name = source.removeprefix("builtin:")
+    if name not in BUILTIN_DATASETS:
+        valid = sorted("builtin:" + n for n in BUILTIN_DATASETS)
+        raise ValueError(f"unknown builtin dataset {source!r}; expected one of {valid}")
+    n = num_examples if num_examples is not None else DEFAULT_NUM_EXAMPLES.get(split, DEFAULT_NUM_EXAMPLES["train"])
+    return BUILTIN_DATASETS[name](n, seed=seed, split=split, **kwargs)
+
+
+def looks_like_path(source: str) -> bool:
+    return source.startswith(("/", "./", "../", "~", ".\\")) or Path(source).suffix.lower() in _PATH_LIKE_SUFFIXES
+
+
+def _load_local(path: Path, split: str) -> datasets.Dataset:
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    if not path.is_dir() and path.suffix.lower() not in _FILE_BUILDERS:
+        raise ValueError(
+            f"unsupported dataset file extension {path.suffix!r} for {str(path)!r};"
+            f" expected one of {sorted(_FILE_BUILDERS)} or a save_to_disk directory"
+        )
+    # `datasets` fails on zero-row sources with unrelated-looking errors
+    # (IndexError, StopIteration, 'Instruction "train" corresponds to no data!').
+    if _is_empty_local(path):
+        raise ValueError(f"dataset {str(path)!r} is empty")
+    if path.is_dir():
+        return _as_dataset(datasets.load_from_disk(str(path)), str(path), split)
+    return datasets.load_dataset(_FILE_BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
+
+
+def _is_empty_local(path: Path) -> bool:
+    """True for sources with no rows: blank/``[]`` JSON, zero-row parquet, a save_to_disk dir with no shards."""
+    if path.is_dir():
+        state = path / "state.json"  # a DatasetDict directory has per-split subdirectories instead
+        return state.is_file() and not json.loads(state.read_text()).get("_data_files")
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    if path.stat().st_size > 1024:
+        return False
+    return path.read_text().strip() in ("", "[]")
+
+
+def _as_dataset(obj: Any, source: str, split: str) -> datasets.Dataset:
+    """A Dataset from a Dataset or a DatasetDict (selecting ``split``)."""
+    if isinstance(obj, datasets.DatasetDict):
+        if split not in obj:
+            raise ValueError(f"split={split!r} not found in {source!r}; available splits: {sorted(obj)}")
+        obj = obj[split]
+    if not isinstance(obj, datasets.Dataset):
+        raise TypeError(f"{source!r} loaded as {type(obj).__name__}, expected a datasets.Dataset")
+    return obj
+
+
+def _normalise_columns(
+    ds: datasets.Dataset, source: str, prompt_column: str, answer_column: str | None
+) -> datasets.Dataset:
+    renames = (("prompt_column", prompt_column, "prompt"), ("answer_column", answer_column, "answer"))
+    for role, column, canonical in renames:
+        if column is None:
+            continue
+        if column not in ds.column_names:
+            raise ValueError(
+                f"{role}={column!r} is not a column of {source!r}; available columns: {ds.column_names}"
+            )
+        if column != canonical:
+            if canonical in ds.column_names:
+                raise ValueError(
+                    f"{role}={column!r} would be renamed to {canonical!r}, but {source!r} already has a"
+                    f" {canonical!r} column; drop or rename it first"
+                )
+            ds = ds.rename_column(column, canonical)
+    if len(ds) == 0:
+        raise ValueError(f"dataset {source!r} is empty")
+    feature = ds.features["prompt"]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        raise ValueError(
+            f"prompt_column={prompt_column!r} of {source!r} has type {feature}, expected strings"
+            " (chat-message lists are not supported; put the user message text in the column)"
+        )
+    return ds
+
+
+def encode_prompts(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    use_chat_template: bool = True,
+    max_prompt_tokens: int | None = None,
+) -> list[list[int]]:
+    """Token ids of each prompt, ready for the rollout engine.
+
+    With ``use_chat_template`` each prompt becomes one user turn rendered by the
+    tokenizer's chat template with the generation prompt appended (the template
+    writes any BOS itself, so no special tokens are added on top); otherwise the
+    raw text is encoded with the tokenizer's own special tokens (e.g. BOS).
+
+    The template is rendered to text and then encoded, rather than calling
+    ``apply_chat_template(tokenize=True)``, whose return type changed across
+    transformers versions (a list in 4.x, a BatchEncoding in 5.x).
+
+    Returns:
+        one list of token ids per prompt, ``len == len(prompts)``.
+    """
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a list of strings, not a single string")
+    if use_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; set"
+            " `use_chat_template: false` in the data config to encode prompts as plain text"
+        )
+    if max_prompt_tokens is not None and (not isinstance(max_prompt_tokens, int) or max_prompt_tokens <= 0):
+        raise ValueError(f"max_prompt_tokens={max_prompt_tokens!r} must be a positive int or None")
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompts[{i}] is {type(prompt).__name__}, expected str")
+        if use_chat_template:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            raise ValueError(
+                f"prompts[{i}] is {len(ids)} tokens, more than max_prompt_tokens={max_prompt_tokens}"
+                f" (prompt starts {prompt[:60]!r})"
+            )
+        encoded.append(list(ids))
+    return encoded
+
+
+class PromptBatcher:
+    """Endless, deterministic, resumable stream of prompt batches.
+
+    Epoch ``e`` visits the rows in the order ``random.Random(seed + e).shuffle``
+    gives and yields ``len(dataset) // batch_size`` full batches; the last
+    ``len(dataset) % batch_size`` rows of that order are skipped (a different
+    set each epoch), so every batch has exactly ``batch_size`` rows and a
+    training step's shapes never change.
+
+    ``state_dict()`` is ``{"epoch", "position", "seed", "batch_size", "num_rows"}``;
+    a new batcher over the same dataset that loads it continues with exactly the
+    batches the original would have produced next. Loading a state from a
+    different seed, batch size or dataset length is refused.
+    """
+
+    def __init__(self, dataset: datasets.Dataset | Sequence[dict], batch_size: int, seed: int = 0) -> None:
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+        if len(dataset) < batch_size:
+            raise ValueError(f"batch_size={batch_size} is larger than the dataset ({len(dataset)} rows)")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0  # index into the current epoch's order of the next row to yield
+        self._order: list[int] | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None:
+            order = list(range(len(self.dataset)))
+            random.Random(self.seed + self.epoch).shuffle(order)
+            self._order = order
+        return self._order
+
+    def __iter__(self) -> Iterator[list[dict]]:
+        return self
+
+    def __next__(self) -> list[dict]:
+        if self.position + self.batch_size > len(self.dataset):
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        indices = self._epoch_order()[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return self._rows(indices)
+
+    def _rows(self, indices: list[int]) -> list[dict]:
+        if isinstance(self.dataset, datasets.Dataset):
+            columns = self.dataset[indices]  # one columnar read instead of batch_size row reads
+            return [{k: v[j] for k, v in columns.items()} for j in range(len(indices))]
+        return [dict(self.dataset[i]) for i in indices]
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "num_rows": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        expected = {"epoch", "position", "seed", "batch_size", "num_rows"}
+        if set(state) != expected:
+            raise ValueError(f"PromptBatcher state has keys {sorted(state)}, expected {sorted(expected)}")
+        mine = {"seed": self.seed, "batch_size": self.batch_size, "num_rows": len(self.dataset)}
+        for key, value in mine.items():
+            if state[key] != value:
+                raise ValueError(
+                    f"cannot resume: saved {key}={state[key]!r} but this batcher has {key}={value!r};"
+                    " resuming must use the same dataset, batch size and seed"
+                )
+        if not (isinstance(state["epoch"], int) and state["epoch"] >= 0):
+            raise ValueError(f"PromptBatcher state epoch={state['epoch']!r} must be an int >= 0")
+        if not (isinstance(state["position"], int) and 0 <= state["position"] <= len(self.dataset)):
+            raise ValueError(
+                f"PromptBatcher state position={state['position']!r} must be an int in [0, {len(self.dataset)}]"
+            )
+        self.epoch, self.position, self._order = state["epoch"], state["position"], None

@@ -1,0 +1,209 @@
+"""Trainer side of ``fp8_unified``: the decoder's linear layers run ``parity.precision.fp8_linear``.
+
+``convert_to_fp8(model)`` swaps, in place, the class of every targeted linear
+layer inside the decoder layers (q/k/v/o/gate/up/down projections by default)
+for a subclass whose forward is the FP8 quantized linear layer the rollout
+engine runs (``rollout.fp8_quant``). Parameters, names, state dicts and
+optimizer state are untouched: master weights, LoRA adapters and gradients
+stay in their own dtypes (BF16 base, float32 adapters), and only the operands
+of each GEMM are quantized (straight-through backward; ``parity.precision``).
+
+Kept in BF16, by design (the quantized set is exactly the engine's):
+
+- ``lm_head`` and the embeddings: the log-probs the parity metrics and the loss
+  read come straight from lm_head, and it is small next to the decoder GEMMs;
+  vLLM's ``ParallelLMHead`` / ``VocabParallelEmbedding`` are not linear layers
+  to the quantization config either.
+- norms, rotary embeddings, the attention softmax and the attention
+  score/value products (QK^T, PV): not weight GEMMs; same in vLLM.
+
+LoRA layers: the adapter is merged, not added on the side. The engine receives
+merged weights ``W' = W + sum_a s_a B_a A_a`` at each sync
+(``rollout.weight_export``: float32 sum, one rounding to BF16) and quantizes
+W' in 128x128 blocks. The only trainer forward identical to that is::
+
+    y = fp8_linear(x, bf16(W + s * B @ A))       # quantize the merged weight
+
+(same float32 operations as the export, so W' is bitwise the engine's). A
+quantized base plus a BF16 LoRA branch, ``Q(x) Q(W)^T + s x A^T B^T``, would
+be a different function from anything the engine can run with merged weights.
+Gradients reach A and B through the straight-through weight quantizer:
+``dL/dW' = dL/dy^T Q(x)``, then ``dL/dA = s B^T dL/dW'`` and
+``dL/dB = s dL/dW' A^T``. Consequence: an adapter update smaller than half an
+E4M3 step of an element (2^-4 relative to that element) does not change the
+forward until accumulated updates cross a rounding boundary; the master
+adapter keeps accumulating them in float32 (Jet-RL, arXiv 2601.14243, trains
+the same way: the rollout graph is a subgraph of the training graph).
+
+Cost of merging, per LoRA layer and micro-batch: one extra [N, r] x [r, K]
+GEMM and an [N, K] float32 temporary plus its quantization in the forward, and
+in the backward the full weight gradient dL/dW' (tokens x N x K FLOPs, as much
+as the forward GEMM: the weight-gradient cost of full fine-tuning) before it is
+reduced to A and B. LoRA dropout cannot be applied to a merged weight (the
+engine has none either): ``convert_to_fp8`` refuses adapters with dropout > 0.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from parity.precision import FP8_BACKENDS, FP8_TARGETS, fake_quant_weight, fp8_linear, verify_scaled_mm
+
+__all__ = ["FP8_TARGETS", "Fp8Linear", "convert_to_fp8", "fp8_weights", "is_fp8_module", "lora_merged_weight"]
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose forward is ``fp8_linear`` (same parameters, same state dict)."""
+
+    fp8_backend: str = "emulated"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, backend=self.fp8_backend)
+
+
+def lora_merged_weight(module: nn.Module) -> torch.Tensor:
+    """The weight a PEFT LoRA Linear's forward uses, differentiably: W + sum_a s_a B_a A_a.
+
+    float32 when an adapter is added (the caller rounds it once to the compute
+    dtype), the base weight itself otherwise. Same operations, in the same order,
+    as ``rollout.weight_export._merged_lora_weight``, so the trainer quantizes
+    bitwise the weight the engine is sent. Adapters already merged into the base
+    are not added again.
+    """
+    base = module.get_base_layer().weight
+    if module.disable_adapters:
+        if module.merged:
+            raise RuntimeError(f"{type(module).__name__}: adapters are disabled but merged into the base weight; "
+                               "unmerge them before an fp8 forward")
+        return base
+    merged: Optional[torch.Tensor] = None
+    for adapter in module.active_adapters:
+        if adapter in module.merged_adapters or adapter not in module.lora_A:
+            continue
+        delta = module.lora_B[adapter].weight.float() @ module.lora_A[adapter].weight.float()
+        if module.fan_in_fan_out:
+            delta = delta.T
+        merged = (base.float() if merged is None else merged) + delta * float(module.scaling[adapter])
+    return base if merged is None else merged
+
+
+def fp8_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """HF name -> the fake-quantized weight each converted layer's forward multiplies by (detached).
+
+    The engine's quantized weights must equal these bitwise after a sync
+    (``bench/bench_fp8_parity.py`` checks it); the dtype is the model's.
+    """
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = {}
+    with torch.no_grad():
+        for name, m in root.named_modules():
+            if is_fp8_module(m):
+                w = lora_merged_weight(m) if hasattr(m, "lora_A") else m.weight
+                dtype = m.get_base_layer().weight.dtype if hasattr(m, "lora_A") else m.weight.dtype
+                out[f"{name}.weight"] = fake_quant_weight(w.detach().to(dtype))
+    return out
+
+
+def _fp8_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    self._check_forward_args(x, *args, **kwargs)
+    if kwargs.get("adapter_names") is not None:
+        raise NotImplementedError("fp8 LoRA layers do not support per-sample adapter_names (mixed-batch LoRA)")
+    base = self.get_base_layer()
+    w = lora_merged_weight(self)
+    return fp8_linear(x, w.to(x.dtype), base.bias, backend=self.fp8_backend)
+
+
+_LORA_FP8_CLASSES: dict[type, type] = {}
+
+
+def _fp8_lora_class(cls: type) -> type:
+    """A subclass of a PEFT LoRA Linear class whose forward is ``_fp8_lora_forward`` (cached per class)."""
+    if getattr(cls, "_parityrl_fp8", False):
+        return cls
+    if cls not in _LORA_FP8_CLASSES:
+        _LORA_FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (cls,), {
+            "forward": _fp8_lora_forward, "fp8_backend": "emulated", "_parityrl_fp8": True,
+            "__doc__": f"{cls.__qualname__} running fp8_linear on the merged weight (trainer.models.precision)."})
+    return _LORA_FP8_CLASSES[cls]
+
+
+def is_fp8_module(module: nn.Module) -> bool:
+    return isinstance(module, Fp8Linear) or getattr(type(module), "_parityrl_fp8", False)
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.Module]:
+    """(name under the HF root, ModuleList of decoder layers) of a causal LM, PEFT-wrapped or not."""
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prefix = getattr(root, "base_model_prefix", "model")
+    backbone = getattr(root, prefix, None)
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(root).__name__}: no decoder layers at .{prefix}.layers; convert_to_fp8 supports "
+                        "Llama-style *ForCausalLM models (Llama, Mistral, Qwen2/3)")
+    return f"{prefix}.layers", layers
+
+
+def _check_lora(name: str, module: nn.Module) -> None:
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if not isinstance(module, LoraLinear):
+        raise TypeError(f"{name}: LoRA layer of type {type(module).__name__} is not supported by fp8 (only Linear)")
+    if not isinstance(module.get_base_layer(), nn.Linear):
+        raise TypeError(f"{name}: LoRA base layer is {type(module.get_base_layer()).__name__}, expected nn.Linear")
+    for adapter in module.lora_A:
+        dropout = module.lora_dropout[adapter]
+        if not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 0.0) > 0:
+            raise ValueError(f"{name}: adapter {adapter!r} has LoRA dropout p={dropout.p}; fp8_unified merges "
+                             "the adapter into the quantized weight, where dropout cannot apply: set "
+                             "model.lora.dropout = 0")
+        if adapter in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(adapter):
+            raise NotImplementedError(f"{name}: adapter {adapter!r} is a LoRA variant (e.g. DoRA); its merge is "
+                                      "not W + s*B@A, fp8 supports plain LoRA only")
+        if getattr(module.lora_B[adapter], "bias", None) is not None:
+            raise NotImplementedError(f"{name}: adapter {adapter!r} has lora_bias=True; not supported by fp8")
+
+
+def convert_to_fp8(model: nn.Module, *, targets: Iterable[str] = FP8_TARGETS, backend: str = "emulated") -> list[str]:
+    """Make every targeted linear layer of the decoder run ``fp8_linear``, in place; returns their names.
+
+    model: a Hugging Face causal LM, or a PEFT model wrapping one; call it
+        *after* ``add_lora`` (a LoRA layer is converted as a whole, see module
+        docstring; converting again after wrapping is fine, it is idempotent).
+    targets: leaf names of the linear layers to quantize, inside ``<prefix>.layers``
+        only (lm_head and embeddings are never touched). Every target must exist.
+    backend: "emulated" (quantize -> dequantize -> BF16 GEMM; any device) or
+        "scaled_mm" (CUDA SM90+: FP8 GEMMs; checked once against the emulation here).
+    Names returned are relative to the Hugging Face model (e.g.
+    ``model.layers.0.self_attn.q_proj``), i.e. the names the engine sync uses.
+    """
+    if backend not in FP8_BACKENDS:
+        raise ValueError(f"backend = {backend!r}: expected one of {FP8_BACKENDS}")
+    targets = tuple(targets)
+    from peft.tuners.lora import LoraLayer
+
+    prefix, layers = _decoder_layers(model)
+    if backend == "scaled_mm":
+        verify_scaled_mm(next(layers.parameters()).device)
+    found: set[str] = set()
+    converted: list[str] = []
+    for name, module in layers.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in targets:
+            continue
+        full = f"{prefix}.{name}"
+        if isinstance(module, LoraLayer):
+            _check_lora(full, module)
+            module.__class__ = _fp8_lora_class(type(module))
+        elif type(module) in (nn.Linear, Fp8Linear):
+            module.__class__ = Fp8Linear
+        else:
+            raise TypeError(f"{full}: expected nn.Linear or a PEFT LoRA Linear, got {type(module).__name__}")
+        module.fp8_backend = backend
+        found.add(leaf)
+        converted.append(full)
+    missing = [t for t in targets if t not in found]
+    if missing:
+        raise ValueError(f"convert_to_fp8: targets {missing} not found under {prefix} of {type(model).__name__}")
+    return converted

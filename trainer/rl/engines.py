@@ -1,0 +1,154 @@
+"""Recipe -> rollout engine, and the weight sync into it.
+
+The only place where ``trainer/`` touches ``rollout/``'s constructors; the
+loop itself sees the ``RolloutEngine`` interface and ``Rollouts`` only.
+"""
+from __future__ import annotations
+
+import torch
+
+from rollout.types import SamplingSpec
+from trainer.config import RunConfig
+
+
+def engine_model_dir(cfg: RunConfig, model_dir: str) -> str:
+    """The directory the engine starts from: the model's, or on CUDA with an FP8 recipe a block-FP8 copy.
+
+    vLLM's CUDA ``fp8`` method loads FP8 weights + scales from a checkpoint whose
+    config.json says so (``rollout.fp8_export.write_fp8_checkpoint``); written once
+    next to the run (``<run_dir>/engine_fp8``), quantized by ``parity.precision``.
+    """
+    if not (cfg.precision.recipe.startswith("fp8") and torch.cuda.is_available() and cfg.rollout.engine == "vllm"):
+        return model_dir
+    from rollout.fp8_export import write_fp8_checkpoint
+
+    out = cfg.run_dir / "engine_fp8"
+    return str(out if (out / "config.json").is_file() else write_fp8_checkpoint(model_dir, out))
+
+
+def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None):
+    """The rollout engine of this process. ``dp``: the data-parallel group (server mode: see ``_server_engine``)."""
+    r = cfg.rollout
+    if r.mode == "server":
+        # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer.
+        if r.engine != "vllm" or cfg.precision.recipe.startswith("fp8"):
+            raise ValueError(f"rollout.mode = 'server' with rollout.engine = {r.engine!r}, precision.recipe = "
+                             f"{cfg.precision.recipe!r}: expected rollout.engine 'vllm' and a bf16/fp16 recipe")
+        return _server_engine(cfg, model_dir, max_model_len, dp)
+    if r.engine == "vllm":
+        from rollout.fp8_export import engine_llm_kwargs
+        from rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(engine_model_dir(cfg, model_dir), dtype=cfg.model.dtype, max_model_len=max_model_len,
+                          seed=cfg.train.seed,
+                          kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
+                          enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs,
+                          # vLLM refuses requests for more log-probs than max_logprobs (default 20).
+                          max_logprobs=max(20, cfg.parity.topk),
+                          **engine_llm_kwargs(cfg.precision.recipe, cuda=torch.cuda.is_available()))
+    if r.engine == "hf":
+        from rollout.hf_engine import HFEngine
+
+        if cfg.precision.recipe.startswith("fp8"):
+            raise ValueError(f"rollout.engine = 'hf' with precision.recipe = {cfg.precision.recipe!r}: the HF engine "
+                             "has no FP8 path; use rollout.engine: vllm")
+
+        return HFEngine(model_dir, dtype=cfg.model.dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+    raise ValueError(f"rollout.engine = {r.engine!r}: expected 'vllm' or 'hf'")
+
+
+def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
+    r = cfg.rollout
+    # A per-step seed makes a resumed run sample exactly what an uninterrupted one would.
+    return SamplingSpec(n=cfg.algorithm.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                        max_new_tokens=r.max_new_tokens, seed=cfg.train.seed * 1_000_003 + step,
+                        logprobs_topk=cfg.parity.topk)
+
+
+def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp):
+    """One server shared by every data-parallel rank: rank 0 owns the weight transfer and pushes.
+
+    Every rank sends its own shard's generate requests (the server batches them). Rank 0
+    connects first (health wait, checks, transfer channel, first weight version); the
+    others then connect without a transfer channel and share rank 0's version tag, so
+    every rank refuses samples from another weight version. A failure on rank 0 stops
+    every rank (``DataParallel.raise_together``) instead of leaving them waiting.
+    """
+    import secrets
+
+    from rollout.server_engine import ServerEngine
+    from trainer.distributed.data_parallel import DataParallel
+
+    dp = dp or DataParallel()
+    r = cfg.rollout
+    tag = dp.broadcast_object(secrets.token_hex(4) if dp.rank == 0 else None)
+
+    def connect(pushes: bool):
+        return ServerEngine(r.server_url, model_dir=model_dir, timeout_s=r.server_timeout_s, dtype=cfg.model.dtype,
+                            max_model_len=max_model_len, pushes_weights=pushes, version_tag=tag)
+
+    engine, error = None, None
+    if dp.rank == 0:
+        try:
+            engine = connect(True)
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank by raise_together
+            error = e
+    dp.raise_together(error)
+    if dp.rank != 0:
+        engine = connect(False)
+    return engine
+
+
+def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch.dtype = torch.bfloat16,
+                 chunk_bytes: int | None = None) -> dict[str, float]:
+    """Push the policy's current weights (LoRA merged, changed modules only) into the engine.
+
+    ``dtype``: the engine's (``model.dtype``): the merge is computed in float32 and rounded
+    to it once, so an FP16 or FP32 engine gets the weights the trainer's model holds, not a
+    BF16 rounding of them.
+    ``gather``: ``trainer.distributed.deepspeed.zero3_gather(policy)`` under ZeRO-3 (one module's
+    shards gathered at a time; every rank must call this then).
+    The update goes in chunks of whole decoder layers of at most ``chunk_bytes``
+    (``rollout.sync_chunk_bytes``; None: one layer per chunk), each made only when the
+    engine has taken the previous one, so at most one chunk of merged weights exists at
+    once, to engines with ``load_weight_chunks``: the colocated vLLM and HF engines take each
+    chunk as an update of its own (``rollout.base.LayerChunkUpdates``); a server takes them
+    all as one weight version (``ServerEngine.load_weight_chunks``). Other engines get the
+    whole update in one ``load_weights``.
+    FP8 recipes on CUDA push the block-FP8 weights + scales computed by the trainer's own
+    quantizer (``rollout.fp8_export.fp8_block_weights``); on CPU the emulating engine
+    quantizes the merged BF16 weights with the same function (``rollout.fp8_quant``).
+    """
+    from rollout.weight_export import iter_merged_lora_weights, layer_chunks, payload_bytes
+
+    merged = iter_merged_lora_weights(policy, gather=gather, dtype=dtype)
+    if not getattr(engine, "pushes_weights", True):
+        # A data-parallel rank > 0 sharing rank 0's server: rank 0 pushes. Under ZeRO-3 this
+        # rank must still take part in every module's gather (a collective); the merged
+        # tensors are dropped one by one.
+        if gather is not None:
+            for _ in merged:
+                pass
+        engine.follow_push()
+        return {}
+    fp8_cuda = recipe.startswith("fp8") and torch.cuda.is_available() and hasattr(engine, "llm")
+    if fp8_cuda:
+        from rollout.fp8_export import fp8_block_weights
+    streams = hasattr(engine, "load_weight_chunks")
+    totals = {"perf/sync_bytes": 0.0, "perf/sync_tensors": 0.0, "perf/sync_chunks": 0.0}
+
+    def prepared():
+        for named in (layer_chunks(merged, chunk_bytes) if streams else [list(merged)]):
+            if fp8_cuda:
+                named = list(fp8_block_weights(named))
+            totals["perf/sync_bytes"] += payload_bytes(named)
+            totals["perf/sync_tensors"] += len(named)
+            totals["perf/sync_chunks"] += 1
+            yield named
+
+    if streams:
+        engine.load_weight_chunks(prepared())
+    else:
+        for named in prepared():
+            engine.load_weights(named)
+    return totals

@@ -1,0 +1,565 @@
+"""The RL step loop: rollout -> reward -> advantages -> forward/loss/backward -> step -> weight sync.
+
+Read ``train`` top to bottom: setup, then one section per phase of a step. The
+algorithm is whatever ``algorithm.name`` selects in the registries; the loop
+never branches on its name, only on two capabilities: a learned critic (PPO:
+values and reference log-probs are scored before its advantages exist,
+``trainer/rl/critic.py``) and several optimizer steps per rollout batch (pi_old is
+scored once first, ``score_pass``).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from parity.correction import importance_weights
+from parity.guards import threshold_violations
+from trainer.io import checkpoint as ckpt
+from trainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs
+from trainer.models.batch import TokenBatch, batch_from_rollouts
+from trainer.config import CRITIC_ALGORITHMS, RunConfig, correction_config, to_dict
+from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
+from trainer.distributed.data_parallel import DataParallel
+from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
+from trainer.rl.value_head import ValueHead
+from trainer.rl.engines import make_engine, sampling_spec, sync_weights
+from trainer.models.policy import (add_lora, completion_hidden, completion_logprobs, load_base_model, load_tokenizer,
+                            logprobs_from_hidden)
+from trainer.rl.probe import run_probe
+from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
+from trainer.io.run_logger import RunLogger
+from trainer.models.optim import make_scheduler
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    history: list[dict] = field(default_factory=list)
+    final_checkpoint: Optional[Path] = None
+    wandb: str = ""
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _check_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor, dp: DataParallel) -> None:
+    # Counted over all ranks, so that every rank raises together (a rank left waiting in
+    # the next collective would hang the job instead of stopping it).
+    bad = dp.sum_metrics({"n": float(((~torch.isfinite(rollout_lp)) & (mask > 0)).sum())})["n"]
+    if bad:
+        raise RuntimeError(f"the engine returned {int(bad)} non-finite sampled-token log-probs; the trainer cannot "
+                           "score a token the engine considers impossible (check top_k/top_p and logprobs mode)")
+
+
+def _forward(model, micro: TokenBatch, cfg: RunConfig, value_head=None):
+    """(log-probs, entropy, top-k log-probs or None, values or None) of one micro-batch from one forward.
+
+    Entropy comes from the same kernel pass: it feeds the breakdown of the mismatch by
+    trainer entropy and PPO's entropy bonus. Values: the critic on the same hidden states.
+    """
+    hidden, lm_head, values = completion_hidden(model, micro, value_head)
+    lp, ent, *top = logprobs_from_hidden(hidden, lm_head, micro, temperature=cfg.rollout.temperature,
+                                         chunk_size=cfg.parity.chunk_size, return_entropy=True,
+                                         topk_ids=micro.topk_ids)
+    return lp, ent, (top[0] if top else None), values
+
+
+class _Scores:
+    """Per-token trainer outputs of a whole batch, filled micro-batch by micro-batch."""
+
+    def __init__(self, batch: TokenBatch, values: bool = False) -> None:
+        self.logprobs = torch.zeros_like(batch.rollout_logprobs)
+        self.entropy = torch.zeros_like(batch.rollout_logprobs)
+        self.topk = None if batch.topk_ids is None else torch.zeros_like(batch.topk_logprobs)
+        self.values = torch.zeros_like(batch.rollout_logprobs) if values else None
+
+    def put(self, rows: slice, lp, ent, top, values=None) -> None:
+        c = lp.shape[1]
+        self.logprobs[rows, :c] = lp.detach()
+        self.entropy[rows, :c] = ent.detach()
+        if self.topk is not None:
+            self.topk[rows, :c] = top
+        if self.values is not None:
+            self.values[rows, :c] = values.detach()
+
+    def as_dict(self) -> dict:
+        out = {"train_logprobs": self.logprobs, "entropy": self.entropy, "train_topk_logprobs": self.topk}
+        if self.values is not None:
+            out["values"] = self.values
+        return out
+
+
+@torch.no_grad()
+def score_pass(model, batch: TokenBatch, cfg: RunConfig, value_head=None, with_ref: bool = False) -> dict:
+    """The trainer's log-probs (and entropy, top-k, values) of the batch under the current policy, no gradient.
+
+    With several optimizer steps per rollout batch this is pi_old: the policy that
+    generated the batch (if the last sync worked), scored once before any update. It is
+    the input of the parity metrics and the denominator of every update's ratio.
+    ``with_ref`` adds ``ref_logprobs``: the base model (adapter disabled) on the same tokens.
+    """
+    scores = _Scores(batch, values=value_head is not None)
+    ref = torch.zeros_like(batch.rollout_logprobs) if with_ref else None
+    mb = cfg.train.micro_batch_size
+    for start in range(0, len(batch), mb):
+        rows = slice(start, start + mb)
+        micro = batch.select(rows)
+        scores.put(rows, *_forward(model, micro, cfg, value_head))
+        if with_ref:
+            with model.disable_adapter():
+                lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
+                                            chunk_size=cfg.parity.chunk_size)
+            ref[rows, :lp.shape[1]] = lp
+    out = scores.as_dict()
+    if with_ref:
+        out["ref_logprobs"] = ref
+    return out
+
+
+def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg: RunConfig, backward,
+                         old_logprobs: Optional[torch.Tensor] = None, value_head=None,
+                         old_values: Optional[torch.Tensor] = None, returns: Optional[torch.Tensor] = None,
+                         dp: DataParallel = DataParallel()) -> dict:
+    """Forward, loss and backward over micro-batches of ``batch``; returns metrics and the train log-probs.
+
+    ``old_logprobs`` [S, C]: pi_old's log-probs (``score_pass``) when this is one of several
+    updates on the batch; None = the single on-policy update, where pi_old is the policy
+    being differentiated (ratio 1, its log-probs detached) and this pass's detached
+    log-probs serve the parity metrics: no extra forward. ``value_head``, ``old_values``,
+    ``returns`` [S, C]: PPO's critic and its targets (``trainer.rl.critic.ppo_targets``).
+
+    The loss of each micro-batch is normalised by the WHOLE batch's token/sequence
+    counts (``LossNormalizer``; with data parallel, of every rank's batch), so accumulating
+    micro-batch gradients (and summing them over ranks) equals one full-batch gradient.
+    Gradients are left summed over the ranks on return.
+    """
+    a = cfg.algorithm
+    loss_fn = POLICY_LOSSES.get(a.name)
+    norm = dp.global_normalizer(batch.mask, max_len=cfg.rollout.max_new_tokens)
+    correction = correction_config(cfg)
+    mb = cfg.train.micro_batch_size
+    scores = _Scores(batch, values=value_head is not None)
+    totals: dict[str, float] = {}
+    loss_total = 0.0
+    for start in range(0, len(batch), mb):
+        rows = slice(start, start + mb)
+        micro = batch.select(rows)
+        c = micro.targets.shape[1]
+        lp, ent, top, values = _forward(model, micro, cfg, value_head)
+        old = lp.detach() if old_logprobs is None else old_logprobs[rows, :c]
+        ref_lp = None
+        if a.kl_coef > 0:
+            # The reference policy is the base model: the same weights with the adapter off,
+            # so no second copy of the model is held.
+            with torch.no_grad(), model.disable_adapter():
+                ref_lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
+                                                chunk_size=cfg.parity.chunk_size)
+        # Rollout/trainer mismatch correction between pi_old (the trainer's view of the
+        # behaviour policy) and the engine that sampled: weights are local to a token (tis,
+        # mis) or a row (seq_mis), so computing them per micro-batch equals doing it once.
+        is_w = None
+        if correction.mode != "none":
+            is_w, _ = importance_weights(old, micro.rollout_logprobs, micro.mask, correction)
+        critic = {} if value_head is None else {"values": values, "old_values": old_values[rows, :c],
+                                                 "returns": returns[rows, :c], "entropy": ent}
+        out = loss_fn(LossInputs(logprobs=lp, old_logprobs=old, advantages=advantages[rows, :c], mask=micro.mask,
+                                 ref_logprobs=ref_lp, is_weights=is_w, normalizer=norm, **critic), a)
+        backward(out.loss)
+        loss_total += out.loss.item()
+        # Each metric, like the loss, is this micro-batch's share of the whole-batch value
+        # (global normaliser), so the sum over micro-batches is the batch value.
+        for k, v in out.metrics.items():
+            totals[k] = totals.get(k, 0.0) + v
+        scores.put(rows, lp, ent, top, values)
+    dp.all_reduce_grads(p for group in _param_groups(model, value_head) for p in group)
+    # Loss terms are contributions under the global normaliser: they sum over ranks.
+    metrics = dp.sum_metrics({**totals, "train/loss": loss_total})
+    if correction.mode != "none":  # the fractions and ESS of the batch (averaged over ranks)
+        old_all = scores.logprobs if old_logprobs is None else old_logprobs
+        metrics.update(dp.mean_metrics(importance_weights(old_all, batch.rollout_logprobs, batch.mask, correction)[1]))
+    return {"metrics": metrics, **scores.as_dict()}
+
+
+def mini_batch_rows(num_samples: int, cfg: RunConfig, step: int, epoch: int) -> list[torch.Tensor]:
+    """Row indices of each mini-batch of one epoch: a seeded shuffle split into equal parts.
+
+    The shuffle depends on (train.seed, step, epoch) only, so a resumed run repeats it.
+    """
+    g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * 1009 + epoch)
+    perm = torch.randperm(num_samples, generator=g)
+    return list(perm.chunk(cfg.algorithm.mini_batches))
+
+
+def _param_groups(model, value_head) -> list:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [trainable] if value_head is None else [trainable, list(value_head.parameters())]
+
+
+def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: RunConfig, step: int, backward,
+                     update, value_head=None, old_values=None, returns=None,
+                     dp: DataParallel = DataParallel()) -> dict:
+    """``epochs`` x ``mini_batches`` optimizer steps on one rollout batch, ratios against pi_old.
+
+    ``backward(loss)`` per micro-batch and ``update()`` (clip, step, zero; returns the
+    pre-clip grad norm) per mini-batch: ``trainer.distributed.deepspeed.make_backward`` /
+    ``optimizer_step``, which drive the DeepSpeed engine when there is one.
+
+    Metrics are means over the updates; ``train/approx_kl_last`` is k3(pi_old || pi_theta)
+    on the last mini-batch before its step (how far the epochs moved the policy).
+    """
+    a = cfg.algorithm
+    sums: dict[str, float] = {}
+    for epoch in range(a.epochs):
+        for idx in mini_batch_rows(len(batch), cfg, step, epoch):
+            idx = idx.sort().values.to(batch.mask.device)
+            sub = batch.select(idx)
+            c = sub.targets.shape[1]
+            critic = {} if value_head is None else {"value_head": value_head, "old_values": old_values[idx, :c],
+                                                     "returns": returns[idx, :c]}
+            out = policy_gradient_pass(model, sub, advantages[idx, :c], cfg, backward,
+                                       old_logprobs=old_logprobs[idx, :c], dp=dp, **critic)
+            out["metrics"]["train/grad_norm"] = update()
+            for k, v in out["metrics"].items():
+                sums[k] = sums.get(k, 0.0) + v
+    n = a.epochs * a.mini_batches
+    metrics = {k: v / n for k, v in sums.items()}
+    d = (out["train_logprobs"] - old_logprobs[idx, :c]) * sub.mask
+    kl = dp.sum_metrics({"k3": float(((torch.exp(d) - 1 - d) * sub.mask).sum()), "n": float(sub.mask.sum())})
+    metrics["train/approx_kl_last"] = kl["k3"] / max(kl["n"], 1.0)
+    metrics["train/updates"] = float(n)
+    return metrics
+
+
+class ParityLimitExceeded(RuntimeError):
+    """The step's rollout/trainer mismatch broke a recipe limit with ``parity.on_violation: stop``."""
+
+
+def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = "parity/", when: str = "") -> None:
+    problems = threshold_violations(m, max_mae=cfg.parity.max_mae, max_kl_k3=cfg.parity.max_kl_k3, prefix=prefix)
+    if not problems:
+        return
+    msg = f"step {step}{when}: " + "; ".join(problems)
+    if cfg.parity.on_violation == "stop":
+        consequence = ("this step's update was not applied" if prefix == "parity/" else
+                       "the engine disagrees with the trainer on the fixed probe prompts; no further rollout was made "
+                       "with these weights")
+        raise ParityLimitExceeded(f"{msg} (parity.on_violation: stop; {consequence}; the last checkpoint is intact)")
+    warnings.warn(msg, stacklevel=2)
+
+
+def _probe(engine, model, probe_ids, cfg: RunConfig, tokenizer, device, dp: DataParallel) -> dict:
+    if not probe_ids:
+        return {}
+    return run_probe(engine, model, probe_ids, cfg, pad_id=tokenizer.pad_token_id, device=device, dp=dp)
+
+
+def _draw_round(engine, batcher, tokenizer, reward_fns, cfg: RunConfig, step: int, round_index: int,
+                dp: DataParallel) -> Drawn:
+    """One prompt batch of ``step``: this rank's shard generated and scored.
+
+    Round ``round_index`` > 0 (dynamic sampling) samples with the seeds of the sample indices
+    after the previous rounds', so no two rounds of a step share a seed.
+    """
+    from trainer.data.datasets import encode_prompts
+    from trainer.data.rewards import compute_rewards
+
+    d = cfg.data
+    t = time.perf_counter()
+    rows = dp.shard(next(batcher))  # every rank draws the same batch and keeps its slice
+    prompts = [r["prompt"] for r in rows]
+    prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
+                                max_prompt_tokens=d.max_prompt_tokens)
+    spec = sampling_spec(cfg, step)
+    first = round_index * cfg.rollout.prompts_per_step * spec.n + dp.offset(len(prompt_ids) * spec.n)
+    rollouts = engine.generate(prompt_ids, replace(spec, index_offset=first))
+    generate_s = time.perf_counter() - t
+    t = time.perf_counter()
+    g = spec.n
+    completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+    columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+    total, per_fn = compute_rewards(reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
+                                    completions, columns)
+    return Drawn(rows=rows, rollouts=rollouts, rewards=total, per_fn=per_fn, generate_s=generate_s,
+                 reward_s=time.perf_counter() - t)
+
+
+def _drawn_metrics(drawn: Drawn, dp: DataParallel) -> dict[str, float]:
+    """Rollout and reward metrics of every sample drawn this step (timings: this rank's)."""
+    r = drawn.rollouts
+    m = {"perf/rollout_s": drawn.generate_s,
+         "perf/rollout_tokens_per_s": r.num_completion_tokens / max(drawn.generate_s, 1e-9),
+         "perf/reward_s": drawn.reward_s}
+    m.update(dp.mean_metrics({"rollout/mean_length": _mean([len(c) for c in r.completion_ids]),
+                              "rollout/frac_truncated": _mean([float(f == "length") for f in r.finish_reasons])}))
+    m.update(dp.mean_metrics({"reward/mean": _mean(drawn.rewards),
+                              **{f"reward/{name}": _mean(vals) for name, vals in drawn.per_fn.items()}}))
+    return m
+
+
+def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
+    """Run ``cfg`` to ``cfg.train.steps``. ``engine``: an already-started engine to reuse (tests share one)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from trainer.data.datasets import PromptBatcher, encode_prompts, load_prompt_dataset
+    from trainer.models.builtin import resolve_model_path
+    from trainer.commands.train_rm import build_reward_sources
+    from rollout.weight_export import merged_lora_weights  # noqa: F401  (import early: fail before the engine starts)
+    from trainer.distributed.deepspeed import (accelerator_kwargs, check_deepspeed_recipe, deepspeed_stage, fill_deepspeed_config,
+                                     make_backward, model_load_context, optimizer_step, unwrap_policy,
+                                     wrap_for_prepare, zero3_gather)
+
+    # ---------------------------------------------------------------- setup
+    accelerator = Accelerator(**accelerator_kwargs())
+    # DeepSpeed ZeRO-2/3 (accelerate config recipes/accelerate/zero{2,3}.yaml) or not (0).
+    stage = deepspeed_stage(accelerator)
+    check_deepspeed_recipe(cfg, stage)
+    # N processes: each holds a prompt shard and its own engine; gradients and metrics are
+    # reduced explicitly (trainer/distributed/data_parallel.py explains why not DDP's wrapper), the
+    # gradients by the DeepSpeed engine under ZeRO.
+    dp = DataParallel.current(reduce_grads=not stage)
+    set_seed(cfg.train.seed)
+    run_dir = cfg.run_dir
+    model_dir = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(model_dir)
+    with model_load_context(accelerator):
+        model = add_lora(load_base_model(model_dir, cfg.model.dtype, accelerator.device), cfg.model.lora)
+    if cfg.precision.recipe == "fp8_unified":
+        # The trainer's decoder linears run the engine's FP8 forward (quantized merged
+        # LoRA weight, quantized activations): one quantizer, parity.precision.
+        from trainer.models.precision import convert_to_fp8
+
+        convert_to_fp8(model)
+    d = cfg.data
+    dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
+                                  num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
+    batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
+    # Rule functions and reward models (trainer/commands/train_rm.py), each logged as reward/<name>.
+    reward_fns, _ = build_reward_sources(cfg.reward, accelerator.device)
+    value_head, kl_controller, kl_watch, modules = None, None, None, {}
+    if cfg.algorithm.name in CRITIC_ALGORITHMS:
+        value_head = ValueHead(model.config.hidden_size).to(accelerator.device)
+        kl_controller, kl_watch = make_kl_controller(cfg.algorithm), NegativeKLWatch()
+        modules = {"value_head": value_head}
+    params = [p for p in model.parameters() if p.requires_grad] + ([] if value_head is None else
+                                                                    list(value_head.parameters()))
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(cfg.train.adam_betas),
+                                  weight_decay=cfg.train.weight_decay)
+    scheduler = make_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+    # The scheduler is never prepared: it drives the AdamW param groups, which DeepSpeed's
+    # ZeRO optimizer steps with (checked in bench/zero_cpu_check.py).
+    if stage:
+        # ``model`` becomes the DeepSpeed engine (forward, backward, step: trainer/distributed/deepspeed.py);
+        # ``policy`` is the PEFT model inside it (weight sync, adapter checkpoint).
+        fill_deepspeed_config(accelerator, micro_batch_size=cfg.train.micro_batch_size,
+                              max_grad_norm=cfg.train.max_grad_norm)
+        # PPO's value head goes inside the engine with the policy (PolicyForward).
+        model, optimizer = accelerator.prepare(wrap_for_prepare(accelerator, model, value_head), optimizer)
+        policy = unwrap_policy(accelerator, model)
+    else:
+        # The model is not prepared: no DDP wrapper (see dp above); it is already on the device.
+        optimizer = accelerator.prepare(optimizer)
+        policy = model
+    backward = make_backward(accelerator, model)
+
+    def update() -> float:
+        return optimizer_step(accelerator, model, optimizer, params, cfg.train.max_grad_norm)
+
+    # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
+    gather = zero3_gather(policy) if stage == 3 else None
+
+    start_step = 0
+    if resume:
+        latest = ckpt.latest_checkpoint(run_dir)
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.checkpoints_dir(run_dir)}")
+        if stage:
+            state = ckpt.load_deepspeed_checkpoint(latest, engine=model, scheduler=scheduler,
+                                                   world_size=accelerator.num_processes)
+        else:
+            state = ckpt.load_checkpoint(latest, model=policy, optimizer=optimizer, scheduler=scheduler,
+                                         modules=modules)
+        if kl_controller is not None:
+            kl_controller.load_state_dict(state["kl_controller"])
+        batcher.load_state_dict(state["batcher"])
+        start_step = state["step"]
+        if accelerator.is_main_process:
+            print(f"resumed from {latest} (step {start_step})", flush=True)
+    elif ckpt.list_checkpoints(run_dir):
+        raise FileExistsError(f"{run_dir} already holds checkpoints; pass --resume to continue it, or choose another "
+                              "name / logging.run_dir (nothing was overwritten)")
+
+    max_model_len = d.max_prompt_tokens + cfg.rollout.max_new_tokens
+    own_engine = engine is None
+    if own_engine:
+        engine = make_engine(cfg, model_dir, max_model_len=max_model_len, dp=dp)
+    engine_dtype = getattr(torch, cfg.model.dtype)  # the merge is rounded to it once
+
+    def sync() -> dict:
+        # Every rank leaves together: with a shared server rank 0 pushes while the others
+        # wait for it before their next generate; a failed push stops every rank.
+        out, error = {}, None
+        try:
+            out = sync_weights(engine, policy, cfg.precision.recipe, gather=gather, dtype=engine_dtype,
+                               chunk_bytes=cfg.rollout.sync_chunk_bytes)
+        except Exception as e:  # noqa: BLE001 - re-raised by raise_together on this rank
+            error = e
+        dp.raise_together(error)
+        return out
+
+    # Always align the engine with the policy being trained (fresh adapter = base weights,
+    # resumed adapter = its merge), so a reused engine never carries another run's weights.
+    sync()
+    logger = RunLogger(run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode, project=cfg.logging.wandb.project,
+                       entity=cfg.logging.wandb.entity, name=cfg.name, total_steps=cfg.train.steps,
+                       print_every=cfg.logging.print_every, enabled=accelerator.is_main_process)
+    result = TrainResult(run_dir=run_dir)
+    # The probe's prompts: the dataset's first rows, the same every step and after a resume.
+    n_probe = min(cfg.parity.probe_prompts, len(dataset))
+    probe_ids = encode_prompts(tokenizer, [dataset[i]["prompt"] for i in range(n_probe)],
+                               use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens) if n_probe else []
+    try:
+        # Probe before the first step: the engine must already agree with the trainer.
+        m0 = _probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device, dp)
+        if m0 and accelerator.is_main_process:
+            print(f"probe before step {start_step + 1}: mae {m0.get('probe/mae', float('nan')):.2e}  "
+                  f"kl_k3 {m0.get('probe/kl_k3', float('nan')):.1e}  on {int(m0['probe/num_tokens'])} tokens", flush=True)
+            if start_step == 0:  # a resumed run has logged this step already; wandb steps only increase
+                logger.log(0, m0, echo=False)
+        if m0:  # every rank sees the same pooled values and stops together
+            _enforce_parity_limits(cfg, start_step, m0, prefix="probe/", when=" (probe before training)")
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            t_step = time.perf_counter()
+            m: dict[str, float] = {}
+
+            # ---------------------------------------------------- rollout and reward
+            def draw(round_index: int) -> Drawn:
+                return _draw_round(engine, batcher, tokenizer, reward_fns, cfg, step, round_index, dp)
+
+            if cfg.algorithm.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
+                train_part, drawn, ds_metrics = fill_with_signal(
+                    draw, share=cfg.rollout.prompts_per_step // dp.world, group_size=cfg.algorithm.group_size,
+                    mini_batches=cfg.algorithm.mini_batches, max_rounds=cfg.algorithm.max_sampling_rounds, dp=dp)
+                m.update(ds_metrics)
+            else:
+                train_part = draw(0)
+                drawn = [train_part]
+            m.update(_drawn_metrics(Drawn.concat(drawn), dp))
+            g = cfg.algorithm.group_size
+            rollouts, total = train_part.rollouts, train_part.rewards
+
+            # ---------------------------------------------------- advantages, forward / loss / backward
+            batch = batch_from_rollouts(rollouts, tokenizer.pad_token_id, accelerator.device)
+            _check_logprobs(batch.rollout_logprobs, batch.mask, dp)
+            rewards = torch.tensor(total, dtype=torch.float32, device=accelerator.device)
+            t = time.perf_counter()
+            model.train()
+            updates = cfg.algorithm.epochs * cfg.algorithm.mini_batches
+            if value_head is not None:
+                # A critic's advantages need the batch's values and reference log-probs first.
+                out = score_pass(model, batch, cfg, value_head=value_head, with_ref=True)
+                advantages, returns, critic_metrics = ppo_targets(out, rewards, batch.mask, g, cfg, kl_controller,
+                                                                  all_sum=dp.all_sum)
+                critic_metrics = dp.mean_metrics(critic_metrics)
+                m.update(critic_metrics)
+                kl_watch.update(step, critic_metrics["train/kl_ref"])
+            else:
+                advantages = ADVANTAGES.get(cfg.algorithm.name)(
+                    AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=g, all_sum=dp.all_sum), cfg.algorithm)
+                if updates == 1:
+                    out = policy_gradient_pass(model, batch, advantages, cfg, backward, dp=dp)
+                    m.update(out["metrics"])
+                else:
+                    out = score_pass(model, batch, cfg)  # pi_old, before any update
+
+            # ---------------------------------------------------- parity (pi_old vs the engine)
+            # The train log-probs are from the pre-update policy, the one that generated
+            # the rollouts (if the previous sync worked): this is what the metrics measure.
+            m.update(dp.pooled_parity(out["train_logprobs"], batch.rollout_logprobs, batch.mask,
+                                      train_topk_logprobs=out["train_topk_logprobs"],
+                                      rollout_topk_logprobs=batch.topk_logprobs))
+            _enforce_parity_limits(cfg, step, m)
+            if accelerator.is_main_process:
+                breakdown = step_breakdown(out["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
+                                           tokenizer, entropy=out["entropy"])
+                append_breakdown(run_dir, step, breakdown)
+                if logger.wandb_run is not None and step % cfg.logging.breakdown_every == 0:
+                    logger.wandb_run.log(wandb_tables(breakdown), step=step)
+
+            # ---------------------------------------------------- optimizer step(s)
+            m["train/lr"] = scheduler.get_last_lr()[0]
+            if updates == 1 and value_head is None:
+                m["train/grad_norm"] = update()
+            else:
+                critic = {} if value_head is None else {"value_head": value_head, "old_values": out["values"],
+                                                         "returns": returns}
+                m.update(_several_updates(model, batch, advantages, out["train_logprobs"], cfg, step, backward,
+                                          update, dp=dp, **critic))
+            scheduler.step()
+            m["perf/train_s"] = time.perf_counter() - t
+
+            # ---------------------------------------------------- weight sync
+            t = time.perf_counter()
+            if cfg.rollout.sync_weights:
+                m.update(sync())
+            m["perf/sync_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            m.update(_probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device, dp))
+            if probe_ids:
+                m["perf/probe_s"] = time.perf_counter() - t
+            m["perf/step_s"] = time.perf_counter() - t_step
+
+            logger.log(step, m)
+            result.history.append({"step": step, **m})
+            # After logging (the step's record keeps the probe values), before the checkpoint.
+            _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)")
+
+            # ---------------------------------------------------- checkpoint
+            every = cfg.checkpoint.every
+            if (every and step % every == 0) or step == cfg.train.steps:
+                state = {"batcher": batcher.state_dict(), "name": cfg.name,
+                         **({"kl_controller": kl_controller.state_dict()} if kl_controller else {})}
+                if stage:  # every rank writes its ZeRO shard
+                    result.final_checkpoint = ckpt.save_deepspeed_checkpoint(
+                        run_dir, step, engine=model, policy=policy, scheduler=scheduler, state=state,
+                        keep_last=cfg.checkpoint.keep_last, is_main=accelerator.is_main_process,
+                        barrier=accelerator.wait_for_everyone)
+                elif accelerator.is_main_process:
+                    result.final_checkpoint = ckpt.save_checkpoint(
+                        run_dir, step, model=policy, optimizer=optimizer, scheduler=scheduler, state=state,
+                        keep_last=cfg.checkpoint.keep_last, modules=modules)
+                accelerator.wait_for_everyone()
+        result.wandb = logger.wandb_location
+        _print_summary(result, logger)
+    finally:
+        logger.close()
+        if own_engine:
+            engine.close()
+    return result
+
+
+def _print_summary(result: TrainResult, logger: RunLogger) -> None:
+    h = result.history
+    if not h or not logger.enabled:
+        return
+    k = max(1, min(5, len(h) // 4))
+    first = _mean([r["reward/mean"] for r in h[:k]])
+    last = _mean([r["reward/mean"] for r in h[-k:]])
+    mae = _mean([r["parity/mae"] for r in h if "parity/mae" in r])
+    kl = _mean([r["parity/kl_k3"] for r in h if "parity/kl_k3" in r])
+    worst = max((r.get("parity/max_abs", 0.0) for r in h), default=0.0)
+    summary = {"summary/reward_first": first, "summary/reward_last": last, "summary/parity_mae_mean": mae,
+               "summary/parity_kl_k3_mean": kl}
+    logger.summary(summary)
+    print("\n=== parityrl run summary ===")
+    print(f"reward   first {k} step(s): {first:.3f}   last {k} step(s): {last:.3f}   change {last - first:+.3f}")
+    print(f"parity   mean |d| over the run: {mae:.2e}   mean kl_k3: {kl:.2e}   worst token |d|: {worst:.2e}")
+    print(f"checkpoint  {result.final_checkpoint}")
+    print(f"metrics     {logger.metrics_path}")
+    print(f"wandb       {logger.wandb_location}")

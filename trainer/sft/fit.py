@@ -1,0 +1,212 @@
+"""The SFT stage (`parityrl sft`): supervised fine-tuning on prompt -> completion pairs.
+
+The first stage of the SFT -> RL pipeline (as in TRL's StackLLaMA example): it
+teaches the output format so that RL starts from a policy with non-zero
+reward. The built-in default model's warm start is exactly
+``parityrl sft recipes/sft_tiny.yaml``.
+
+Two batch layouts (``data.packing``), one loss: the mean negative log-likelihood
+of the target tokens, computed through the same fused log-prob kernel as RL.
+
+* **padded** (``packing: false``, the default): one prompt/completion pair per
+  row, prompts left-padded, completions right-padded; the targets are the
+  completion tokens (EOS included) -- prompt tokens are context only.
+* **packed** (``packing: true``), as in the StackLLaMA write-up
+  (https://huggingface.co/blog/stackllama, "Supervised fine-tuning"; TRL's
+  ``ConstantLengthDataset``): every example becomes one document, prompt ids
+  (encoded exactly as in padded mode) + completion ids + EOS; the documents, in a
+  seeded shuffled order, are concatenated and cut into blocks of exactly
+  ``data.block_size`` tokens. No padding, so no compute is spent on pad tokens.
+  The targets are EVERY token of a block except its first (which has nothing
+  before it in the block to be predicted from): prompt tokens included, as in
+  the write-up, so the model also learns to model the prompts. Attention inside
+  a block is plain causal attention over the concatenated documents, with
+  positions 0..block_size-1 counted from the block start: a token can attend to
+  the end of the previous document across the EOS separator, as in the write-up
+  (no per-document mask); a document may be split across two blocks. The tail
+  of the concatenation shorter than one block is dropped (at most
+  ``block_size - 1`` tokens per run).
+
+The output directory (``output_format``) holds either a plain HF model (a LoRA,
+if used, merged into it: ``merged``) or the LoRA adapter alone (``adapter``, to be
+folded in later with ``parityrl merge <base> <adapter> --out <dir>``), plus the
+tokenizer, written atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from trainer.config import RecipeError
+from trainer.sft.recipe import SFTConfig
+
+
+def _pairs(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    from trainer.data.datasets import encode_prompts, load_prompt_dataset
+    from trainer.data.rewards import resolve_reward
+
+    d = cfg.data
+    ds = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=None,
+                             num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
+    rows = ds.to_list()
+    if d.completion_column is not None:
+        if d.completion_column not in ds.column_names:
+            raise RecipeError(f"data.completion_column = {d.completion_column!r}: no such column in {d.source}; "
+                              f"columns: {ds.column_names}")
+        completions = [str(r[d.completion_column]) for r in rows]
+    else:
+        fn = resolve_reward(d.completion_fn)  # same "module:function" resolution
+        completions = [fn(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in rows]
+    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], use_chat_template=d.use_chat_template,
+                                max_prompt_tokens=d.max_prompt_tokens)
+    completion_ids = []
+    for i, text in enumerate(completions):
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(ids) > d.max_completion_tokens:
+            raise ValueError(f"{d.source}: example {i}: completion has {len(ids)} tokens, more than "
+                             f"data.max_completion_tokens = {d.max_completion_tokens}")
+        completion_ids.append(ids)
+    return prompt_ids, completion_ids
+
+
+def pack_documents(docs: list[list[int]], block_size: int, eos_id: int) -> list[list[int]]:
+    """Documents joined with EOS, concatenated, cut into ``block_size`` blocks; the short tail is dropped.
+
+    A document that does not already end in ``eos_id`` gets one appended, so
+    consecutive documents are always separated by exactly one EOS.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be >= 1")
+    stream: list[int] = []
+    for doc in docs:
+        stream += doc if doc and doc[-1] == eos_id else [*doc, eos_id]
+    return [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
+
+
+def packed_batch(blocks: list[list[int]], device: torch.device | str = "cpu"):
+    """Blocks -> a TokenBatch whose targets are every token after the first (prompt_len 1, no padding)."""
+    from trainer.models.batch import TokenBatch
+
+    ids = torch.tensor(blocks, dtype=torch.long)
+    s, n = ids.shape
+    targets = ids[:, 1:]
+    return TokenBatch(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                      position_ids=torch.arange(n).expand(s, n).contiguous().to(device), targets=targets.to(device),
+                      mask=torch.ones(targets.shape, dtype=torch.float32, device=device),
+                      rollout_logprobs=torch.zeros(targets.shape, dtype=torch.float32, device=device), prompt_len=1)
+
+
+def _packed_blocks(cfg: SFTConfig, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                   eos_id: int) -> list[list[int]]:
+    docs = [p + c for p, c in zip(prompt_ids, completion_ids)]
+    # The dataset's own order may be sorted (by length, by source); packing neighbours
+    # from one group into every block would bias the batches. A separate stream, so the
+    # batch-order RNG is the same as in padded mode.
+    random.Random(f"pack:{cfg.train.seed}").shuffle(docs)
+    blocks = pack_documents(docs, cfg.data.block_size, eos_id)
+    if not blocks:
+        total = sum(len(d) + (d[-1] != eos_id) for d in docs)
+        raise RecipeError(f"data.block_size = {cfg.data.block_size}: the {len(docs)} examples make only {total} "
+                          "tokens, less than one block; use more examples or a smaller block")
+    return blocks
+
+
+def fit_sft(cfg: SFTConfig, model_dir: str) -> Path:
+    """Train the model in ``model_dir`` (already resolved: a local HF directory) and write it to ``cfg.out_path``."""
+    from trainer.models.batch import build_token_batch
+    from trainer.models.optim import make_scheduler
+    from trainer.models.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
+
+    torch.manual_seed(cfg.train.seed)
+    rng = random.Random(cfg.train.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = load_tokenizer(model_dir)
+    model = load_base_model(model_dir, cfg.model.dtype, device)
+    if cfg.model.lora.enabled:
+        model = add_lora(model, cfg.model.lora)
+    prompt_ids, completion_ids = _pairs(cfg, tokenizer)
+    if cfg.data.packing:
+        blocks = _packed_blocks(cfg, prompt_ids, completion_ids, tokenizer.eos_token_id)
+        num_rows = len(blocks)
+        make_batch = lambda idx: packed_batch([blocks[i] for i in idx], device)
+        print(f"sft packing: {len(prompt_ids)} examples -> {len(blocks)} blocks of {cfg.data.block_size} tokens",
+              flush=True)
+    else:
+        num_rows = len(prompt_ids)
+        make_batch = lambda idx: build_token_batch([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
+                                                   tokenizer.pad_token_id, device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Full fine-tuning keeps master weights in the model dtype; for bf16 that means
+    # small updates round away, so the warm start trains a float32 copy when lora is off.
+    if not cfg.model.lora.enabled and cfg.model.dtype == "bfloat16":
+        model = model.float()
+        params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+    sched = make_scheduler(opt, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+    order: list[int] = []
+    t0 = time.time()
+    history = []
+    real_tokens = target_tokens = 0  # throughput: tokens attended to (not padding) and tokens with a loss
+    for step in range(1, cfg.train.steps + 1):
+        idx = []
+        while len(idx) < cfg.train.batch_size:
+            if not order:
+                order = list(range(num_rows))
+                rng.shuffle(order)
+            idx.append(order.pop())
+        batch = make_batch(idx)
+        real_tokens += int(batch.attention_mask.sum())
+        target_tokens += int(batch.mask.sum())
+        lp, _ = completion_logprobs(model, batch, temperature=1.0)
+        loss = -(lp * batch.mask).sum() / batch.mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        history.append(loss.item())
+        if step % cfg.print_every == 0 or step == cfg.train.steps:
+            dt = max(time.time() - t0, 1e-9)
+            print(f"sft step {step:>4}/{cfg.train.steps}  loss {loss.item():.4f}  "
+                  f"{real_tokens / dt:,.0f} tokens/s  ({dt:.0f}s)", flush=True)
+    elapsed = max(time.time() - t0, 1e-9)
+    if cfg.output_format == "merged":
+        if cfg.model.lora.enabled:
+            model = model.merge_and_unload()
+        model = model.to(dtype=getattr(torch, cfg.model.dtype))
+    # (output_format adapter: PEFT's save_pretrained writes the adapter and its config,
+    # which records the base directory; the adapter weights stay float32.)
+    out = cfg.out_path
+    save_model_dir(model, tokenizer, out, extra={
+        "sft_loss_first": history[0], "sft_loss_last": history[-1], "sft_steps": cfg.train.steps,
+        "base_model": model_dir, "packing": cfg.data.packing, "output_format": cfg.output_format,
+        "tokens_per_s": real_tokens / elapsed, "target_tokens_per_s": target_tokens / elapsed,
+        "train_seconds": elapsed})
+    return out
+
+
+def save_model_dir(model, tokenizer, out: Path, extra: Optional[dict] = None) -> None:
+    """Save an HF model + tokenizer to ``out`` atomically (temp dir, then rename)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if extra:
+        (tmp / "parityrl_sft.json").write_text(json.dumps(extra, indent=2))
+    if out.exists():
+        backup = out.parent / f".old_{out.name}_{os.getpid()}"
+        os.replace(out, backup)
+        os.replace(tmp, out)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
