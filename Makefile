@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TARGET)
 DEMO_NAME := grpo_tiny-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test test-fast bench clean-cache
+.PHONY: setup demo test test-fast lint
 
 setup: $(STAMP)
 
@@ -29,7 +29,10 @@ endif
 demo: setup
 	$(VENV)/bin/parityrl train recipes/grpo_tiny.yaml --set name=$(DEMO_NAME)
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -44,7 +44,6 @@ they round activation scales to powers of two, a different quantizer.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -52,7 +51,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from parity.precision import BLOCK, FP8_TARGETS, quantize_weight_blocks
-from rollout.fp8_scheme import DECODER_LAYER as _DECODER_LAYER, EMULATED_FP8
+from rollout.fp8_scheme import DECODER_LAYER as _DECODER_LAYER
+from rollout.fp8_scheme import EMULATED_FP8
 
 __all__ = [
     "EMULATED_FP8",

@@ -1,17 +1,24 @@
-"""Algorithms as pure tensor functions: advantage estimators and policy losses in registries.
+"""Algorithms as pure tensor functions, one registered record (``record.Algorithm``) per algorithm.
 
 Importing this package registers every built-in algorithm. The trainer does
-``ADVANTAGES.get(name)(AdvantageInputs(...), cfg)`` and
-``POLICY_LOSSES.get(name)(LossInputs(...), cfg)`` and never branches on ``name``.
+``rec = ALGORITHMS.get(cfg.algorithm.name)``, then ``rec.advantage(AdvantageInputs(...), options)``
+and ``rec.loss(LossInputs(...), options)``, and asks ``rec`` for its capabilities; it never
+branches on ``name``.
 
-Registered names (advantage estimator / policy loss): grpo, dr_grpo, gspo, rloo,
-reinforce_pp_baseline, pmd_mean, pmd_part, ppo. DAPO is grpo + settings + the dynamic-sampling
+Registered names: grpo, dr_grpo, gspo, rloo, reinforce_pp_baseline, pmd_mean, pmd_part, ppo. DAPO is grpo + settings + the dynamic-sampling
 filter (``filters.groups_with_signal``), see ``filters``.
 """
-from trainer.algorithms import grpo  # noqa: F401  (registers "grpo")
-from trainer.algorithms import dr_grpo, gspo, pmd, ppo, reinforce_pp, rloo  # noqa: F401  (register the rest)
+from trainer.algorithms import (  # noqa: F401  (register the rest)
+    dr_grpo,
+    grpo,  # noqa: F401  (registers "grpo")
+    gspo,
+    pmd,
+    ppo,
+    reinforce_pp,
+    rloo,
+)
 from trainer.algorithms.aggregation import AGG_MODES, LossNormalizer, aggregate
-from trainer.algorithms.dr_grpo import dr_grpo_advantages, dr_grpo_loss
+from trainer.algorithms.dr_grpo import DrGRPOConfig, dr_grpo_advantages, dr_grpo_loss
 from trainer.algorithms.filters import groups_with_signal
 from trainer.algorithms.grpo import GRPOConfig, clipped_surrogate, grpo_advantages, grpo_loss
 from trainer.algorithms.gspo import GSPOConfig, gspo_loss
@@ -21,7 +28,6 @@ from trainer.algorithms.ppo import (
     AdaptiveKLController,
     FixedKLController,
     PPOConfig,
-    approx_kl,
     clipped_value_loss,
     explained_variance,
     gae,
@@ -30,22 +36,30 @@ from trainer.algorithms.ppo import (
     ppo_loss,
     ppo_returns,
     ppo_token_rewards,
-    value_clip_frac,
 )
+from trainer.algorithms.record import Algorithm, OptionError
 from trainer.algorithms.registry import (
     ADVANTAGES,
+    ALGORITHMS,
     POLICY_LOSSES,
     AdvantageInputs,
     LossInputs,
     LossOutput,
     Registry,
+    register_algorithm,
 )
-from trainer.algorithms.reinforce_pp import reinforce_pp_baseline_advantages
-from trainer.algorithms.rloo import RLOOConfig, rloo_advantages, rloo_loss, sequence_clipped_surrogate
+from trainer.algorithms.reinforce_pp import ReinforcePPConfig, reinforce_pp_baseline_advantages
+from trainer.algorithms.rloo import RLOOConfig, rloo_advantages, rloo_loss
 from trainer.algorithms.sequence import whiten
 
 __all__ = [
     "ADVANTAGES",
+    "ALGORITHMS",
+    "Algorithm",
+    "DrGRPOConfig",
+    "OptionError",
+    "ReinforcePPConfig",
+    "register_algorithm",
     "AGG_MODES",
     "POLICY_LOSSES",
     "AdaptiveKLController",
@@ -61,7 +75,6 @@ __all__ = [
     "RLOOConfig",
     "Registry",
     "aggregate",
-    "approx_kl",
     "clipped_surrogate",
     "clipped_value_loss",
     "dr_grpo_advantages",
@@ -85,7 +98,5 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "rloo_loss",
-    "sequence_clipped_surrogate",
-    "value_clip_frac",
     "whiten",
 ]

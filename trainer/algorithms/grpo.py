@@ -8,7 +8,7 @@ References:
   constant-length normaliser: ``loss_agg="seq_mean_token_sum_norm"``).
 - PPO clipped surrogate: Schulman et al., arXiv 1707.06347, Eq. 7.
 
-Registered as ``"grpo"`` in both ``ADVANTAGES`` and ``POLICY_LOSSES``.
+Registered as the ``"grpo"`` record (bottom of this file).
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-from trainer.algorithms.aggregation import AGG_MODES, aggregate
+from trainer.algorithms.aggregation import aggregate
 from trainer.algorithms.kl import kl_k3
-from trainer.algorithms.registry import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs, LossOutput
+from trainer.algorithms.record import Algorithm, check_options, clip_rules, group_scale_rules, loss_agg_rule
+from trainer.algorithms.registry import AdvantageInputs, LossInputs, LossOutput, register_algorithm
+from trainer.algorithms.sequence import broadcast_to_tokens, constant_groups, grouped_rewards
 
 # exp(20) ~ 4.9e8: keeps the ratio finite in float32 when the policy and the data's
 # policy disagree wildly on a token (verl clamps the log-ratio the same way). Beyond it the
@@ -31,8 +33,10 @@ LOG_RATIO_CLAMP = 20.0
 class GRPOConfig:
     """The attributes GRPO reads from its (duck-typed) ``cfg``.
 
-    ``trainer.config.AlgorithmConfig`` (the recipe's ``algorithm:`` section) carries the same
-    names; this dataclass is the standalone form for tests and scripts.
+    The options of the ``grpo`` record: the recipe's ``algorithm:`` keys of a GRPO run are parsed
+    into it. Defaults: the PPO clip range 0.2 (Schulman et al. arXiv 1707.06347, Sec. 6.1; DeepSeekMath
+    uses the same objective), no KL penalty (DeepSeekMath used 0.04; DAPO Sec. 2.3 and Dr. GRPO drop it,
+    as TRL's GRPOConfig default beta=0.0 does), token-mean aggregation (DAPO Sec. 3.3).
 
     Read by ``grpo_advantages``:
       scale_rewards: divide group-centred rewards by the group std (GRPO); False = Dr. GRPO.
@@ -53,23 +57,9 @@ class GRPOConfig:
     loss_agg: str = "token_mean"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.scale_rewards, bool):
-            raise ValueError(f"GRPOConfig.scale_rewards must be a bool, got {self.scale_rewards!r}")
-        if not self.eps > 0:
-            raise ValueError(f"GRPOConfig.eps must be > 0, got {self.eps!r}")
-        if not 0 <= self.clip_eps_low < 1:
-            raise ValueError(f"GRPOConfig.clip_eps_low must be in [0, 1), got {self.clip_eps_low!r}")
-        if not self.clip_eps_high >= 0:
-            raise ValueError(f"GRPOConfig.clip_eps_high must be >= 0, got {self.clip_eps_high!r}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"GRPOConfig.kl_coef must be >= 0, got {self.kl_coef!r}")
-        if self.loss_agg not in AGG_MODES:
-            raise ValueError(
-                f"GRPOConfig.loss_agg must be one of {', '.join(AGG_MODES)}, got {self.loss_agg!r}"
-            )
+        check_options(self, [*group_scale_rules(self), *clip_rules(self), loss_agg_rule(self)])
 
 
-@ADVANTAGES.register("grpo")
 def grpo_advantages(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:
     """Group-relative advantages broadcast to tokens: returns [S, T], zero on padding.
 
@@ -83,24 +73,14 @@ def grpo_advantages(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:
     Reads cfg.scale_rewards, cfg.eps. Requires group_size >= 2 (a group of one has
     no baseline and no std). Computed in float64, returned in float32 (or wider rewards dtype).
     """
-    g = batch.group_size
-    if g < 2:
-        raise ValueError(f"grpo_advantages: group_size must be >= 2 for a group baseline, got {g}")
-    rewards = batch.rewards.detach()
-    if not torch.isfinite(rewards).all():
-        bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
-        raise ValueError(f"grpo_advantages: rewards are not finite at sequence indices {bad[:10]}")
-    r = rewards.to(torch.float64).view(-1, g)
+    r = grouped_rewards("grpo_advantages", batch.rewards, batch.group_size)
     centred = r - r.mean(dim=-1, keepdim=True)
     # mean() of equal float64 rewards can miss them by an ulp (0.1 x 3: -1.4e-17) while their
     # std is 0: the quotient would be ulp/eps noise, as large as ~1e3 for eps = 1e-20.
-    constant = (r == r[:, :1]).all(dim=-1, keepdim=True)
-    centred = torch.where(constant, torch.zeros_like(centred), centred)
+    centred = torch.where(constant_groups(r), torch.zeros_like(centred), centred)
     if cfg.scale_rewards:
         centred = centred / (r.std(dim=-1, keepdim=True, correction=1) + cfg.eps)
-    out_dtype = torch.promote_types(batch.rewards.dtype, torch.float32)
-    adv = centred.reshape(-1, 1).to(out_dtype)
-    return torch.where(batch.mask != 0, adv, torch.zeros((), dtype=out_dtype, device=adv.device))
+    return broadcast_to_tokens(centred.flatten(), batch.mask, torch.promote_types(batch.rewards.dtype, torch.float32))
 
 
 def clipped_surrogate(
@@ -144,7 +124,6 @@ def add_kl_and_is_weights(pg: torch.Tensor, lp: torch.Tensor, batch: LossInputs,
     return per_token, pg
 
 
-@POLICY_LOSSES.register("grpo")
 def grpo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     """GRPO policy loss on one micro-batch (DeepSeekMath Eq. 3 with DAPO/Dr. GRPO options).
 
@@ -194,3 +173,7 @@ def grpo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
         metrics["train/clip_frac_low"] = low.sum().item() / n
         metrics["train/clip_frac_high"] = high.sum().item() / n
     return LossOutput(loss=loss, metrics=metrics)
+
+
+register_algorithm(Algorithm(name="grpo", options=GRPOConfig, advantage=grpo_advantages, loss=grpo_loss,
+                             paper="Shao et al., DeepSeekMath, arXiv 2402.03300, Sec. 4.1"))

@@ -24,13 +24,13 @@ import torch
 
 from trainer.algorithms.aggregation import aggregate
 from trainer.algorithms.grpo import LOG_RATIO_CLAMP, add_kl_and_is_weights, clipped_surrogate, grpo_advantages
-from trainer.algorithms.registry import ADVANTAGES, POLICY_LOSSES, LossInputs, LossOutput
+from trainer.algorithms.record import Algorithm, check_options, clip_rules, group_scale_rules
+from trainer.algorithms.registry import LossInputs, LossOutput, register_algorithm
 from trainer.algorithms.sequence import sequence_lengths, sequence_log_ratio
 
 # GSPO's objective is a mean over sequences of each sequence's token mean (its 1/G and 1/|y_i|).
 GSPO_LOSS_AGG = "seq_mean_token_mean"
 
-ADVANTAGES.register("gspo")(grpo_advantages)
 
 
 @dataclass
@@ -52,19 +52,9 @@ class GSPOConfig:
     kl_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.scale_rewards, bool):
-            raise ValueError(f"GSPOConfig.scale_rewards must be a bool, got {self.scale_rewards!r}")
-        if not self.eps > 0:
-            raise ValueError(f"GSPOConfig.eps must be > 0, got {self.eps!r}")
-        if not 0 <= self.clip_eps_low < 1:
-            raise ValueError(f"GSPOConfig.clip_eps_low must be in [0, 1), got {self.clip_eps_low!r}")
-        if not self.clip_eps_high >= 0:
-            raise ValueError(f"GSPOConfig.clip_eps_high must be >= 0, got {self.clip_eps_high!r}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"GSPOConfig.kl_coef must be >= 0, got {self.kl_coef!r}")
+        check_options(self, [*group_scale_rules(self), *clip_rules(self)])
 
 
-@POLICY_LOSSES.register("gspo")
 def gspo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     """GSPO policy loss (token form) on one micro-batch.
 
@@ -117,3 +107,7 @@ def gspo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
         metrics["train/clip_frac_low"] = (valid & (adv < 0) & (ratio < 1.0 - cfg.clip_eps_low)).sum().item() / n
         metrics["train/clip_frac_high"] = (valid & (adv > 0) & (ratio > 1.0 + cfg.clip_eps_high)).sum().item() / n
     return LossOutput(loss=loss, metrics=metrics)
+
+
+register_algorithm(Algorithm(name="gspo", options=GSPOConfig, advantage=grpo_advantages, loss=gspo_loss,
+                             paper="Zheng et al., Group Sequence Policy Optimization, arXiv 2507.18071, Sec. 5.1 (clip ranges 3e-4 / 4e-4)"))

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from trainer.algorithms.kl import kl_k3
-from trainer.algorithms.registry import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs, LossOutput
+from trainer.algorithms.record import Algorithm, OptionError, check_options
+from trainer.algorithms.registry import AdvantageInputs, LossInputs, LossOutput, register_algorithm
 from trainer.algorithms.rloo import rloo_advantages
 from trainer.algorithms.sequence import (
     broadcast_to_tokens,
@@ -37,10 +38,8 @@ from trainer.algorithms.sequence import (
     grouped_rewards,
     per_sequence,
     sequence_lengths,
-    sequence_log_ratio,
+    sequence_terms,
 )
-
-ADVANTAGES.register("pmd_mean")(rloo_advantages)
 
 
 @dataclass
@@ -58,16 +57,15 @@ class PMDConfig:
 
     def __post_init__(self) -> None:
         _check_tau("PMDConfig", self.tau)
-        if self.kl_coef != 0:
-            raise ValueError(f"PMDConfig.kl_coef must be 0 (PMD has no KL term), got {self.kl_coef!r}")
+        check_options(self, [(self.kl_coef == 0, "kl_coef",
+                              "0 (PMD has no KL-to-reference term, tau is its proximal weight)")])
 
 
 def _check_tau(who: str, tau: Any) -> None:
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
-        raise ValueError(f"{who}: tau must be a finite number > 0, got {tau!r}")
+        raise OptionError(who, "tau", tau, "a finite number > 0", f"{who}: tau must be a finite number > 0, got {tau!r}")
 
 
-@ADVANTAGES.register("pmd_part")
 def pmd_part_advantages(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:
     """Leave-one-out log-partition advantages broadcast to tokens: [S, T], zero on padding.
 
@@ -92,8 +90,6 @@ def pmd_part_advantages(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:
     return broadcast_to_tokens(adv.flatten(), batch.mask, torch.promote_types(batch.rewards.dtype, torch.float32))
 
 
-@POLICY_LOSSES.register("pmd_mean")
-@POLICY_LOSSES.register("pmd_part")
 def pmd_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     """PMD regression loss on one micro-batch (the same for PMD-mean and PMD-part).
 
@@ -127,13 +123,8 @@ def pmd_loss(batch: LossInputs, cfg: Any) -> LossOutput:
         raise ValueError(
             f"{who}: cfg.kl_coef={kl_coef} but PMD has no KL term (tau is its proximal weight); set it to 0"
         )
-    valid = batch.mask != 0
-    dtype = torch.promote_types(batch.logprobs.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=batch.logprobs.device)
+    valid, dtype, zero, adv, delta = sequence_terms(who, batch)
     g = batch.normalizer.num_seqs
-
-    adv = per_sequence(who, "advantages", batch.advantages, batch.mask).to(dtype)
-    delta = sequence_log_ratio(batch.logprobs, batch.old_logprobs, batch.mask)
     lengths = sequence_lengths(batch.mask).clamp(min=1).to(dtype)  # empty rows: A = 0, Delta = 0 -> 0
     per_seq = (adv - tau * delta).square() / (2 * tau * lengths)
     if batch.is_weights is not None:
@@ -147,3 +138,10 @@ def pmd_loss(batch: LossInputs, cfg: Any) -> LossOutput:
             kl = torch.where(valid, kl_k3(lp, torch.where(valid, batch.ref_logprobs.detach().to(dtype), zero)), zero)
             metrics["train/kl_ref"] = (kl.sum() / batch.normalizer.num_tokens).item()
     return LossOutput(loss=loss, metrics=metrics)
+
+
+_PMD_PAPER = "PMD (arXiv 2602.05933); tau's default is OpenKimi's 0.01 (the authors use 0.01-0.1)"
+register_algorithm(Algorithm(name="pmd_mean", options=PMDConfig, advantage=rloo_advantages, loss=pmd_loss,
+                             paper=_PMD_PAPER))
+register_algorithm(Algorithm(name="pmd_part", options=PMDConfig, advantage=pmd_part_advantages, loss=pmd_loss,
+                             paper=_PMD_PAPER))

@@ -25,10 +25,11 @@ from typing import Any, Optional
 
 import torch
 
-from trainer.algorithms.aggregation import AGG_MODES, aggregate
+from trainer.algorithms.aggregation import aggregate
 from trainer.algorithms.grpo import grpo_loss
 from trainer.algorithms.kl import kl_k1, kl_k2, kl_k3
-from trainer.algorithms.registry import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs, LossOutput
+from trainer.algorithms.record import Algorithm, check_options, clip_rules, loss_agg_rule
+from trainer.algorithms.registry import AdvantageInputs, LossInputs, LossOutput, register_algorithm
 from trainer.algorithms.sequence import whiten
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
@@ -42,6 +43,9 @@ class PPOConfig:
       gamma: GAE discount over completion tokens, in [0, 1] (TRL 1.0: the score is not discounted).
       lam: GAE lambda, in [0, 1] (TRL 0.95).
       whiten_advantages: whiten advantages over the batch's valid tokens (TRL always does).
+      whiten_rewards: scale the KL-shaped token rewards to unit variance over the batch, mean kept
+        (TRL's whiten_rewards: masked_whiten(..., shift_mean=False)); off as in TRL. Read by the loop
+        (``trainer.rl.critic.ppo_targets``).
     Read by ``ppo_loss``:
       clip_eps_low / clip_eps_high: policy ratio clip (TRL ``cliprange`` 0.2).
       loss_agg: aggregation of all three terms (TRL: token mean).
@@ -59,6 +63,7 @@ class PPOConfig:
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
+    whiten_rewards: bool = False
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     loss_agg: str = "token_mean"
@@ -72,25 +77,21 @@ class PPOConfig:
     reward_kl_estimator: str = "k1"
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, expected: str) -> None:
-            if not ok:
-                raise ValueError(f"PPOConfig.{name} must be {expected}, got {getattr(self, name)!r}")
-
-        need(0 <= self.gamma <= 1, "gamma", "in [0, 1]")
-        need(0 <= self.lam <= 1, "lam", "in [0, 1]")
-        need(isinstance(self.whiten_advantages, bool), "whiten_advantages", "a bool")
-        need(0 <= self.clip_eps_low < 1, "clip_eps_low", "in [0, 1)")
-        need(self.clip_eps_high >= 0, "clip_eps_high", ">= 0")
-        need(self.loss_agg in AGG_MODES, "loss_agg", "one of " + ", ".join(AGG_MODES))
-        need(self.kl_coef >= 0, "kl_coef", ">= 0")
-        need(self.vf_coef >= 0, "vf_coef", ">= 0")
-        need(self.value_clip is None or self.value_clip > 0, "value_clip", "None or > 0")
-        need(self.ent_coef >= 0, "ent_coef", ">= 0")
-        need(self.reward_kl_coef >= 0, "reward_kl_coef", ">= 0")
-        need(self.reward_kl_target is None or self.reward_kl_target > 0, "reward_kl_target", "None or > 0")
-        need(isinstance(self.reward_kl_horizon, int) and self.reward_kl_horizon >= 1,
-             "reward_kl_horizon", "an int >= 1")
-        need(self.reward_kl_estimator in KL_ESTIMATORS, "reward_kl_estimator", "one of " + ", ".join(KL_ESTIMATORS))
+        check_options(self, [
+            (0 <= self.gamma <= 1, "gamma", "in [0, 1]"),
+            (0 <= self.lam <= 1, "lam", "in [0, 1]"),
+            (isinstance(self.whiten_advantages, bool), "whiten_advantages", "a bool"),
+            (isinstance(self.whiten_rewards, bool), "whiten_rewards", "a bool"),
+            *clip_rules(self),
+            loss_agg_rule(self),
+            (self.vf_coef >= 0, "vf_coef", ">= 0"),
+            (self.value_clip is None or self.value_clip > 0, "value_clip", "None or > 0"),
+            (self.ent_coef >= 0, "ent_coef", ">= 0"),
+            (self.reward_kl_coef >= 0, "reward_kl_coef", ">= 0"),
+            (self.reward_kl_target is None or self.reward_kl_target > 0, "reward_kl_target", "None or > 0"),
+            (isinstance(self.reward_kl_horizon, int) and self.reward_kl_horizon >= 1, "reward_kl_horizon", "an int >= 1"),
+            (self.reward_kl_estimator in KL_ESTIMATORS, "reward_kl_estimator", "one of " + ", ".join(KL_ESTIMATORS)),
+        ])
 
 
 def _check_shapes(who: str, mask: torch.Tensor, **tensors: torch.Tensor) -> None:
@@ -109,6 +110,16 @@ def _check_finite_on_valid(who: str, name: str, x: torch.Tensor, valid: torch.Te
 
 
 # --------------------------------------------------------------------------- rewards and GAE
+
+
+def _on_valid(valid: torch.Tensor, *tensors: torch.Tensor, also: torch.dtype = torch.float32):
+    """(dtype, zero, tensors): detached, in their common dtype (float32 at least), exactly 0 off ``valid``."""
+    dtype = also
+    for x in tensors:
+        dtype = torch.promote_types(dtype, x.dtype)
+    dtype = torch.promote_types(dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=valid.device)
+    return dtype, zero, [torch.where(valid, x.detach().to(dtype), zero) for x in tensors]
 
 
 def ppo_token_rewards(
@@ -151,10 +162,7 @@ def ppo_token_rewards(
     _check_finite_on_valid(who, "logprobs", logprobs, valid)
     _check_finite_on_valid(who, "ref_logprobs", ref_logprobs, valid)
 
-    dtype = torch.promote_types(torch.promote_types(logprobs.dtype, scores.dtype), torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    lp = torch.where(valid, logprobs.detach().to(dtype), zero)
-    ref = torch.where(valid, ref_logprobs.detach().to(dtype), zero)
+    dtype, zero, (lp, ref) = _on_valid(valid, logprobs, ref_logprobs, also=scores.dtype)
     kl = torch.where(valid, KL_ESTIMATORS[kl_estimator](lp, ref), zero)
     rewards = -beta * kl
     t = mask.shape[1]
@@ -185,10 +193,7 @@ def gae(
     valid = mask != 0
     _check_finite_on_valid(who, "token_rewards", token_rewards, valid)
     _check_finite_on_valid(who, "values", values, valid)
-    dtype = torch.promote_types(torch.promote_types(token_rewards.dtype, values.dtype), torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    r = torch.where(valid, token_rewards.detach().to(dtype), zero)
-    v = torch.where(valid, values.detach().to(dtype), zero)
+    dtype, zero, (r, v) = _on_valid(valid, token_rewards, values)
     s, t_len = mask.shape
     adv = torch.zeros(s, t_len, dtype=dtype, device=mask.device)
     next_value = torch.zeros(s, dtype=dtype, device=mask.device)
@@ -215,7 +220,6 @@ def _gae_inputs(who: str, batch: AdvantageInputs) -> tuple[torch.Tensor, torch.T
     return batch.token_rewards, batch.values
 
 
-@ADVANTAGES.register("ppo")
 def ppo_advantages(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:
     """GAE advantages [S, T] from ``batch.token_rewards`` and ``batch.values``, whitened if configured.
 
@@ -257,7 +261,6 @@ def clipped_value_loss(
     return torch.maximum(unclipped, clipped_sq) / 2, clipped_sq > unclipped
 
 
-@POLICY_LOSSES.register("ppo")
 def ppo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     """PPO loss on one micro-batch: clipped policy surrogate + vf_coef * value loss - ent_coef * entropy.
 
@@ -409,27 +412,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return (1.0 - (r - v).var(correction=0) / var_r).item()
 
 
-def value_clip_frac(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, value_clip: float
-) -> float:
-    """Share of valid tokens where PPO's clipped value term is the larger one (TRL ``vf_clipfrac``)."""
-    _check_shapes("value_clip_frac", mask, values=values, old_values=old_values, returns=returns)
-    valid = mask != 0
-    if not valid.any():
-        raise ValueError("value_clip_frac: mask has no valid tokens")
-    d = lambda x: x.detach().double()  # noqa: E731
-    _, clipped = clipped_value_loss(d(values), d(old_values), d(returns), value_clip)
-    return ((clipped & valid).sum() / valid.sum()).item()
-
-
-def approx_kl(lp_new: torch.Tensor, lp_old: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean over valid tokens of k3 = exp(d) - 1 - d, d = lp_new - lp_old: an unbiased, non-negative
-    estimate of KL(pi_old || pi_new) from tokens sampled by pi_old -- how far an epoch moved the policy
-    (Schulman, http://joschu.net/blog/kl-approx.html; CleanRL ``approx_kl``)."""
-    _check_shapes("approx_kl", mask, lp_new=lp_new, lp_old=lp_old)
-    valid = mask != 0
-    if not valid.any():
-        raise ValueError("approx_kl: mask has no valid tokens")
-    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
-    k3 = kl_k3(torch.where(valid, lp_old.detach().double(), zero), torch.where(valid, lp_new.detach().double(), zero))
-    return (k3[valid].sum() / valid.sum()).item()
+register_algorithm(Algorithm(name="ppo", options=PPOConfig, advantage=ppo_advantages, loss=ppo_loss, critic=True,
+                             min_group_size=1, dynamic_sampling=False,
+                             paper="Schulman et al., arXiv 1707.06347; RLHF form of Ziegler et al. arXiv 1909.08593 "
+                                   "with TRL's PPOConfig defaults (StackLLaMA)"))

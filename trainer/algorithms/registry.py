@@ -1,7 +1,9 @@
-"""Registries of advantage estimators and policy losses, and their uniform signatures.
+"""The algorithm registry (one ``record.Algorithm`` per name) and the functions' uniform signatures.
 
-A new algorithm is one registered pure function plus a name in the recipe; the trainer
-looks functions up by name and never branches on it (the verl ``core_algos.py`` pattern).
+A new algorithm is one module: its options dataclass, its pure functions and one
+``register_algorithm(Algorithm(...))``. The loop and the recipe validator look the record
+up by ``algorithm.name`` and ask it, never the name (the verl ``core_algos.py`` pattern).
+``ADVANTAGES`` / ``POLICY_LOSSES`` are read-only views of the records' functions.
 
 Uniform signatures (every registered function follows one of them):
 
@@ -9,8 +11,8 @@ Uniform signatures (every registered function follows one of them):
   per-token advantages, exactly zero where ``batch.mask`` is 0.
 - policy loss: ``fn(batch: LossInputs, cfg) -> LossOutput``.
 
-``cfg`` is the algorithm's config object, duck-typed: each function documents the
-attributes it reads. ``S`` = sequences in the (micro-)batch, ``T`` = padded completion length.
+``cfg`` is the algorithm's options object (``Algorithm.options``), duck-typed: each function
+documents the attributes it reads. ``S`` = sequences in the (micro-)batch, ``T`` = padded completion length.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any, Callable, Generic, TypeVar
 import torch
 
 from trainer.algorithms.aggregation import LossNormalizer
+from trainer.algorithms.record import Algorithm
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -27,9 +30,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Registry(Generic[F]):
     """A name -> function table that refuses duplicates and lists valid names on a miss."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, accepts: Callable[[Any], bool] = callable, expected: str = "a callable") -> None:
         self.kind = kind
         self._fns: dict[str, F] = {}
+        self._accepts, self._expected = accepts, expected
 
     def register(self, name: str) -> Callable[[F], F]:
         """Decorator: ``@ADVANTAGES.register("grpo")``. Raises ValueError on a duplicate name."""
@@ -41,10 +45,10 @@ class Registry(Generic[F]):
                 # Silent overwrite would let an import order decide which algorithm runs.
                 raise ValueError(
                     f"{self.kind} registry: name {name!r} is already registered "
-                    f"(by {self._fns[name].__module__}.{self._fns[name].__qualname__})"
+                    f"(by {_origin(self._fns[name])})"
                 )
-            if not callable(fn):
-                raise ValueError(f"{self.kind} registry: {name!r} must register a callable, got {fn!r}")
+            if not self._accepts(fn):
+                raise ValueError(f"{self.kind} registry: {name!r} must register {self._expected}, got {fn!r}")
             self._fns[name] = fn
             return fn
 
@@ -62,11 +66,23 @@ class Registry(Generic[F]):
     def names(self) -> list[str]:
         return sorted(self._fns)
 
+    def values(self) -> list[F]:
+        return [self._fns[n] for n in self.names()]
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (tests that register a toy algorithm clean up with it)."""
+        self._fns.pop(name, None)
+
     def __contains__(self, name: object) -> bool:
         return name in self._fns
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, names={self.names()})"
+
+
+def _origin(entry: Any) -> str:
+    fn = getattr(entry, "advantage", entry)  # a record: where its functions live
+    return f"{fn.__module__}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _check_2d(owner: str, name: str, value: torch.Tensor | None, shape: torch.Size) -> None:
@@ -180,5 +196,32 @@ class LossOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-ADVANTAGES: Registry[Callable[[AdvantageInputs, Any], torch.Tensor]] = Registry("advantage estimator")
-POLICY_LOSSES: Registry[Callable[[LossInputs, Any], LossOutput]] = Registry("policy loss")
+ALGORITHMS: Registry[Algorithm] = Registry("algorithm", accepts=lambda r: isinstance(r, Algorithm),
+                                             expected="a record.Algorithm")
+
+
+def register_algorithm(record: Algorithm) -> Algorithm:
+    """Register ``record`` under its name; a duplicate name is refused (import order must not pick one)."""
+    return ALGORITHMS.register(record.name)(record)
+
+
+class _FunctionView:
+    """``ADVANTAGES.get(name)`` / ``POLICY_LOSSES.get(name)``: one function of each record, read-only."""
+
+    def __init__(self, kind: str, attr: str) -> None:
+        self.kind, self._attr = kind, attr
+
+    def get(self, name: str) -> Callable[..., Any]:
+        if name not in ALGORITHMS:
+            raise ValueError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names()) or '(none registered)'}")
+        return getattr(ALGORITHMS.get(name), self._attr)
+
+    def names(self) -> list[str]:
+        return ALGORITHMS.names()
+
+    def __contains__(self, name: object) -> bool:
+        return name in ALGORITHMS
+
+
+ADVANTAGES = _FunctionView("advantage estimator", "advantage")
+POLICY_LOSSES = _FunctionView("policy loss", "loss")

@@ -14,22 +14,38 @@ The loss is PPO's clipped token-level surrogate, i.e. GRPO's (``grpo_loss``: cli
 the loss, ``loss_agg``), as OpenRLHF/verl pair it. The paper's per-token KL-in-reward variant needs
 token rewards and is not what this estimator computes: use ``kl_coef`` (KL in the loss) instead.
 
-Registered as ``"reinforce_pp_baseline"`` in both registries.
+Registered as the ``"reinforce_pp_baseline"`` record.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainer.algorithms.grpo import grpo_loss
-from trainer.algorithms.registry import ADVANTAGES, POLICY_LOSSES, AdvantageInputs
+from trainer.algorithms.record import Algorithm, check_options, clip_rules, loss_agg_rule
+from trainer.algorithms.registry import AdvantageInputs, register_algorithm
 from trainer.algorithms.sequence import broadcast_to_tokens, constant_groups, grouped_rewards, whiten
 
-POLICY_LOSSES.register("reinforce_pp_baseline")(grpo_loss)
+
+@dataclass
+class ReinforcePPConfig:
+    """The options of ``reinforce_pp_baseline``: read by its loss (GRPO's clipped surrogate).
+
+    Defaults: PPO's clip range 0.2 and token-mean aggregation, as OpenRLHF and verl pair the
+    estimator with PPO's loss (paper Sec. 3); no KL in the loss (the paper's KL is in the reward).
+    """
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    loss_agg: str = "token_mean"
+
+    def __post_init__(self) -> None:
+        check_options(self, [*clip_rules(self), loss_agg_rule(self)])
 
 
-@ADVANTAGES.register("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantages(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:
     """Group-mean-centred rewards whitened over the batch's valid tokens: [S, T], zero on padding.
 
@@ -46,3 +62,8 @@ def reinforce_pp_baseline_advantages(batch: AdvantageInputs, cfg: Any) -> torch.
     centred = torch.where(constant_groups(r), torch.zeros_like(centred), centred)
     adv = whiten(broadcast_to_tokens(centred.flatten(), batch.mask, torch.float64), batch.mask, all_sum=batch.all_sum)
     return adv.to(torch.promote_types(batch.rewards.dtype, torch.float32))
+
+
+register_algorithm(Algorithm(name="reinforce_pp_baseline", options=ReinforcePPConfig,
+                             advantage=reinforce_pp_baseline_advantages, loss=grpo_loss,
+                             paper="Hu et al., REINFORCE++, arXiv 2501.03262"))

@@ -19,16 +19,17 @@ from typing import Any
 
 import torch
 
-from trainer.algorithms.grpo import LOG_RATIO_CLAMP
+from trainer.algorithms.grpo import clipped_surrogate
 from trainer.algorithms.kl import kl_k3
-from trainer.algorithms.registry import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs, LossOutput
+from trainer.algorithms.record import Algorithm, check_options, clip_rules
+from trainer.algorithms.registry import AdvantageInputs, LossInputs, LossOutput, register_algorithm
 from trainer.algorithms.sequence import (
     broadcast_to_tokens,
     constant_groups,
     grouped_rewards,
     leave_one_out_mean,
     per_sequence,
-    sequence_log_ratio,
+    sequence_terms,
 )
 
 
@@ -47,15 +48,9 @@ class RLOOConfig:
     kl_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.clip_eps_low < 1:
-            raise ValueError(f"RLOOConfig.clip_eps_low must be in [0, 1), got {self.clip_eps_low!r}")
-        if not self.clip_eps_high >= 0:
-            raise ValueError(f"RLOOConfig.clip_eps_high must be >= 0, got {self.clip_eps_high!r}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"RLOOConfig.kl_coef must be >= 0, got {self.kl_coef!r}")
+        check_options(self, clip_rules(self))
 
 
-@ADVANTAGES.register("rloo")
 def rloo_advantages(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:
     """Leave-one-out advantages broadcast to tokens: returns [S, T], zero on padding.
 
@@ -71,21 +66,6 @@ def rloo_advantages(batch: AdvantageInputs, cfg: Any) -> torch.Tensor:
     return broadcast_to_tokens(adv.flatten(), batch.mask, torch.promote_types(batch.rewards.dtype, torch.float32))
 
 
-def sequence_clipped_surrogate(
-    seq_log_ratio: torch.Tensor, seq_advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate with one action per sequence: all tensors [S].
-
-    rho = exp(seq_log_ratio) (log-ratio clamped to +-LOG_RATIO_CLAMP, beyond which the gradient is 0);
-        loss = -min(rho * A, clip(rho, 1 - clip_eps_low, 1 + clip_eps_high) * A).
-    Returns (loss [S], rho [S]).
-    """
-    ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    return -torch.minimum(ratio * seq_advantages, clipped * seq_advantages), ratio
-
-
-@POLICY_LOSSES.register("rloo")
 def rloo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     """RLOO policy loss on one micro-batch: a clipped REINFORCE step on whole sequences.
 
@@ -108,14 +88,10 @@ def rloo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
       train/kl_ref: mean k3 over valid tokens (only when ``ref_logprobs`` is given).
     """
     who = "rloo_loss"
-    valid = batch.mask != 0
-    dtype = torch.promote_types(batch.logprobs.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=batch.logprobs.device)
+    valid, dtype, zero, adv, seq_lr = sequence_terms(who, batch)
     g = batch.normalizer.num_seqs
-    adv = per_sequence(who, "advantages", batch.advantages, batch.mask).to(dtype)
-    pg, ratio = sequence_clipped_surrogate(
-        sequence_log_ratio(batch.logprobs, batch.old_logprobs, batch.mask), adv, cfg.clip_eps_low, cfg.clip_eps_high
-    )
+    # one action per sequence: PPO's clipped surrogate on the sequence log-ratio (vs 0 = log 1)
+    pg, ratio = clipped_surrogate(seq_lr, torch.zeros_like(seq_lr), adv, cfg.clip_eps_low, cfg.clip_eps_high)
     per_seq = pg
     metrics: dict[str, float] = {}
     if batch.ref_logprobs is not None:
@@ -139,3 +115,8 @@ def rloo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
         metrics["train/seq_clip_frac_low"] = (has & (adv < 0) & (ratio < 1.0 - cfg.clip_eps_low)).sum().item() / g
         metrics["train/seq_clip_frac_high"] = (has & (adv > 0) & (ratio > 1.0 + cfg.clip_eps_high)).sum().item() / g
     return LossOutput(loss=loss, metrics=metrics)
+
+
+register_algorithm(Algorithm(name="rloo", options=RLOOConfig, advantage=rloo_advantages, loss=rloo_loss,
+                             paper="Ahmadian et al., Back to Basics: REINFORCE-style optimization, arXiv 2402.14740, "
+                                   "Sec. 3.2; clip range as TRL's RLOOConfig"))

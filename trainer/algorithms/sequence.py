@@ -146,3 +146,14 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
     if not shift_mean:
         out = out + mean
     return torch.where(valid, out, zero)
+
+
+def sequence_terms(who: str, batch) -> tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every sequence-level loss starts from, for a ``LossInputs`` batch:
+    (valid [S, T] bool, dtype (float32 at least), a zero of it, A [S] (``per_sequence`` of the
+    advantages), Delta [S] (``sequence_log_ratio``: sum of log pi - log pi_old over valid tokens))."""
+    valid = batch.mask != 0
+    dtype = torch.promote_types(batch.logprobs.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=batch.logprobs.device)
+    adv = per_sequence(who, "advantages", batch.advantages, batch.mask).to(dtype)
+    return valid, dtype, zero, adv, sequence_log_ratio(batch.logprobs, batch.old_logprobs, batch.mask)

@@ -33,7 +33,7 @@ import torch
 
 from parity.metrics import compare, error_by_position
 from parity.report import check_out_dir, prepare_out_dir, require_report_deps, write_report
-from rollout.fp8_export import PRECISION_RECIPES, engine_llm_kwargs
+from rollout.fp8_export import PRECISION_RECIPES
 from rollout.types import Rollouts, SamplingSpec
 from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.rl.parity_report import step_breakdown
@@ -198,21 +198,22 @@ def _context_len(prompt_ids, max_new_tokens: int, max_model_len: Optional[int], 
 
 
 def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len: int, seed: int,
-                  kv_cache_bytes: Optional[int], topk: int = 0, precision: str = "bf16"):
+                  kv_cache_bytes: Optional[int], work_dir, topk: int = 0, precision: str = "bf16"):
     if kind == "hf":
         from rollout.hf_engine import HFEngine
 
         # The scoring model itself: one copy of the weights, and identical weights by construction.
         return HFEngine(model)
-    from rollout.vllm_engine import VLLMEngine
+    from trainer.rl.engines import start_vllm
 
-    return VLLMEngine(model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                      kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True, max_logprobs=max(20, topk),
-                      **engine_llm_kwargs(precision, cuda=torch.cuda.is_available()))
+    # started as training starts its engine (the FP8 export on CUDA included), so compare measures it
+    return start_vllm(model_dir, precision=precision, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                      work_dir=work_dir, max_logprobs=max(20, topk), kv_cache_memory_bytes=kv_cache_bytes,
+                      enforce_eager=True)
 
 
 def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_len, seed, kv_cache_bytes, say,
-              precision="bf16"):
+              work_dir, precision="bf16"):
     """Rollouts from ``engine`` (an object: used as is; a name: started here and closed after)."""
     if not isinstance(engine, str):
         engine_len = getattr(engine, "max_model_len", None)
@@ -223,7 +224,8 @@ def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_le
         return engine.generate(prompt_ids, spec)
     say(f"starting the {engine} engine (max_model_len {max_model_len})")
     owned = _start_engine(engine, model_dir, model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                          kv_cache_bytes=kv_cache_bytes, topk=spec.logprobs_topk, precision=precision)
+                          kv_cache_bytes=kv_cache_bytes, work_dir=work_dir, topk=spec.logprobs_topk,
+                          precision=precision)
     try:
         return owned.generate(prompt_ids, spec)
     finally:
@@ -473,7 +475,7 @@ def run_compare(
     say(f"generating: {len(prompts)} prompts x {n} with {engine_name}, up to {max_new_tokens} new tokens")
     t0 = time.monotonic()
     rollouts = _generate(kind, model_dir, hf, prompt_ids, spec, dtype=dtype, max_model_len=context, seed=seed,
-                         kv_cache_bytes=kv_cache_bytes, say=say, precision=precision)
+                         kv_cache_bytes=kv_cache_bytes, say=say, work_dir=out, precision=precision)
     if precision == "fp8_unified":
         # The scoring side runs the engine's FP8 linears (after generation: an "hf" engine
         # shares this model object, and the HF engine has no FP8 path, see _check_settings).

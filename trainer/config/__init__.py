@@ -7,8 +7,6 @@ with the file, the dotted key, the value and what was expected.
 """
 from trainer.config.load import build_config, load_recipe, load_recipe_dict, parse_override
 from trainer.config.schema import (
-    CRITIC_ALGORITHMS,
-    LOOP_ALGORITHMS,
     AlgorithmConfig,
     CheckpointConfig,
     CorrectionSection,
@@ -27,3 +25,11 @@ from trainer.config.schema import (
     WandbConfig,
 )
 from trainer.config.validate import check_model_path, correction_config, model_max_positions, to_dict, validate
+
+__all__ = [
+    "AlgorithmConfig", "CheckpointConfig", "CorrectionSection", "DataConfig", "LoggingConfig", "LoraConfig",
+    "ModelConfig", "ParityConfig", "PrecisionConfig", "RecipeError", "RewardConfig", "RewardModelEntry",
+    "RolloutConfig", "RunConfig", "TrainConfig", "WandbConfig", "build_config", "check_model_path",
+    "correction_config", "load_recipe", "load_recipe_dict", "model_max_positions", "parse_override", "to_dict",
+    "validate",
+]

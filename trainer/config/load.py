@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 import yaml
 
-from trainer.config.schema import RecipeError, RunConfig
+from trainer.algorithms import ALGORITHMS, OptionError
+from trainer.config.schema import AlgorithmConfig, RecipeError, RunConfig
 from trainer.config.validate import validate
 
 
@@ -118,6 +119,12 @@ UNREPRODUCIBLE_SAMPLING = {
 
 
 def _build(cls: type, data: dict, prefix: str, where: str):
+    if cls is AlgorithmConfig:
+        return _build_algorithm(data, prefix, where)
+    return _build_plain(cls, data, prefix, where)
+
+
+def _build_plain(cls: type, data: dict, prefix: str, where: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -131,6 +138,30 @@ def _build(cls: type, data: dict, prefix: str, where: str):
             raise RecipeError(f"{where}: unknown key {key!r}; valid keys here: {', '.join(names)}")
         kwargs[k] = _convert(v, hints[k], key, where)
     return cls(**kwargs)
+
+
+def _build_algorithm(data: dict, prefix: str, where: str) -> AlgorithmConfig:
+    """The ``algorithm:`` section: the shared keys, and the chosen algorithm's own keys into its options."""
+    name = data.get("name", AlgorithmConfig.name)
+    if not isinstance(name, str) or name not in ALGORITHMS:
+        raise RecipeError(f"{where}: {prefix}.name = {name!r}: expected one of {', '.join(ALGORITHMS.names())}")
+    record = ALGORITHMS.get(name)
+    shared = [f.name for f in dataclasses.fields(AlgorithmConfig) if f.name != "options"]
+    own = record.option_names()
+    for k, v in data.items():
+        if k in shared or k in own:
+            continue
+        owners = [r.name for r in ALGORITHMS.values() if k in r.option_names()]
+        if owners:
+            raise RecipeError(f"{where}: {prefix}.{k} = {v!r}: not an option of {name}; it belongs to "
+                              f"{', '.join(owners)} (options of {name}: {', '.join(own) or 'none'})")
+        raise RecipeError(f"{where}: unknown key '{prefix}.{k}'; valid keys here: {', '.join(shared + own)}")
+    section = _build_plain(AlgorithmConfig, {k: v for k, v in data.items() if k in shared}, prefix, where)
+    try:
+        section.options = _build_plain(record.options, {k: v for k, v in data.items() if k in own}, prefix, where)
+    except OptionError as e:
+        raise RecipeError(f"{where}: {prefix}.{e.key} = {e.value!r}: expected {e.expected} ({name})") from None
+    return section
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any, where: str) -> None:

@@ -5,11 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-
-# Algorithms the step loop runs (algorithm.name).
-LOOP_ALGORITHMS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp_baseline", "pmd_mean", "pmd_part", "ppo")
-# Algorithms with a learned critic (trainer/rl/value_head.py): they score each batch before updating.
-CRITIC_ALGORITHMS = ("ppo",)
+from trainer.algorithms import ALGORITHMS
 
 
 class RecipeError(ValueError):
@@ -73,15 +69,16 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """The recipe's ``algorithm:`` section: the keys every algorithm shares, plus ``options``.
+
+    The section is written flat in a recipe (``algorithm: {name: gspo, group_size: 8, clip_eps_low:
+    3e-4}``); the loader (``trainer.config.load``) puts the chosen algorithm's own keys into
+    ``options``, an instance of its record's options type (``trainer.algorithms``), whose defaults
+    are its paper's. A key of another algorithm is refused naming the algorithms that have it.
+    """
+
     name: str = "grpo"
-    group_size: int = 8
-    scale_rewards: bool = True  # divide by the group's std (False = Dr. GRPO, arXiv 2503.20783)
-    eps: float = 1e-4
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2  # DAPO's clip-higher uses 0.28 (arXiv 2503.14476)
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    kl_coef: float = 0.0  # k3 penalty to the reference (the base with the adapter disabled)
-    tau: float = 0.01  # PMD's proximal (KL) weight; the authors use 0.01-0.1 (arXiv 2602.05933)
+    group_size: int = 8  # completions per prompt (the record says the minimum)
     # Optimizer steps per rollout batch = epochs x mini_batches. With more than one, the
     # batch is scored once first (pi_old: ratios and parity), then each mini-batch (a seeded
     # shuffle per epoch) is one optimizer step.
@@ -94,20 +91,16 @@ class AlgorithmConfig:
     # a task the policy always or never solves). Short after the last round: train on fewer groups.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 10
-    # PPO (trainer/algorithms/ppo.py; defaults follow TRL's PPOConfig, as in StackLLaMA):
-    gamma: float = 1.0  # GAE discount over completion tokens
-    lam: float = 0.95  # GAE lambda
-    whiten_advantages: bool = True
-    # Scale the KL-shaped token rewards to unit variance over the batch, keeping their mean
-    # (TRL's whiten_rewards: masked_whiten(..., shift_mean=False)); off by default as in TRL.
-    whiten_rewards: bool = False
-    vf_coef: float = 0.1  # value-loss weight (the critic shares the policy's trunk)
-    value_clip: Optional[float] = 0.2  # null = unclipped value loss
-    ent_coef: float = 0.0  # entropy bonus
-    reward_kl_coef: float = 0.05  # beta of the per-token -beta*KL(pi || ref) in the reward
-    reward_kl_target: Optional[float] = None  # null = fixed beta; a number = adaptive controller (Ziegler: 6 nats)
-    reward_kl_horizon: int = 10000  # adaptive controller horizon, in samples
-    reward_kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimator in the reward (TRL: k1)
+    options: Any = None  # the record's options; None = its defaults
+
+    def __post_init__(self) -> None:
+        if self.options is None and self.name in ALGORITHMS:
+            self.options = ALGORITHMS.get(self.name).options()
+
+    @property
+    def record(self):
+        """The registered ``trainer.algorithms.Algorithm`` of ``name``."""
+        return ALGORITHMS.get(self.name)
 
 
 @dataclass

@@ -5,9 +5,9 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from trainer.config.schema import CRITIC_ALGORITHMS, LOOP_ALGORITHMS, RecipeError, RunConfig
+from trainer.config.schema import RecipeError, RunConfig
 
 
 def _looks_local(path: str) -> bool:
@@ -32,44 +32,43 @@ def model_max_positions(model_path: str) -> Optional[int]:
     return conf.get("max_position_embeddings") or conf.get("n_positions") or conf.get("max_seq_len")
 
 
+Need = Callable[[bool, str, Any, str], None]
+
+
 def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = True) -> None:
-    """Value ranges and cross-field rules. Raises RecipeError on the first problem."""
+    """Value ranges and cross-field rules, one function per section. Raises RecipeError on the first problem."""
 
     def need(ok: bool, key: str, value: Any, expected: str) -> None:
         if not ok:
             raise RecipeError(f"{where}: {key} = {value!r}: expected {expected}")
 
-    a, r, t = cfg.algorithm, cfg.rollout, cfg.train
-    from trainer.algorithms import ADVANTAGES, POLICY_LOSSES
+    for check in (_check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
+                  _check_parity, _check_precision, _check_checkpoint_and_logging):
+        check(cfg, need)
+    try:
+        correction_config(cfg)
+    except ValueError as e:
+        raise RecipeError(f"{where}: parity.correction.{e}") from None
+    if cfg.rollout.mode == "server":  # the same parser the engine and `parityrl serve` use
+        from rollout.server_engine import parse_server_url
 
-    registered = set(ADVANTAGES.names()) & set(POLICY_LOSSES.names())
-    need(a.name in registered and a.name in LOOP_ALGORITHMS, "algorithm.name", a.name,
-         "one of " + ", ".join(LOOP_ALGORITHMS))
-    if a.name in CRITIC_ALGORITHMS:
-        need(a.group_size >= 1, "algorithm.group_size", a.group_size, "an integer >= 1")
-        need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "a number in [0, 1]")
-        need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "a number in [0, 1]")
-        need(a.vf_coef >= 0, "algorithm.vf_coef", a.vf_coef, "a number >= 0")
-        need(a.value_clip is None or a.value_clip > 0, "algorithm.value_clip", a.value_clip, "null or a number > 0")
-        need(a.ent_coef >= 0, "algorithm.ent_coef", a.ent_coef, "a number >= 0")
-        need(a.reward_kl_coef >= 0, "algorithm.reward_kl_coef", a.reward_kl_coef, "a number >= 0")
-        need(a.reward_kl_target is None or a.reward_kl_target > 0, "algorithm.reward_kl_target", a.reward_kl_target,
-             "null (fixed beta) or a number > 0 (nats per sequence)")
-        need(a.reward_kl_horizon >= 1, "algorithm.reward_kl_horizon", a.reward_kl_horizon, "an integer >= 1")
-    else:
-        need(a.group_size >= 2, "algorithm.group_size", a.group_size,
-             "an integer >= 2 (GRPO's advantage compares completions of the same prompt)")
-    need(a.eps > 0, "algorithm.eps", a.eps, "a number > 0")
-    need(0 <= a.clip_eps_low < 1, "algorithm.clip_eps_low", a.clip_eps_low, "a number in [0, 1)")
-    need(a.clip_eps_high >= 0, "algorithm.clip_eps_high", a.clip_eps_high, "a number >= 0")
-    need(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "a number >= 0")
-    need(a.tau > 0, "algorithm.tau", a.tau, "a number > 0 (PMD's KL weight; the authors use 0.01-0.1)")
-    if a.name.startswith("pmd"):
-        need(a.kl_coef == 0, "algorithm.kl_coef", a.kl_coef,
-             f"0 for {a.name}: PMD has no KL-to-reference term, tau is its proximal weight")
-    if a.dynamic_sampling:
-        need(a.name not in CRITIC_ALGORITHMS, "algorithm.dynamic_sampling", a.dynamic_sampling,
-             f"false for {a.name}: it keeps groups whose rewards differ, a group-relative criterion")
+        try:
+            parse_server_url(cfg.rollout.server_url)
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}") from None
+    if check_paths:
+        _check_paths(cfg, where)
+
+
+def _check_algorithm(cfg: RunConfig, need: Need) -> None:
+    """The shared keys, against the record's capabilities (its options checked themselves when built)."""
+    a, r = cfg.algorithm, cfg.rollout
+    record = a.record
+    why = " (a group-relative advantage compares completions of the same prompt)" if record.min_group_size > 1 else ""
+    need(a.group_size >= record.min_group_size, "algorithm.group_size", a.group_size,
+         f"an integer >= {record.min_group_size} for {a.name}{why}")
+    need(not a.dynamic_sampling or record.dynamic_sampling, "algorithm.dynamic_sampling", a.dynamic_sampling,
+         f"false for {a.name}: it keeps groups whose rewards differ, a group-relative criterion")
     need(isinstance(a.max_sampling_rounds, int) and a.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds",
          a.max_sampling_rounds, "an integer >= 1 (prompt batches drawn per step with dynamic sampling)")
     need(a.epochs >= 1, "algorithm.epochs", a.epochs, "an integer >= 1")
@@ -79,6 +78,9 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
          f"a divisor of the {samples} samples per step (rollout.prompts_per_step x algorithm.group_size), "
          "so every optimizer step sees the same number of samples")
 
+
+def _check_rollout(cfg: RunConfig, need: Need) -> None:
+    r, rec = cfg.rollout, cfg.precision.recipe
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "an integer >= 1")
     need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0 (greedy decoding has no log-probs to learn from)")
     need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a number in (0, 1]")
@@ -99,15 +101,19 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a number in (0, 1)")
     need(r.max_num_seqs >= 1, "rollout.max_num_seqs", r.max_num_seqs, "an integer >= 1")
     need(r.sync_chunk_bytes >= 1, "rollout.sync_chunk_bytes", r.sync_chunk_bytes, "an integer >= 1 (bytes)")
-    if r.mode == "server":  # the same parser the engine and `parityrl serve` use
-        from rollout.server_engine import parse_server_url
-
-        try:
-            parse_server_url(r.server_url)
-        except ValueError as e:
-            raise RecipeError(f"{where}: {e}") from None
     need(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "a number of seconds > 0")
+    need(not (rec.startswith("fp8") and r.engine == "hf"), "rollout.engine", r.engine,
+         f"'vllm' with precision.recipe {rec} (the HF engine has no FP8 path)")
+    # A server is a vLLM server started by `parityrl serve` from the BF16 model: it has neither
+    # the FP8 export nor the emulated FP8 layers, and the HF engine cannot be served.
+    need(r.mode != "server" or r.engine == "vllm", "rollout.mode", r.mode,
+         f"'colocate' with rollout.engine {r.engine} (server mode runs a vLLM server)")
+    need(r.mode != "server" or not rec.startswith("fp8"), "rollout.mode", r.mode,
+         f"'colocate' with precision.recipe {rec} (the server is started without the FP8 weights and layers)")
 
+
+def _check_train(cfg: RunConfig, need: Need) -> None:
+    t = cfg.train
     need(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
     need(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "a number > 0")
     need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "a number >= 0")
@@ -117,6 +123,8 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
     need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
 
+
+def _check_model(cfg: RunConfig, need: Need) -> None:
     lora = cfg.model.lora
     need(lora.r >= 1, "model.lora.r", lora.r, "an integer >= 1")
     need(lora.alpha > 0, "model.lora.alpha", lora.alpha, "a number > 0")
@@ -134,9 +142,14 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     need(cfg.model.lora.enabled, "model.lora.enabled", False,
          "true for RL training (the reference policy is the base with the adapter disabled); full fine-tuning is for `parityrl sft`")
 
-    need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "an integer >= 1")
-    need(cfg.data.num_examples is None or cfg.data.num_examples >= 1, "data.num_examples", cfg.data.num_examples,
-         "null or an integer >= 1")
+
+def _check_data(cfg: RunConfig, need: Need) -> None:
+    d = cfg.data
+    need(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "an integer >= 1")
+    need(d.num_examples is None or d.num_examples >= 1, "data.num_examples", d.num_examples, "null or an integer >= 1")
+
+
+def _check_reward(cfg: RunConfig, need: Need) -> None:
     rw = cfg.reward
     need(len(rw.functions) + len(rw.models) > 0, "reward.functions", rw.functions,
          "at least one name: 'module:function' (or a reward model under reward.models)")
@@ -151,24 +164,28 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
         need(math.isfinite(rm.baseline), f"{key}.baseline", rm.baseline, "a finite number")
         # The scorer re-encodes the decoded prompt + completion and appends EOS; a rollout
         # can be max_prompt_tokens + max_new_tokens long, so a smaller limit would fail mid-run.
-        longest = cfg.data.max_prompt_tokens + r.max_new_tokens + 1
+        longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 1
         need(rm.max_tokens is None or rm.max_tokens >= longest, f"{key}.max_tokens", rm.max_tokens,
              f"null or at least data.max_prompt_tokens + rollout.max_new_tokens + 1 (EOS) = {longest}")
-        if check_paths:
-            need((Path(rm.path).expanduser() / "config.json").is_file(), f"{key}.path", rm.path,
-                 "a local reward-model directory with a config.json (written by `parityrl train-rm`)")
     sources = list(rw.functions) + list(rw.models)
     for name in rw.weights:
         need(name in sources, f"reward.weights.{name}", rw.weights[name],
              "a weight for a name listed in reward.functions or reward.models (" + ", ".join(sources) + ")")
-    need(cfg.parity.chunk_size is None or cfg.parity.chunk_size >= 1, "parity.chunk_size", cfg.parity.chunk_size,
-         "null or an integer >= 1")
+
+
+def _check_parity(cfg: RunConfig, need: Need) -> None:
+    p = cfg.parity
+    need(p.chunk_size is None or p.chunk_size >= 1, "parity.chunk_size", p.chunk_size, "null or an integer >= 1")
     for key in ("max_mae", "max_kl_k3"):
-        v = getattr(cfg.parity, key)
+        v = getattr(p, key)
         need(v is None or v > 0, f"parity.{key}", v, "null or a number > 0")
     # The top-k costs a [tokens, k] transfer per step; beyond a few hundred the rest
     # bucket is negligible anyway and vLLM's sampler slows down (torch.topk on the vocab).
-    need(0 <= cfg.parity.topk <= 256, "parity.topk", cfg.parity.topk, "an integer in [0, 256] (0 = off)")
+    need(0 <= p.topk <= 256, "parity.topk", p.topk, "an integer in [0, 256] (0 = off)")
+    need(p.probe_prompts >= 0, "parity.probe_prompts", p.probe_prompts, "an integer >= 0 (0 = off)")
+
+
+def _check_precision(cfg: RunConfig, need: Need) -> None:
     rec, dt = cfg.precision.recipe, cfg.model.dtype
     need(rec != "fp16" or dt == "float16", "model.dtype", dt,
          "float16 with precision.recipe fp16 (both phases run in FP16)")
@@ -176,13 +193,9 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
          "bfloat16 or float32 unless precision.recipe is fp16 (set precision.recipe: fp16 to run in FP16)")
     need(not rec.startswith("fp8") or dt == "bfloat16", "model.dtype", dt,
          f"bfloat16 with precision.recipe {rec} (BF16 master weights; the FP8 layers dequantize to BF16)")
-    need(not (rec.startswith("fp8") and r.engine == "hf"), "rollout.engine", r.engine,
-         f"'vllm' with precision.recipe {rec} (the HF engine has no FP8 path)")
-    need(cfg.parity.probe_prompts >= 0, "parity.probe_prompts", cfg.parity.probe_prompts, "an integer >= 0 (0 = off)")
-    try:
-        correction_config(cfg)
-    except ValueError as e:
-        raise RecipeError(f"{where}: parity.correction.{e}") from None
+
+
+def _check_checkpoint_and_logging(cfg: RunConfig, need: Need) -> None:
     need(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "an integer >= 0")
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "an integer >= 1")
     need(cfg.logging.breakdown_every >= 1, "logging.breakdown_every", cfg.logging.breakdown_every, "an integer >= 1")
@@ -190,10 +203,7 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
     try:
         str(cfg.run_dir)
     except (KeyError, IndexError, ValueError):
-        raise RecipeError(f"{where}: logging.run_dir = {cfg.logging.run_dir!r}: expected a path; the only placeholder is {{name}}") from None
-
-    if check_paths:
-        _check_paths(cfg, where)
+        need(False, "logging.run_dir", cfg.logging.run_dir, "a path; the only placeholder is {name}")
 
 
 def check_model_path(mp: str, where: str) -> None:
@@ -214,6 +224,10 @@ def check_model_path(mp: str, where: str) -> None:
 def _check_paths(cfg: RunConfig, where: str) -> None:
     from trainer.data.datasets import looks_like_path  # the data loader's own rule for "this is a file"
 
+    for name, rm in cfg.reward.models.items():
+        if not (Path(rm.path).expanduser() / "config.json").is_file():
+            raise RecipeError(f"{where}: reward.models.{name}.path = {rm.path!r}: expected a local reward-model "
+                              "directory with a config.json (written by `parityrl train-rm`)")
     mp = cfg.model.path
     check_model_path(mp, where)
     src = cfg.data.source
@@ -242,4 +256,10 @@ def correction_config(cfg: RunConfig):
 
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data, the ``algorithm`` section flat as a recipe writes it (options inlined)."""
+    out = dataclasses.asdict(cfg)
+    alg = out.get("algorithm")
+    if isinstance(alg, dict) and "options" in alg:
+        options = alg.pop("options") or {}
+        out["algorithm"] = {**alg, **options}
+    return out

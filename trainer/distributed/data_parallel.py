@@ -22,8 +22,8 @@ maxima, with ``parity.metrics.reduction``) and finalizes once: token-weighted me
 global max, Pearson from pooled sums -- never a mean of per-rank correlations. Loss
 metrics are micro-batch contributions under the global normaliser and are summed.
 Per-sample means (reward, lengths) are averaged (every rank holds the same number of
-samples). Batch-statistic estimators (REINFORCE++'s and PPO's whitening) whiten each
-rank's shard with its own statistics: documented, not pooled.
+samples). Batch-level statistics are pooled: REINFORCE++'s and PPO's whitening and PPO's
+adaptive KL controller see the whole batch through ``all_sum`` (``AdvantageInputs.all_sum``).
 
 With one process every function here is the identity (no torch.distributed call).
 """

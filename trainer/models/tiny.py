@@ -52,6 +52,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 __all__ = [
     "BUILD_VERSION",

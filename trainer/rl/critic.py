@@ -12,7 +12,7 @@ from collections import deque
 
 import torch
 
-from trainer.algorithms import ADVANTAGES, AdvantageInputs, explained_variance, make_kl_controller, ppo_returns
+from trainer.algorithms import AdvantageInputs, explained_variance, make_kl_controller, ppo_returns
 from trainer.algorithms.ppo import ppo_token_rewards
 from trainer.algorithms.sequence import whiten
 
@@ -60,7 +60,7 @@ def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_s
     same beta (each rank's own KL would move each rank's beta apart) and the advantages are
     one process's. The other metrics are this rank's (the loop averages them over ranks).
     """
-    a = cfg.algorithm
+    a = cfg.algorithm.options
     beta = controller.value
     token_rewards, kl = ppo_token_rewards(rewards, scored["train_logprobs"], scored["ref_logprobs"], mask, beta,
                                           a.reward_kl_estimator)
@@ -68,7 +68,7 @@ def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_s
         token_rewards = whiten(token_rewards, mask, shift_mean=False, all_sum=all_sum)
     inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=group_size, values=scored["values"],
                              token_rewards=token_rewards, all_sum=all_sum)
-    advantages = ADVANTAGES.get(a.name)(inputs, a)
+    advantages = cfg.algorithm.record.advantage(inputs, a)
     returns = ppo_returns(inputs, a)
     valid = mask > 0
     kl_sum_and_count = torch.stack([kl.sum().double(), torch.tensor(float(mask.shape[0]), dtype=torch.float64,

@@ -5,56 +5,65 @@ loop itself sees the ``RolloutEngine`` interface and ``Rollouts`` only.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from rollout.base import RolloutEngine
 from rollout.types import SamplingSpec
 from trainer.config import RunConfig
 
 
-def engine_model_dir(cfg: RunConfig, model_dir: str) -> str:
-    """The directory the engine starts from: the model's, or on CUDA with an FP8 recipe a block-FP8 copy.
+def engine_model_dir(precision: str, model_dir: str, work_dir) -> str:
+    """The directory a vLLM engine starts from: the model's, or on CUDA with an FP8 recipe a block-FP8 copy.
 
     vLLM's CUDA ``fp8`` method loads FP8 weights + scales from a checkpoint whose
     config.json says so (``rollout.fp8_export.write_fp8_checkpoint``); written once
-    next to the run (``<run_dir>/engine_fp8``), quantized by ``parity.precision``.
+    into ``<work_dir>/engine_fp8`` (the run directory, or compare's report directory),
+    quantized by ``parity.precision``.
     """
-    if not (cfg.precision.recipe.startswith("fp8") and torch.cuda.is_available() and cfg.rollout.engine == "vllm"):
+    if not (precision.startswith("fp8") and torch.cuda.is_available()):
         return model_dir
     from rollout.fp8_export import write_fp8_checkpoint
 
-    out = cfg.run_dir / "engine_fp8"
+    out = Path(work_dir) / "engine_fp8"
     return str(out if (out / "config.json").is_file() else write_fp8_checkpoint(model_dir, out))
 
 
-def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None):
-    """The rollout engine of this process. ``dp``: the data-parallel group (server mode: see ``_server_engine``)."""
+def start_vllm(model_dir: str, *, precision: str, dtype: str, max_model_len: int, seed: int, work_dir,
+               max_logprobs: int = 20, **engine_kwargs) -> RolloutEngine:
+    """A colocated vLLM engine for ``precision``: how training (``make_engine``) and ``parityrl compare``
+    both start one, so that compare measures the engine training runs.
+
+    ``engine_kwargs``: VLLMEngine's memory and scheduling options (kv_cache_memory_bytes, ...).
+    """
+    from rollout.fp8_export import engine_llm_kwargs
+    from rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(engine_model_dir(precision, model_dir, work_dir), dtype=dtype, max_model_len=max_model_len,
+                      seed=seed, max_logprobs=max_logprobs, **engine_kwargs,
+                      **engine_llm_kwargs(precision, cuda=torch.cuda.is_available()))
+
+
+def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None) -> RolloutEngine:
+    """The rollout engine of this process. ``dp``: the data-parallel group (server mode: see ``_server_engine``).
+
+    The recipe was validated at load: a server runs vLLM in BF16/FP16, the HF engine has no FP8 path.
+    """
     r = cfg.rollout
     if r.mode == "server":
         # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer.
-        if r.engine != "vllm" or cfg.precision.recipe.startswith("fp8"):
-            raise ValueError(f"rollout.mode = 'server' with rollout.engine = {r.engine!r}, precision.recipe = "
-                             f"{cfg.precision.recipe!r}: expected rollout.engine 'vllm' and a bf16/fp16 recipe")
         return _server_engine(cfg, model_dir, max_model_len, dp)
-    if r.engine == "vllm":
-        from rollout.fp8_export import engine_llm_kwargs
-        from rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(engine_model_dir(cfg, model_dir), dtype=cfg.model.dtype, max_model_len=max_model_len,
-                          seed=cfg.train.seed,
-                          kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
-                          enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs,
-                          # vLLM refuses requests for more log-probs than max_logprobs (default 20).
-                          max_logprobs=max(20, cfg.parity.topk),
-                          **engine_llm_kwargs(cfg.precision.recipe, cuda=torch.cuda.is_available()))
     if r.engine == "hf":
         from rollout.hf_engine import HFEngine
 
-        if cfg.precision.recipe.startswith("fp8"):
-            raise ValueError(f"rollout.engine = 'hf' with precision.recipe = {cfg.precision.recipe!r}: the HF engine "
-                             "has no FP8 path; use rollout.engine: vllm")
-
         return HFEngine(model_dir, dtype=cfg.model.dtype, device="cuda" if torch.cuda.is_available() else "cpu")
-    raise ValueError(f"rollout.engine = {r.engine!r}: expected 'vllm' or 'hf'")
+    return start_vllm(model_dir, precision=cfg.precision.recipe, dtype=cfg.model.dtype, max_model_len=max_model_len,
+                      seed=cfg.train.seed, work_dir=cfg.run_dir,
+                      # vLLM refuses requests for more log-probs than max_logprobs (default 20).
+                      max_logprobs=max(20, cfg.parity.topk),
+                      kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
+                      enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs)
 
 
 def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:

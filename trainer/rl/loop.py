@@ -1,11 +1,12 @@
 """The RL step loop: rollout -> reward -> advantages -> forward/loss/backward -> step -> weight sync.
 
-Read ``train`` top to bottom: setup, then one section per phase of a step. The
-algorithm is whatever ``algorithm.name`` selects in the registries; the loop
-never branches on its name, only on two capabilities: a learned critic (PPO:
-values and reference log-probs are scored before its advantages exist,
-``trainer/rl/critic.py``) and several optimizer steps per rollout batch (pi_old is
-scored once first, ``score_pass``).
+Read ``train`` top to bottom: ``setup``, then one named function per phase of a step
+(rollout, score + advantages, parity, update, sync + probe, log, checkpoint). The
+algorithm is the record ``algorithm.name`` selects (``trainer.algorithms.ALGORITHMS``); the
+loop never branches on its name, only on the record's capabilities: a learned critic
+(values and reference log-probs are scored before its advantages exist,
+``trainer/rl/critic.py``), a reference policy (``uses_reference``), and several optimizer steps
+per rollout batch (pi_old is scored once first, ``score_pass``).
 """
 from __future__ import annotations
 
@@ -19,21 +20,28 @@ import torch
 
 from parity.correction import importance_weights
 from parity.guards import threshold_violations
-from trainer.io import checkpoint as ckpt
-from trainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs
-from trainer.models.batch import TokenBatch, batch_from_rollouts
-from trainer.config import CRITIC_ALGORITHMS, RunConfig, correction_config, to_dict
-from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
+from rollout.base import RolloutEngine
+from trainer.algorithms import AdvantageInputs, LossInputs, kl_k3
+from trainer.config import RunConfig, correction_config, to_dict
 from trainer.distributed.data_parallel import DataParallel
-from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
-from trainer.rl.value_head import ValueHead
-from trainer.rl.engines import make_engine, sampling_spec, sync_weights
-from trainer.models.policy import (add_lora, completion_hidden, completion_logprobs, load_base_model, load_tokenizer,
-                            logprobs_from_hidden)
-from trainer.rl.probe import run_probe
-from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
+from trainer.io import checkpoint as ckpt
 from trainer.io.run_logger import RunLogger
+from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.optim import make_scheduler
+from trainer.models.policy import (
+    add_lora,
+    completion_hidden,
+    completion_logprobs,
+    load_base_model,
+    load_tokenizer,
+    logprobs_from_hidden,
+)
+from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
+from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
+from trainer.rl.engines import make_engine, sampling_spec, sync_weights
+from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
+from trainer.rl.probe import run_probe
+from trainer.rl.value_head import ValueHead
 
 
 @dataclass
@@ -140,7 +148,8 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
     Gradients are left summed over the ranks on return.
     """
     a = cfg.algorithm
-    loss_fn = POLICY_LOSSES.get(a.name)
+    loss_fn, options = a.record.loss, a.options
+    use_ref = a.record.uses_reference(options)
     norm = dp.global_normalizer(batch.mask, max_len=cfg.rollout.max_new_tokens)
     correction = correction_config(cfg)
     mb = cfg.train.micro_batch_size
@@ -154,7 +163,7 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
         lp, ent, top, values = _forward(model, micro, cfg, value_head)
         old = lp.detach() if old_logprobs is None else old_logprobs[rows, :c]
         ref_lp = None
-        if a.kl_coef > 0:
+        if use_ref:
             # The reference policy is the base model: the same weights with the adapter off,
             # so no second copy of the model is held.
             with torch.no_grad(), model.disable_adapter():
@@ -169,7 +178,7 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
         critic = {} if value_head is None else {"values": values, "old_values": old_values[rows, :c],
                                                  "returns": returns[rows, :c], "entropy": ent}
         out = loss_fn(LossInputs(logprobs=lp, old_logprobs=old, advantages=advantages[rows, :c], mask=micro.mask,
-                                 ref_logprobs=ref_lp, is_weights=is_w, normalizer=norm, **critic), a)
+                                 ref_logprobs=ref_lp, is_weights=is_w, normalizer=norm, **critic), options)
         backward(out.loss)
         loss_total += out.loss.item()
         # Each metric, like the loss, is this micro-batch's share of the whole-batch value
@@ -229,8 +238,9 @@ def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: Ru
                 sums[k] = sums.get(k, 0.0) + v
     n = a.epochs * a.mini_batches
     metrics = {k: v / n for k, v in sums.items()}
-    d = (out["train_logprobs"] - old_logprobs[idx, :c]) * sub.mask
-    kl = dp.sum_metrics({"k3": float(((torch.exp(d) - 1 - d) * sub.mask).sum()), "n": float(sub.mask.sum())})
+    # tokens were sampled from pi_old: k3 with log r = log(pi_theta / pi_old) estimates KL(pi_old || pi_theta)
+    k3 = kl_k3(old_logprobs[idx, :c] * sub.mask, out["train_logprobs"] * sub.mask) * sub.mask
+    kl = dp.sum_metrics({"k3": float(k3.sum()), "n": float(sub.mask.sum())})
     metrics["train/approx_kl_last"] = kl["k3"] / max(kl["n"], 1.0)
     metrics["train/updates"] = float(n)
     return metrics
@@ -302,20 +312,104 @@ def _drawn_metrics(drawn: Drawn, dp: DataParallel) -> dict[str, float]:
     return m
 
 
+@dataclass
+class Run:
+    """What ``setup`` builds and the phases of a step share."""
+
+    cfg: RunConfig
+    accelerator: object
+    stage: int  # DeepSpeed ZeRO stage, 0 = none
+    dp: DataParallel
+    model_dir: str
+    tokenizer: object
+    model: object  # the PEFT policy, or the DeepSpeed engine around it
+    policy: object  # the PEFT model itself (weight sync, adapter checkpoint)
+    value_head: Optional[ValueHead]
+    optimizer: object
+    scheduler: object
+    params: list
+    backward: object
+    gather: object  # ZeRO-3: gathers one module's parameters for the weight export
+    dataset: object
+    batcher: object
+    reward_fns: dict
+    kl_controller: object = None
+    kl_watch: Optional[NegativeKLWatch] = None
+    modules: dict = field(default_factory=dict)  # extra modules in the checkpoint (PPO's value head)
+    engine: Optional[RolloutEngine] = None
+    own_engine: bool = True
+    logger: Optional[RunLogger] = None
+    probe_ids: list = field(default_factory=list)
+    start_step: int = 0
+
+    @property
+    def device(self):
+        return self.accelerator.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def update(self) -> float:
+        """Clip, optimizer step, zero: the pre-clip gradient norm."""
+        from trainer.distributed.deepspeed import optimizer_step
+
+        return optimizer_step(self.accelerator, self.model, self.optimizer, self.params, self.cfg.train.max_grad_norm)
+
+
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     """Run ``cfg`` to ``cfg.train.steps``. ``engine``: an already-started engine to reuse (tests share one)."""
+    run = setup(cfg, resume=resume, engine=engine)
+    result = TrainResult(run_dir=cfg.run_dir)
+    try:
+        probe_before_training(run)
+        for step in range(run.start_step + 1, cfg.train.steps + 1):
+            t_step = time.perf_counter()
+            drawn, m = rollout_phase(run, step)
+            batch = batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device)
+            _check_logprobs(batch.rollout_logprobs, batch.mask, run.dp)
+            rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)
+            t = time.perf_counter()
+            scored, advantages, returns = score_phase(run, step, batch, rewards, m)
+            parity_phase(run, step, batch, scored, m)
+            update_phase(run, step, batch, scored, advantages, returns, m)
+            m["perf/train_s"] = time.perf_counter() - t
+            sync_phase(run, m)
+            m["perf/step_s"] = time.perf_counter() - t_step
+            run.logger.log(step, m)
+            result.history.append({"step": step, **m})
+            # After logging (the step's record keeps the probe values), before the checkpoint.
+            _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)")
+            checkpoint_phase(run, step, result)
+        result.wandb = run.logger.wandb_location
+        _print_summary(result, run.logger)
+    finally:
+        run.logger.close()
+        if run.own_engine:
+            run.engine.close()
+    return result
+
+
+# ---------------------------------------------------------------- setup
+
+
+def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
+    """Accelerator, policy (+ critic), data, rewards, optimizer, restored state, engine, logger."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from trainer.data.datasets import PromptBatcher, encode_prompts, load_prompt_dataset
-    from trainer.models.builtin import resolve_model_path
-    from trainer.commands.train_rm import build_reward_sources
     from rollout.weight_export import merged_lora_weights  # noqa: F401  (import early: fail before the engine starts)
-    from trainer.distributed.deepspeed import (accelerator_kwargs, check_deepspeed_recipe, deepspeed_stage, fill_deepspeed_config,
-                                     make_backward, model_load_context, optimizer_step, unwrap_policy,
-                                     wrap_for_prepare, zero3_gather)
+    from trainer.commands.train_rm import build_reward_sources
+    from trainer.data.datasets import PromptBatcher, load_prompt_dataset
+    from trainer.distributed.deepspeed import (
+        accelerator_kwargs,
+        check_deepspeed_recipe,
+        deepspeed_stage,
+        make_backward,
+        zero3_gather,
+    )
+    from trainer.models.builtin import resolve_model_path
 
-    # ---------------------------------------------------------------- setup
     accelerator = Accelerator(**accelerator_kwargs())
     # DeepSpeed ZeRO-2/3 (accelerate config recipes/accelerate/zero{2,3}.yaml) or not (0).
     stage = deepspeed_stage(accelerator)
@@ -325,9 +419,49 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     # gradients by the DeepSpeed engine under ZeRO.
     dp = DataParallel.current(reduce_grads=not stage)
     set_seed(cfg.train.seed)
-    run_dir = cfg.run_dir
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
+    model = _load_policy(cfg, accelerator, model_dir)
+    d = cfg.data
+    dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
+                                  num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
+    batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
+    # Rule functions and reward models (trainer/commands/train_rm.py), each logged as reward/<name>.
+    reward_fns, _ = build_reward_sources(cfg.reward, accelerator.device)
+    value_head, kl_controller, kl_watch, modules = None, None, None, {}
+    if cfg.algorithm.record.critic:
+        value_head = ValueHead(model.config.hidden_size).to(accelerator.device)
+        kl_controller, kl_watch = make_kl_controller(cfg.algorithm.options), NegativeKLWatch()
+        modules = {"value_head": value_head}
+    params = [p for p in model.parameters() if p.requires_grad] + ([] if value_head is None else
+                                                                    list(value_head.parameters()))
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(cfg.train.adam_betas),
+                                  weight_decay=cfg.train.weight_decay)
+    scheduler = make_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+    model, optimizer, policy = _prepare(cfg, accelerator, stage, model, optimizer, value_head)
+    run = Run(cfg=cfg, accelerator=accelerator, stage=stage, dp=dp, model_dir=model_dir, tokenizer=tokenizer,
+              model=model, policy=policy, value_head=value_head, optimizer=optimizer, scheduler=scheduler,
+              params=params, backward=make_backward(accelerator, model),
+              # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
+              gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
+              reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules)
+    run.start_step = _restore(run) if resume else _refuse_existing_run(cfg)
+    run.own_engine = engine is None
+    run.engine = engine if engine is not None else make_engine(
+        cfg, model_dir, max_model_len=d.max_prompt_tokens + cfg.rollout.max_new_tokens, dp=dp)
+    # Always align the engine with the policy being trained (fresh adapter = base weights,
+    # resumed adapter = its merge), so a reused engine never carries another run's weights.
+    _sync(run)
+    run.logger = RunLogger(cfg.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode,
+                           project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity, name=cfg.name,
+                           total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main)
+    run.probe_ids = _probe_prompt_ids(cfg, dataset, tokenizer)
+    return run
+
+
+def _load_policy(cfg: RunConfig, accelerator, model_dir: str):
+    from trainer.distributed.deepspeed import model_load_context
+
     with model_load_context(accelerator):
         model = add_lora(load_base_model(model_dir, cfg.model.dtype, accelerator.device), cfg.model.lora)
     if cfg.precision.recipe == "fp8_unified":
@@ -336,212 +470,207 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         from trainer.models.precision import convert_to_fp8
 
         convert_to_fp8(model)
-    d = cfg.data
-    dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
-                                  num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
-    batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
-    # Rule functions and reward models (trainer/commands/train_rm.py), each logged as reward/<name>.
-    reward_fns, _ = build_reward_sources(cfg.reward, accelerator.device)
-    value_head, kl_controller, kl_watch, modules = None, None, None, {}
-    if cfg.algorithm.name in CRITIC_ALGORITHMS:
-        value_head = ValueHead(model.config.hidden_size).to(accelerator.device)
-        kl_controller, kl_watch = make_kl_controller(cfg.algorithm), NegativeKLWatch()
-        modules = {"value_head": value_head}
-    params = [p for p in model.parameters() if p.requires_grad] + ([] if value_head is None else
-                                                                    list(value_head.parameters()))
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(cfg.train.adam_betas),
-                                  weight_decay=cfg.train.weight_decay)
-    scheduler = make_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
-    # The scheduler is never prepared: it drives the AdamW param groups, which DeepSpeed's
-    # ZeRO optimizer steps with (checked in bench/zero_cpu_check.py).
-    if stage:
-        # ``model`` becomes the DeepSpeed engine (forward, backward, step: trainer/distributed/deepspeed.py);
-        # ``policy`` is the PEFT model inside it (weight sync, adapter checkpoint).
-        fill_deepspeed_config(accelerator, micro_batch_size=cfg.train.micro_batch_size,
-                              max_grad_norm=cfg.train.max_grad_norm)
-        # PPO's value head goes inside the engine with the policy (PolicyForward).
-        model, optimizer = accelerator.prepare(wrap_for_prepare(accelerator, model, value_head), optimizer)
-        policy = unwrap_policy(accelerator, model)
+    return model
+
+
+def _prepare(cfg: RunConfig, accelerator, stage: int, model, optimizer, value_head):
+    """(model, optimizer, policy) after accelerate's prepare: the DeepSpeed engine under ZeRO, else as they were.
+
+    The scheduler is never prepared: it drives the AdamW param groups, which DeepSpeed's ZeRO
+    optimizer steps with (checked in bench/zero_cpu_check.py).
+    """
+    from trainer.distributed.deepspeed import fill_deepspeed_config, unwrap_policy, wrap_for_prepare
+
+    if not stage:
+        # The model is not prepared: no DDP wrapper (see DataParallel); it is already on the device.
+        return model, accelerator.prepare(optimizer), model
+    fill_deepspeed_config(accelerator, micro_batch_size=cfg.train.micro_batch_size,
+                          max_grad_norm=cfg.train.max_grad_norm)
+    # PPO's value head goes inside the engine with the policy (PolicyForward).
+    engine, optimizer = accelerator.prepare(wrap_for_prepare(accelerator, model, value_head), optimizer)
+    return engine, optimizer, unwrap_policy(accelerator, engine)
+
+
+def _restore(run: Run) -> int:
+    """Load the newest complete checkpoint into the run; returns its step."""
+    run_dir = run.cfg.run_dir
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.checkpoints_dir(run_dir)}")
+    if run.stage:
+        state = ckpt.load_deepspeed_checkpoint(latest, engine=run.model, scheduler=run.scheduler,
+                                               world_size=run.accelerator.num_processes)
     else:
-        # The model is not prepared: no DDP wrapper (see dp above); it is already on the device.
-        optimizer = accelerator.prepare(optimizer)
-        policy = model
-    backward = make_backward(accelerator, model)
+        state = ckpt.load_checkpoint(latest, model=run.policy, optimizer=run.optimizer, scheduler=run.scheduler,
+                                     modules=run.modules)
+    if run.kl_controller is not None:
+        run.kl_controller.load_state_dict(state["kl_controller"])
+    run.batcher.load_state_dict(state["batcher"])
+    if run.is_main:
+        print(f"resumed from {latest} (step {state['step']})", flush=True)
+    return state["step"]
 
-    def update() -> float:
-        return optimizer_step(accelerator, model, optimizer, params, cfg.train.max_grad_norm)
 
-    # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
-    gather = zero3_gather(policy) if stage == 3 else None
+def _refuse_existing_run(cfg: RunConfig) -> int:
+    if ckpt.list_checkpoints(cfg.run_dir):
+        raise FileExistsError(f"{cfg.run_dir} already holds checkpoints; pass --resume to continue it, or choose "
+                              "another name / logging.run_dir (nothing was overwritten)")
+    return 0
 
-    start_step = 0
-    if resume:
-        latest = ckpt.latest_checkpoint(run_dir)
-        if latest is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.checkpoints_dir(run_dir)}")
-        if stage:
-            state = ckpt.load_deepspeed_checkpoint(latest, engine=model, scheduler=scheduler,
-                                                   world_size=accelerator.num_processes)
-        else:
-            state = ckpt.load_checkpoint(latest, model=policy, optimizer=optimizer, scheduler=scheduler,
-                                         modules=modules)
-        if kl_controller is not None:
-            kl_controller.load_state_dict(state["kl_controller"])
-        batcher.load_state_dict(state["batcher"])
-        start_step = state["step"]
-        if accelerator.is_main_process:
-            print(f"resumed from {latest} (step {start_step})", flush=True)
-    elif ckpt.list_checkpoints(run_dir):
-        raise FileExistsError(f"{run_dir} already holds checkpoints; pass --resume to continue it, or choose another "
-                              "name / logging.run_dir (nothing was overwritten)")
 
-    max_model_len = d.max_prompt_tokens + cfg.rollout.max_new_tokens
-    own_engine = engine is None
-    if own_engine:
-        engine = make_engine(cfg, model_dir, max_model_len=max_model_len, dp=dp)
-    engine_dtype = getattr(torch, cfg.model.dtype)  # the merge is rounded to it once
+def _probe_prompt_ids(cfg: RunConfig, dataset, tokenizer) -> list:
+    """The probe's prompts: the dataset's first rows, the same every step and after a resume."""
+    from trainer.data.datasets import encode_prompts
 
-    def sync() -> dict:
-        # Every rank leaves together: with a shared server rank 0 pushes while the others
-        # wait for it before their next generate; a failed push stops every rank.
-        out, error = {}, None
-        try:
-            out = sync_weights(engine, policy, cfg.precision.recipe, gather=gather, dtype=engine_dtype,
-                               chunk_bytes=cfg.rollout.sync_chunk_bytes)
-        except Exception as e:  # noqa: BLE001 - re-raised by raise_together on this rank
-            error = e
-        dp.raise_together(error)
-        return out
-
-    # Always align the engine with the policy being trained (fresh adapter = base weights,
-    # resumed adapter = its merge), so a reused engine never carries another run's weights.
-    sync()
-    logger = RunLogger(run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode, project=cfg.logging.wandb.project,
-                       entity=cfg.logging.wandb.entity, name=cfg.name, total_steps=cfg.train.steps,
-                       print_every=cfg.logging.print_every, enabled=accelerator.is_main_process)
-    result = TrainResult(run_dir=run_dir)
-    # The probe's prompts: the dataset's first rows, the same every step and after a resume.
+    d = cfg.data
     n_probe = min(cfg.parity.probe_prompts, len(dataset))
-    probe_ids = encode_prompts(tokenizer, [dataset[i]["prompt"] for i in range(n_probe)],
-                               use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens) if n_probe else []
+    if not n_probe:
+        return []
+    return encode_prompts(tokenizer, [dataset[i]["prompt"] for i in range(n_probe)],
+                          use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens)
+
+
+def probe_before_training(run: Run) -> None:
+    """The engine must already agree with the trainer before the first step (or the first after a resume)."""
+    m0 = _probe(run.engine, run.model, run.probe_ids, run.cfg, run.tokenizer, run.device, run.dp)
+    if not m0:
+        return
+    if run.is_main:
+        print(f"probe before step {run.start_step + 1}: mae {m0.get('probe/mae', float('nan')):.2e}  "
+              f"kl_k3 {m0.get('probe/kl_k3', float('nan')):.1e}  on {int(m0['probe/num_tokens'])} tokens", flush=True)
+        if run.start_step == 0:  # a resumed run has logged this step already; wandb steps only increase
+            run.logger.log(0, m0, echo=False)
+    # every rank sees the same pooled values and stops together
+    _enforce_parity_limits(run.cfg, run.start_step, m0, prefix="probe/", when=" (probe before training)")
+
+
+# ---------------------------------------------------------------- the phases of a step
+
+
+def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
+    """Generate and score this step's groups: (the part trained on, rollout and reward metrics of all drawn)."""
+    cfg, a, m = run.cfg, run.cfg.algorithm, {}
+
+    def draw(round_index: int) -> Drawn:
+        return _draw_round(run.engine, run.batcher, run.tokenizer, run.reward_fns, cfg, step, round_index, run.dp)
+
+    if a.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
+        train_part, drawn, ds_metrics = fill_with_signal(
+            draw, share=cfg.rollout.prompts_per_step // run.dp.world, group_size=a.group_size,
+            mini_batches=a.mini_batches, max_rounds=a.max_sampling_rounds, dp=run.dp)
+        m.update(ds_metrics)
+    else:
+        train_part = draw(0)
+        drawn = [train_part]
+    m.update(_drawn_metrics(Drawn.concat(drawn), run.dp))
+    return train_part, m
+
+
+def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor, m: dict):
+    """(trainer scores of the batch, advantages, returns or None).
+
+    The single on-policy update of a critic-free algorithm does its forward/backward here
+    (``policy_gradient_pass``): its detached log-probs are the scores, no extra forward. With
+    several updates the batch is scored once first (pi_old); a critic's advantages need the
+    batch's values and reference log-probs before anything else.
+    """
+    cfg, a = run.cfg, run.cfg.algorithm
+    run.model.train()
+    if run.value_head is not None:
+        scored = score_pass(run.model, batch, cfg, value_head=run.value_head, with_ref=True)
+        advantages, returns, critic_metrics = ppo_targets(scored, rewards, batch.mask, a.group_size, cfg,
+                                                          run.kl_controller, all_sum=run.dp.all_sum)
+        critic_metrics = run.dp.mean_metrics(critic_metrics)
+        m.update(critic_metrics)
+        run.kl_watch.update(step, critic_metrics["train/kl_ref"])
+        return scored, advantages, returns
+    advantages = a.record.advantage(
+        AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=a.group_size, all_sum=run.dp.all_sum), a.options)
+    if _updates(cfg) == 1:
+        scored = policy_gradient_pass(run.model, batch, advantages, cfg, run.backward, dp=run.dp)
+        m.update(scored["metrics"])
+    else:
+        scored = score_pass(run.model, batch, cfg)  # pi_old, before any update
+    return scored, advantages, None
+
+
+def _updates(cfg: RunConfig) -> int:
+    return cfg.algorithm.epochs * cfg.algorithm.mini_batches
+
+
+def parity_phase(run: Run, step: int, batch: TokenBatch, scored: dict, m: dict) -> None:
+    """pi_old vs the engine on the sampled tokens: ``parity/*``, the limits, the breakdown tables.
+
+    The train log-probs are from the pre-update policy, the one that generated the rollouts
+    (if the previous sync worked): this is what the metrics measure.
+    """
+    cfg = run.cfg
+    m.update(run.dp.pooled_parity(scored["train_logprobs"], batch.rollout_logprobs, batch.mask,
+                                  train_topk_logprobs=scored["train_topk_logprobs"],
+                                  rollout_topk_logprobs=batch.topk_logprobs))
+    _enforce_parity_limits(cfg, step, m)
+    if run.is_main:
+        breakdown = step_breakdown(scored["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
+                                   run.tokenizer, entropy=scored["entropy"])
+        append_breakdown(cfg.run_dir, step, breakdown)
+        if run.logger.wandb_run is not None and step % cfg.logging.breakdown_every == 0:
+            run.logger.wandb_run.log(wandb_tables(breakdown), step=step)
+
+
+def update_phase(run: Run, step: int, batch: TokenBatch, scored: dict, advantages, returns, m: dict) -> None:
+    """The optimizer step(s) of this batch, then the LR schedule."""
+    m["train/lr"] = run.scheduler.get_last_lr()[0]
+    if _updates(run.cfg) == 1 and run.value_head is None:
+        m["train/grad_norm"] = run.update()  # the gradient is already there (score_phase)
+    else:
+        critic = {} if run.value_head is None else {"value_head": run.value_head, "old_values": scored["values"],
+                                                     "returns": returns}
+        m.update(_several_updates(run.model, batch, advantages, scored["train_logprobs"], run.cfg, step, run.backward,
+                                  run.update, dp=run.dp, **critic))
+    run.scheduler.step()
+
+
+def sync_phase(run: Run, m: dict) -> None:
+    """Push the updated weights into the engine, then probe it."""
+    t = time.perf_counter()
+    if run.cfg.rollout.sync_weights:
+        m.update(_sync(run))
+    m["perf/sync_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    m.update(_probe(run.engine, run.model, run.probe_ids, run.cfg, run.tokenizer, run.device, run.dp))
+    if run.probe_ids:
+        m["perf/probe_s"] = time.perf_counter() - t
+
+
+def _sync(run: Run) -> dict:
+    # Every rank leaves together: with a shared server rank 0 pushes while the others
+    # wait for it before their next generate; a failed push stops every rank.
+    out, error = {}, None
     try:
-        # Probe before the first step: the engine must already agree with the trainer.
-        m0 = _probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device, dp)
-        if m0 and accelerator.is_main_process:
-            print(f"probe before step {start_step + 1}: mae {m0.get('probe/mae', float('nan')):.2e}  "
-                  f"kl_k3 {m0.get('probe/kl_k3', float('nan')):.1e}  on {int(m0['probe/num_tokens'])} tokens", flush=True)
-            if start_step == 0:  # a resumed run has logged this step already; wandb steps only increase
-                logger.log(0, m0, echo=False)
-        if m0:  # every rank sees the same pooled values and stops together
-            _enforce_parity_limits(cfg, start_step, m0, prefix="probe/", when=" (probe before training)")
-        for step in range(start_step + 1, cfg.train.steps + 1):
-            t_step = time.perf_counter()
-            m: dict[str, float] = {}
+        out = sync_weights(run.engine, run.policy, run.cfg.precision.recipe, gather=run.gather,
+                           dtype=getattr(torch, run.cfg.model.dtype), chunk_bytes=run.cfg.rollout.sync_chunk_bytes)
+    except Exception as e:  # noqa: BLE001 - re-raised by raise_together on this rank
+        error = e
+    run.dp.raise_together(error)
+    return out
 
-            # ---------------------------------------------------- rollout and reward
-            def draw(round_index: int) -> Drawn:
-                return _draw_round(engine, batcher, tokenizer, reward_fns, cfg, step, round_index, dp)
 
-            if cfg.algorithm.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
-                train_part, drawn, ds_metrics = fill_with_signal(
-                    draw, share=cfg.rollout.prompts_per_step // dp.world, group_size=cfg.algorithm.group_size,
-                    mini_batches=cfg.algorithm.mini_batches, max_rounds=cfg.algorithm.max_sampling_rounds, dp=dp)
-                m.update(ds_metrics)
-            else:
-                train_part = draw(0)
-                drawn = [train_part]
-            m.update(_drawn_metrics(Drawn.concat(drawn), dp))
-            g = cfg.algorithm.group_size
-            rollouts, total = train_part.rollouts, train_part.rewards
-
-            # ---------------------------------------------------- advantages, forward / loss / backward
-            batch = batch_from_rollouts(rollouts, tokenizer.pad_token_id, accelerator.device)
-            _check_logprobs(batch.rollout_logprobs, batch.mask, dp)
-            rewards = torch.tensor(total, dtype=torch.float32, device=accelerator.device)
-            t = time.perf_counter()
-            model.train()
-            updates = cfg.algorithm.epochs * cfg.algorithm.mini_batches
-            if value_head is not None:
-                # A critic's advantages need the batch's values and reference log-probs first.
-                out = score_pass(model, batch, cfg, value_head=value_head, with_ref=True)
-                advantages, returns, critic_metrics = ppo_targets(out, rewards, batch.mask, g, cfg, kl_controller,
-                                                                  all_sum=dp.all_sum)
-                critic_metrics = dp.mean_metrics(critic_metrics)
-                m.update(critic_metrics)
-                kl_watch.update(step, critic_metrics["train/kl_ref"])
-            else:
-                advantages = ADVANTAGES.get(cfg.algorithm.name)(
-                    AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=g, all_sum=dp.all_sum), cfg.algorithm)
-                if updates == 1:
-                    out = policy_gradient_pass(model, batch, advantages, cfg, backward, dp=dp)
-                    m.update(out["metrics"])
-                else:
-                    out = score_pass(model, batch, cfg)  # pi_old, before any update
-
-            # ---------------------------------------------------- parity (pi_old vs the engine)
-            # The train log-probs are from the pre-update policy, the one that generated
-            # the rollouts (if the previous sync worked): this is what the metrics measure.
-            m.update(dp.pooled_parity(out["train_logprobs"], batch.rollout_logprobs, batch.mask,
-                                      train_topk_logprobs=out["train_topk_logprobs"],
-                                      rollout_topk_logprobs=batch.topk_logprobs))
-            _enforce_parity_limits(cfg, step, m)
-            if accelerator.is_main_process:
-                breakdown = step_breakdown(out["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
-                                           tokenizer, entropy=out["entropy"])
-                append_breakdown(run_dir, step, breakdown)
-                if logger.wandb_run is not None and step % cfg.logging.breakdown_every == 0:
-                    logger.wandb_run.log(wandb_tables(breakdown), step=step)
-
-            # ---------------------------------------------------- optimizer step(s)
-            m["train/lr"] = scheduler.get_last_lr()[0]
-            if updates == 1 and value_head is None:
-                m["train/grad_norm"] = update()
-            else:
-                critic = {} if value_head is None else {"value_head": value_head, "old_values": out["values"],
-                                                         "returns": returns}
-                m.update(_several_updates(model, batch, advantages, out["train_logprobs"], cfg, step, backward,
-                                          update, dp=dp, **critic))
-            scheduler.step()
-            m["perf/train_s"] = time.perf_counter() - t
-
-            # ---------------------------------------------------- weight sync
-            t = time.perf_counter()
-            if cfg.rollout.sync_weights:
-                m.update(sync())
-            m["perf/sync_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            m.update(_probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device, dp))
-            if probe_ids:
-                m["perf/probe_s"] = time.perf_counter() - t
-            m["perf/step_s"] = time.perf_counter() - t_step
-
-            logger.log(step, m)
-            result.history.append({"step": step, **m})
-            # After logging (the step's record keeps the probe values), before the checkpoint.
-            _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)")
-
-            # ---------------------------------------------------- checkpoint
-            every = cfg.checkpoint.every
-            if (every and step % every == 0) or step == cfg.train.steps:
-                state = {"batcher": batcher.state_dict(), "name": cfg.name,
-                         **({"kl_controller": kl_controller.state_dict()} if kl_controller else {})}
-                if stage:  # every rank writes its ZeRO shard
-                    result.final_checkpoint = ckpt.save_deepspeed_checkpoint(
-                        run_dir, step, engine=model, policy=policy, scheduler=scheduler, state=state,
-                        keep_last=cfg.checkpoint.keep_last, is_main=accelerator.is_main_process,
-                        barrier=accelerator.wait_for_everyone)
-                elif accelerator.is_main_process:
-                    result.final_checkpoint = ckpt.save_checkpoint(
-                        run_dir, step, model=policy, optimizer=optimizer, scheduler=scheduler, state=state,
-                        keep_last=cfg.checkpoint.keep_last, modules=modules)
-                accelerator.wait_for_everyone()
-        result.wandb = logger.wandb_location
-        _print_summary(result, logger)
-    finally:
-        logger.close()
-        if own_engine:
-            engine.close()
-    return result
+def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:
+    cfg = run.cfg
+    every = cfg.checkpoint.every
+    if not ((every and step % every == 0) or step == cfg.train.steps):
+        return
+    state = {"batcher": run.batcher.state_dict(), "name": cfg.name,
+             **({"kl_controller": run.kl_controller.state_dict()} if run.kl_controller else {})}
+    if run.stage:  # every rank writes its ZeRO shard
+        result.final_checkpoint = ckpt.save_deepspeed_checkpoint(
+            cfg.run_dir, step, engine=run.model, policy=run.policy, scheduler=run.scheduler, state=state,
+            keep_last=cfg.checkpoint.keep_last, is_main=run.is_main, barrier=run.accelerator.wait_for_everyone)
+    elif run.is_main:
+        result.final_checkpoint = ckpt.save_checkpoint(
+            cfg.run_dir, step, model=run.policy, optimizer=run.optimizer, scheduler=run.scheduler, state=state,
+            keep_last=cfg.checkpoint.keep_last, modules=run.modules)
+    run.accelerator.wait_for_everyone()
 
 
 def _print_summary(result: TrainResult, logger: RunLogger) -> None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from rollout.types import SamplingSpec
-from trainer.models.batch import batch_from_rollouts
 from trainer.config import RunConfig
 from trainer.distributed.data_parallel import DataParallel
+from trainer.models.batch import batch_from_rollouts
 from trainer.models.policy import completion_logprobs
 
 # A fixed seed distinct from every step's (engines.sampling_spec uses seed * 1_000_003 + step).

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from trainer.config import ModelConfig, RecipeError, build_config, load_recipe_dict, check_model_path
+from trainer.config import ModelConfig, RecipeError, build_config, check_model_path, load_recipe_dict
 
 
 @dataclass

@@ -1,4 +1,3 @@
-import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -204,17 +203,3 @@ def test_micro_batch_sum_equals_full_batch():
     torch.testing.assert_close(torch.cat([g for _, g in parts]), full_grad)
     for key, value in full.metrics.items():
         assert sum(p.metrics[key] for p, _ in parts) == pytest.approx(value, abs=1e-12), key
-
-
-def _algorithm_config():
-    from trainer.config import AlgorithmConfig
-
-    return AlgorithmConfig()
-
-
-def test_recipe_algorithm_config_carries_every_attribute_pmd_reads():
-    cfg = _algorithm_config()
-    missing = [f.name for f in dataclasses.fields(PMDConfig) if not hasattr(cfg, f.name)]
-    assert not missing, f"trainer.config.AlgorithmConfig lacks {missing}"
-    _, batch = _batch()
-    assert math.isfinite(pmd_loss(batch, cfg).loss.item())

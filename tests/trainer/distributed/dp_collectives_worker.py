@@ -26,9 +26,9 @@ def _batch(seed: int, rows: int = 8, cols: int = 6):
 
 def pooled_statistics(dp: DataParallel) -> dict:
     """Max |difference| between this rank's pooled results and its rows of the whole-batch results."""
-    from trainer.algorithms import ADVANTAGES, AdvantageInputs
+    from trainer.algorithms import ADVANTAGES, AdvantageInputs, PPOConfig
     from trainer.algorithms.sequence import whiten
-    from trainer.config import RunConfig
+    from trainer.config import AlgorithmConfig, RunConfig
     from trainer.rl.critic import make_kl_controller, ppo_targets
 
     x, mask, rewards = _batch(0)
@@ -41,13 +41,12 @@ def pooled_statistics(dp: DataParallel) -> dict:
     out["reinforce_pp"] = float((mine - whole[half]).abs().max())
 
     cfg = RunConfig()
-    cfg.algorithm.name = "ppo"
-    cfg.algorithm.whiten_rewards = True
-    cfg.algorithm.reward_kl_coef, cfg.algorithm.reward_kl_target, cfg.algorithm.reward_kl_horizon = 0.1, 0.5, 10
+    cfg.algorithm = AlgorithmConfig(name="ppo", options=PPOConfig(whiten_rewards=True, reward_kl_coef=0.1,
+                                                                  reward_kl_target=0.5, reward_kl_horizon=10))
     lp, _, _ = _batch(1)
     ref, values, _ = _batch(2)
     scored = {"train_logprobs": lp, "ref_logprobs": ref, "values": values}
-    ctl_whole, ctl_mine = make_kl_controller(cfg.algorithm), make_kl_controller(cfg.algorithm)
+    ctl_whole, ctl_mine = make_kl_controller(cfg.algorithm.options), make_kl_controller(cfg.algorithm.options)
     adv_w, ret_w, m_w = ppo_targets(scored, rewards, mask, 1, cfg, ctl_whole)
     adv_m, ret_m, m_m = ppo_targets({k: v[half] for k, v in scored.items()}, rewards[half], mask[half], 1, cfg,
                                     ctl_mine, all_sum=dp.all_sum)

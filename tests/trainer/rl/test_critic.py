@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from trainer.algorithms import make_kl_controller
-from trainer.config import RunConfig
+from trainer.algorithms import PPOConfig, make_kl_controller
+from trainer.config import AlgorithmConfig, RunConfig
 from trainer.rl.critic import NegativeKLWatch, ppo_targets
 
 
@@ -16,18 +16,14 @@ def _scored():
 
 def _cfg(**algo):
     cfg = RunConfig()
-    cfg.algorithm.name = "ppo"
-    cfg.algorithm.gamma, cfg.algorithm.lam = 1.0, 1.0
-    cfg.algorithm.whiten_advantages = False
-    for k, v in algo.items():
-        setattr(cfg.algorithm, k, v)
+    cfg.algorithm = AlgorithmConfig(name="ppo", options=PPOConfig(gamma=1.0, lam=1.0, whiten_advantages=False, **algo))
     return cfg
 
 
 def test_targets_kl_shaping_and_controller_update():
     scored, mask = _scored()
     cfg = _cfg(reward_kl_coef=0.1, reward_kl_target=1.0, reward_kl_horizon=10)
-    ctl = make_kl_controller(cfg.algorithm)
+    ctl = make_kl_controller(cfg.algorithm.options)
     adv, ret, m = ppo_targets(scored, torch.tensor([1.0, 0.0]), mask, 1, cfg, ctl)
     # k1 per token: [0.5, 0, 0], [0, 0.5]; rewards -0.1*k1 + score at the last token
     # gamma = lam = 1, V = 0: returns = reward-to-go
@@ -42,9 +38,9 @@ def test_targets_kl_shaping_and_controller_update():
 def test_reward_whitening_scales_but_keeps_the_mean():
     scored, mask = _scored()
     plain = ppo_targets(scored, torch.tensor([1.0, 0.0]), mask, 1, _cfg(reward_kl_coef=0.1),
-                        make_kl_controller(_cfg(reward_kl_coef=0.1).algorithm))[1]
+                        make_kl_controller(_cfg(reward_kl_coef=0.1).algorithm.options))[1]
     cfg = _cfg(reward_kl_coef=0.1, whiten_rewards=True)
-    ret = ppo_targets(scored, torch.tensor([1.0, 0.0]), mask, 1, cfg, make_kl_controller(cfg.algorithm))[1]
+    ret = ppo_targets(scored, torch.tensor([1.0, 0.0]), mask, 1, cfg, make_kl_controller(cfg.algorithm.options))[1]
     # token rewards r = [[-0.05, 0, 1], [0, -0.05]]: mean 0.18, unbiased std s; whitened r' = (r - m)/s + m
     r = torch.tensor([-0.05, 0.0, 1.0, 0.0, -0.05])
     w = (r - r.mean()) / torch.sqrt(r.var() + 1e-8) + r.mean()
