@@ -20,6 +20,9 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the engine's memory."""
 
+    # Optional: ``score(sequences) -> list[list[float]]`` -- log p(x_t | x_<t) at temperature 1 of
+    # every token t >= 1 of each given sequence, from one prefill (no decoding); the parity probe
+    # uses it to compare engine and trainer on fixed sequences (trainer.rl.probe).
     # Optional: ``load_weight_chunks(chunks)`` -- the engine takes an update as an iterable of
     # chunks (whole decoder layers, ``rollout.weight_export.layer_chunks``), each taken before
     # the next is made; ``trainer.rl.engines.sync_weights`` then streams the merge into it.

@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 import torch
 
 from rollout.base import LayerChunkUpdates
-from rollout.types import Rollouts, SamplingSpec
+from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.vllm_engine import sample_seed, validate_request
 
 
@@ -86,6 +86,20 @@ class HFEngine(LayerChunkUpdates):
             top_lps += tl
         return Rollouts(prompt_ids=rows, completion_ids=completion_ids, rollout_logprobs=logprobs,
                         finish_reasons=finish, group_size=spec.n, topk_ids=top_ids, topk_logprobs=top_lps)
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
+        """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (one forward each),
+        and with ``topk`` the k most likely tokens at those positions (``rollout.base``)."""
+        out = Scored([], [], [])
+        for seq in sequences:
+            ids = torch.tensor([seq], device=self.device)
+            logp = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            out.logprobs.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+            top = logp.topk(topk, dim=-1) if topk else None
+            out.topk_ids.append(top.indices.tolist() if topk else [])
+            out.topk_logprobs.append(top.values.tolist() if topk else [])
+        return out
 
     def _generation_config(self, spec: SamplingSpec):
         from transformers import GenerationConfig

@@ -143,3 +143,16 @@ class Rollouts:
                    rollout_logprobs=joined("rollout_logprobs"), finish_reasons=joined("finish_reasons"),
                    group_size=parts[0].group_size, completion_texts=texts, topk_ids=joined("topk_ids"),
                    topk_logprobs=joined("topk_logprobs"))
+
+
+@dataclass
+class Scored:
+    """An engine's log-probs of GIVEN sequences (``score``): per sequence, per token t >= 1, at temperature 1.
+
+    logprobs[k][t - 1] = log p(x_t | x_<t); with top-k, topk_ids / topk_logprobs[k][t - 1] hold the
+    k most likely tokens at that position, most likely first (else empty lists).
+    """
+
+    logprobs: list[list[float]]
+    topk_ids: list[list[list[int]]]
+    topk_logprobs: list[list[list[float]]]

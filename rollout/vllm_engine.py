@@ -39,7 +39,7 @@ from typing import Iterable, Sequence
 import torch
 
 from rollout.base import LayerChunkUpdates
-from rollout.types import Rollouts, SamplingSpec
+from rollout.types import Rollouts, SamplingSpec, Scored
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
 # vLLM's fused modules for Llama-family models, used if the model class cannot be asked.
@@ -387,6 +387,43 @@ class VLLMEngine(LayerChunkUpdates):
             group_size=spec.n, completion_texts=texts if self.load_tokenizer else [],
             topk_ids=top_ids if spec.logprobs_topk else [], topk_logprobs=top_lps if spec.logprobs_topk else [],
         )
+
+    def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
+        """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence: one prefill, no decoding.
+        With ``topk``, also the k most likely tokens' ids and log-probs at each of those positions.
+
+        vLLM's prompt log-probs (``SamplingParams.prompt_logprobs``) are log_softmax of the raw
+        logits, whatever ``logprobs_mode`` (``gpu_model_runner._get_prompt_logprobs_dict``: prompt
+        tokens skip the sampling processors), so they are compared with the trainer's at T = 1.
+        Requests with prompt log-probs do not read the prefix cache. One token is sampled per
+        request (vLLM needs one) and discarded.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        for k, seq in enumerate(sequences):
+            if len(seq) < 2 or len(seq) + 1 > self.max_model_len:
+                raise ValueError(f"score: sequences[{k}] has {len(seq)} tokens; expected 2 to "
+                                 f"{self.max_model_len - 1} (max_model_len - 1)")
+        prompts = [TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences]
+        params = [SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=topk, seed=sample_seed(0, k),
+                                 detokenize=False) for k in range(len(sequences))]
+        with _preserve_rng():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        scored = Scored([], [], [])
+        for k, (seq, out) in enumerate(zip(sequences, outputs)):
+            plp = out.prompt_logprobs
+            if plp is None or len(plp) != len(seq):
+                raise RuntimeError(f"score: vLLM returned {None if plp is None else len(plp)} prompt log-prob "
+                                   f"positions for sequence {k} of {len(seq)} tokens")
+            # per position a {token id: Logprob(logprob, rank)} of the actual token and the top-k by rank
+            positions = [plp[t] for t in range(1, len(seq))]
+            scored.logprobs.append([pos[tok].logprob for pos, tok in zip(positions, seq[1:])])
+            tops = [sorted((lp.rank, tid, lp.logprob) for tid, lp in pos.items() if lp.rank <= topk)
+                    for pos in positions] if topk else []
+            scored.topk_ids.append([[tid for _, tid, _ in top] for top in tops])
+            scored.topk_logprobs.append([[lp for _, _, lp in top] for top in tops])
+        return scored
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -170,6 +170,10 @@ class ParityConfig:
     # Fixed prompts (the dataset's first N) generated and scored after every weight sync
     # and before step 1 -> probe/* (trainer/rl/probe.py); limits above apply to them too. 0 = off.
     probe_prompts: int = 4
+    # The probe runs after the first probe_first syncs, then after every probe_every-th
+    # (trainer/rl/probe.py: one prefill in the engine + one forward in the trainer per probe).
+    probe_every: int = 1
+    probe_first: int = 3
 
 
 @dataclass
@@ -202,6 +206,10 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     print_every: int = 1
     breakdown_every: int = 10  # parity breakdown tables to wandb every N steps (the jsonl file gets every step)
+    # A samples table (prompt, completion, rewards, length, finish reason, the sample's parity) to
+    # samples.jsonl and wandb at the first step and every N steps; 0 = off (trainer/rl/samples.py).
+    samples_every: int = 10
+    samples_per_step: int = 8
 
 
 @dataclass

@@ -183,6 +183,8 @@ def _check_parity(cfg: RunConfig, need: Need) -> None:
     # bucket is negligible anyway and vLLM's sampler slows down (torch.topk on the vocab).
     need(0 <= p.topk <= 256, "parity.topk", p.topk, "an integer in [0, 256] (0 = off)")
     need(p.probe_prompts >= 0, "parity.probe_prompts", p.probe_prompts, "an integer >= 0 (0 = off)")
+    need(p.probe_every >= 1, "parity.probe_every", p.probe_every, "an integer >= 1 (syncs between probes)")
+    need(p.probe_first >= 0, "parity.probe_first", p.probe_first, "an integer >= 0 (first syncs always probed)")
 
 
 def _check_precision(cfg: RunConfig, need: Need) -> None:
@@ -200,6 +202,9 @@ def _check_checkpoint_and_logging(cfg: RunConfig, need: Need) -> None:
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "an integer >= 1")
     need(cfg.logging.breakdown_every >= 1, "logging.breakdown_every", cfg.logging.breakdown_every, "an integer >= 1")
     need(cfg.logging.print_every >= 1, "logging.print_every", cfg.logging.print_every, "an integer >= 1")
+    need(cfg.logging.samples_every >= 0, "logging.samples_every", cfg.logging.samples_every, "an integer >= 0 (0 = off)")
+    need(cfg.logging.samples_per_step >= 1, "logging.samples_per_step", cfg.logging.samples_per_step,
+         "an integer >= 1")
     try:
         str(cfg.run_dir)
     except (KeyError, IndexError, ValueError):

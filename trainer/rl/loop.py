@@ -40,7 +40,7 @@ from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
 from trainer.rl.engines import make_engine, sampling_spec, sync_weights
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
-from trainer.rl.probe import run_probe
+from trainer.rl.probe import Probe, due
 from trainer.rl.value_head import ValueHead
 
 
@@ -263,12 +263,6 @@ def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = 
     warnings.warn(msg, stacklevel=2)
 
 
-def _probe(engine, model, probe_ids, cfg: RunConfig, tokenizer, device, dp: DataParallel) -> dict:
-    if not probe_ids:
-        return {}
-    return run_probe(engine, model, probe_ids, cfg, pad_id=tokenizer.pad_token_id, device=device, dp=dp)
-
-
 def _draw_round(engine, batcher, tokenizer, reward_fns, cfg: RunConfig, step: int, round_index: int,
                 dp: DataParallel) -> Drawn:
     """One prompt batch of ``step``: this rank's shard generated and scored.
@@ -339,7 +333,7 @@ class Run:
     engine: Optional[RolloutEngine] = None
     own_engine: bool = True
     logger: Optional[RunLogger] = None
-    probe_ids: list = field(default_factory=list)
+    probe: Optional[Probe] = None
     start_step: int = 0
 
     @property
@@ -372,9 +366,10 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             t = time.perf_counter()
             scored, advantages, returns = score_phase(run, step, batch, rewards, m)
             parity_phase(run, step, batch, scored, m)
+            samples_phase(run, step, drawn, batch, scored)
             update_phase(run, step, batch, scored, advantages, returns, m)
             m["perf/train_s"] = time.perf_counter() - t
-            sync_phase(run, m)
+            sync_phase(run, step, m)
             m["perf/step_s"] = time.perf_counter() - t_step
             run.logger.log(step, m)
             result.history.append({"step": step, **m})
@@ -445,6 +440,8 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
               # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
               gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules)
+    run.probe = Probe(_probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
+                      device=accelerator.device, dp=dp)
     run.start_step = _restore(run) if resume else _refuse_existing_run(cfg)
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
@@ -455,7 +452,6 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     run.logger = RunLogger(cfg.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode,
                            project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity, name=cfg.name,
                            total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main)
-    run.probe_ids = _probe_prompt_ids(cfg, dataset, tokenizer)
     return run
 
 
@@ -506,6 +502,7 @@ def _restore(run: Run) -> int:
     if run.kl_controller is not None:
         run.kl_controller.load_state_dict(state["kl_controller"])
     run.batcher.load_state_dict(state["batcher"])
+    run.probe.load_state_dict(state.get("probe"))
     if run.is_main:
         print(f"resumed from {latest} (step {state['step']})", flush=True)
     return state["step"]
@@ -532,7 +529,7 @@ def _probe_prompt_ids(cfg: RunConfig, dataset, tokenizer) -> list:
 
 def probe_before_training(run: Run) -> None:
     """The engine must already agree with the trainer before the first step (or the first after a resume)."""
-    m0 = _probe(run.engine, run.model, run.probe_ids, run.cfg, run.tokenizer, run.device, run.dp)
+    m0 = run.probe(run.engine, run.model)
     if not m0:
         return
     if run.is_main:
@@ -617,6 +614,23 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: dict, m: dict) 
             run.logger.wandb_run.log(wandb_tables(breakdown), step=step)
 
 
+def samples_phase(run: Run, step: int, drawn: Drawn, batch: TokenBatch, scored: dict) -> None:
+    """The samples table (trainer/rl/samples.py) at the run's first step and every ``samples_every`` steps."""
+    from trainer.rl import samples
+
+    lg = run.cfg.logging
+    first = step == run.start_step + 1
+    if not run.is_main or not lg.samples_every or not (first or step % lg.samples_every == 0):
+        return
+    rows = samples.sample_rows(drawn, batch, scored["train_logprobs"], run.tokenizer, lg.samples_per_step)
+    samples.append_samples(run.cfg.run_dir, step, rows)
+    if run.logger.wandb_run is not None:
+        run.logger.wandb_run.log({"samples": samples.wandb_table(rows)}, step=step)
+    if first:
+        print(f"samples of step {step} (all in {run.cfg.run_dir / 'samples.jsonl'}):\n{samples.console_text(rows)}",
+              flush=True)
+
+
 def update_phase(run: Run, step: int, batch: TokenBatch, scored: dict, advantages, returns, m: dict) -> None:
     """The optimizer step(s) of this batch, then the LR schedule."""
     m["train/lr"] = run.scheduler.get_last_lr()[0]
@@ -630,15 +644,15 @@ def update_phase(run: Run, step: int, batch: TokenBatch, scored: dict, advantage
     run.scheduler.step()
 
 
-def sync_phase(run: Run, m: dict) -> None:
+def sync_phase(run: Run, step: int, m: dict) -> None:
     """Push the updated weights into the engine, then probe it."""
     t = time.perf_counter()
     if run.cfg.rollout.sync_weights:
         m.update(_sync(run))
     m["perf/sync_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    m.update(_probe(run.engine, run.model, run.probe_ids, run.cfg, run.tokenizer, run.device, run.dp))
-    if run.probe_ids:
+    if run.probe.prompt_ids and due(run.cfg, step):
+        t = time.perf_counter()
+        m.update(run.probe(run.engine, run.model))
         m["perf/probe_s"] = time.perf_counter() - t
 
 
@@ -660,7 +674,7 @@ def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:
     every = cfg.checkpoint.every
     if not ((every and step % every == 0) or step == cfg.train.steps):
         return
-    state = {"batcher": run.batcher.state_dict(), "name": cfg.name,
+    state = {"batcher": run.batcher.state_dict(), "name": cfg.name, "probe": run.probe.state_dict(),
              **({"kl_controller": run.kl_controller.state_dict()} if run.kl_controller else {})}
     if run.stage:  # every rank writes its ZeRO shard
         result.final_checkpoint = ckpt.save_deepspeed_checkpoint(

@@ -1,21 +1,33 @@
-"""The parity probe: a few fixed prompts generated and scored right after every weight sync.
+"""The parity probe: fixed token sequences scored by the engine and the trainer after every weight sync.
 
 The step's own parity metrics measure the engine that produced the step's rollouts,
 i.e. the weights pushed one step earlier, on prompts that change every step. The
-probe measures the weights *just* pushed, on the same prompts every time, with the
-same sampling seed: a broken or partial sync shows up before the next rollout is
-spent on it, and its values are comparable across the run (a trend in ``probe/mae``
-is the policy drifting into regions where the two numerics disagree more, not a
-change of prompts).
+probe measures the weights *just* pushed, on the same tokens every time: a broken or
+partial sync shows up before the next rollout is spent on it, and its values are
+comparable across the run (a trend in ``probe/mae`` is the policy drifting into regions
+where the two numerics disagree more, not a change of tokens).
 
-Cost: one engine call of ``parity.probe_prompts`` samples and one gradient-free
-forward of them (about 0.02-0.05 s on the built-in task on 2 CPU cores).
+How, and why it is cheap: the probe prompts get one completion each, generated ONCE when
+the probe is first run (the start of the run, or of a resume). Every probe then scores
+those fixed prompt + completion sequences with one prefill pass in the engine
+(``engine.score``: vLLM's prompt log-probs, no decoding) and one gradient-free forward in
+the trainer, and compares the completion tokens' log-probs. Both sides score at temperature
+1 (vLLM's prompt log-probs are unscaled); the step's ``parity/*`` keeps the decode path at
+the rollout temperature, where it comes for free. Decoding the probe after every sync cost
+a third of a tiny-model step; the prefill costs about as much as the trainer's forward.
+An engine without ``score`` (the server engine) is probed the old way: a fresh decode of the
+probe prompts with a fixed seed, scored at the rollout temperature.
+
+Frequency: ``parity.probe_first`` syncs always, then every ``parity.probe_every``-th.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Optional
+
 import torch
 
-from rollout.types import SamplingSpec
+from rollout.types import Rollouts, SamplingSpec
 from trainer.config import RunConfig
 from trainer.distributed.data_parallel import DataParallel
 from trainer.models.batch import batch_from_rollouts
@@ -31,25 +43,87 @@ def probe_spec(cfg: RunConfig) -> SamplingSpec:
                         seed=PROBE_SEED + cfg.train.seed, logprobs_topk=cfg.parity.topk)
 
 
+def due(cfg: RunConfig, step: int) -> bool:
+    """Whether the probe runs after step ``step``'s sync (step 0: before training, always)."""
+    p = cfg.parity
+    return step <= p.probe_first or step % p.probe_every == 0
+
+
+class Probe:
+    """The probe of one run: its prompts, and the sequences fixed on the first call."""
+
+    def __init__(self, prompt_ids: list[list[int]], cfg: RunConfig, *, pad_id: int, device: torch.device | str,
+                 dp: Optional[DataParallel] = None) -> None:
+        self.prompt_ids, self.cfg, self.pad_id, self.device = prompt_ids, cfg, pad_id, device
+        self.dp = dp or DataParallel()
+        self.fixed: Optional[Rollouts] = None  # prompt + completion token ids, scored by every later probe
+
+    def __call__(self, engine, model) -> dict[str, float]:
+        """``probe/*`` parity metrics of ``engine`` vs ``model`` (empty without probe prompts).
+
+        Scored in eval mode without gradient; the model's train/eval mode is restored. With
+        data parallel every rank probes its own engine on the same prompts and the metrics pool
+        all ranks' tokens.
+        """
+        if not self.prompt_ids:
+            return {}
+        if not hasattr(engine, "score"):
+            return self._compare(model, engine.generate(self.prompt_ids, probe_spec(self.cfg)),
+                                 self.cfg.rollout.temperature)
+        if self.fixed is None:
+            self.fixed = _fit(engine.generate(self.prompt_ids, replace(probe_spec(self.cfg), logprobs_topk=0)),
+                              getattr(engine, "max_model_len", None))
+        return self._compare(model, self._engine_scores(engine), 1.0)
+
+    def state_dict(self) -> dict:
+        """The fixed sequences (checkpointed, so a resumed run probes the same tokens as an uninterrupted one)."""
+        f = self.fixed
+        return {} if f is None else {"prompt_ids": f.prompt_ids, "completion_ids": f.completion_ids,
+                                     "rollout_logprobs": f.rollout_logprobs, "finish_reasons": f.finish_reasons}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        self.fixed = Rollouts(group_size=1, **state) if state else None
+
+    def _engine_scores(self, engine) -> Rollouts:
+        """The fixed sequences with the engine's log-probs of their completion tokens (prefill, T = 1)."""
+        f, topk = self.fixed, self.cfg.parity.topk
+        scored = engine.score([p + c for p, c in zip(f.prompt_ids, f.completion_ids)], topk=topk)
+
+        def completion_part(per_seq: list, k: int) -> list:
+            return per_seq[len(f.prompt_ids[k]) - 1:]  # position t - 1 holds token t's score
+
+        n = len(f.completion_ids)
+        return replace(f, rollout_logprobs=[completion_part(scored.logprobs[k], k) for k in range(n)],
+                       topk_ids=[completion_part(scored.topk_ids[k], k) for k in range(n)] if topk else [],
+                       topk_logprobs=[completion_part(scored.topk_logprobs[k], k) for k in range(n)] if topk else [])
+
+    def _compare(self, model, rollouts: Rollouts, temperature: float) -> dict[str, float]:
+        batch = batch_from_rollouts(rollouts, self.pad_id, self.device)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                lp, _, *top = completion_logprobs(model, batch, temperature=temperature,
+                                                  chunk_size=self.cfg.parity.chunk_size, topk_ids=batch.topk_ids)
+        finally:
+            model.train(was_training)
+        return self.dp.pooled_parity(lp, batch.rollout_logprobs, batch.mask,
+                                     train_topk_logprobs=top[0] if top else None,
+                                     rollout_topk_logprobs=batch.topk_logprobs, prefix="probe/")
+
+
+def _fit(r: Rollouts, max_model_len: Optional[int]) -> Rollouts:
+    """Completions cut so that prompt + completion + the one token a scoring request samples fit the engine."""
+    if max_model_len is None:
+        return r
+    keep = [max(1, max_model_len - 1 - len(p)) for p in r.prompt_ids]
+    return replace(r, completion_ids=[c[:k] for c, k in zip(r.completion_ids, keep)],
+                   rollout_logprobs=[x[:k] for x, k in zip(r.rollout_logprobs, keep)],
+                   finish_reasons=[f if len(c) <= k else "length" for f, c, k in zip(r.finish_reasons, r.completion_ids, keep)],
+                   completion_texts=[])
+
+
 def run_probe(engine, model, prompt_ids: list[list[int]], cfg: RunConfig, *, pad_id: int,
               device: torch.device | str, dp=None) -> dict[str, float]:
-    """Generate one completion per probe prompt, score it with ``model``; ``probe/*`` parity metrics.
-
-    Scored in eval mode without gradient; the model's train/eval mode is restored. With
-    data parallel (``dp``), every rank probes its own engine on the same prompts and the
-    metrics pool all ranks' tokens.
-    """
-    rollouts = engine.generate(prompt_ids, probe_spec(cfg))
-    batch = batch_from_rollouts(rollouts, pad_id, device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            lp, _, *top = completion_logprobs(model, batch, temperature=cfg.rollout.temperature,
-                                              chunk_size=cfg.parity.chunk_size, topk_ids=batch.topk_ids)
-    finally:
-        model.train(was_training)
-    # One process: DataParallel() pools nothing, i.e. parity.metrics.compare with the probe/ prefix.
-    return (dp or DataParallel()).pooled_parity(lp, batch.rollout_logprobs, batch.mask,
-                                                train_topk_logprobs=top[0] if top else None,
-                                                rollout_topk_logprobs=batch.topk_logprobs, prefix="probe/")
+    """One probe of a fresh ``Probe`` (its sequences generated now): ``probe/*`` parity metrics."""
+    return Probe(prompt_ids, cfg, pad_id=pad_id, device=device, dp=dp)(engine, model)

@@ -8,8 +8,8 @@ import torch
 from rollout.hf_engine import HFEngine
 from rollout.weight_export import layer_chunks, merged_lora_weights, payload_bytes
 from trainer.config import LoraConfig
-from trainer.rl.engines import sync_weights
 from trainer.models.policy import add_lora, load_base_model
+from trainer.rl.engines import sync_weights
 
 
 @pytest.fixture(scope="module")

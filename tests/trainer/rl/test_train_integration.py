@@ -58,6 +58,10 @@ def test_parity_before_and_after_synced_updates(tmp_path, tiny_model_dir, vllm_e
 
     rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 0 and rows[0]["probe/mae"] < PARITY_MAE_BOUND and "parity/mae" not in rows[0]
+    # the samples table: the first step's rows (samples_every 10 > 4 steps), readable text and rewards
+    samples = [json.loads(x) for x in (res.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in samples} == {1} and len(samples) == 8
+    assert all(r["completion"] and "reward/exact_answer" in r and r["parity_mean_abs"] < 0.1 for r in samples)
     # full-distribution parity on the engine's top-5 (+ rest): a lower bound on the KL, small when in sync
     # (measured ~1e-5 to 1e-4 nats; 1e-3 is where a stale engine starts, see the next test)
     assert all(0 <= h["parity/topk_kl"] < 1e-3 for h in res.history), [h["parity/topk_kl"] for h in res.history]
