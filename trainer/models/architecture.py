@@ -86,10 +86,10 @@ def decoder_linear_leaves(model) -> list[str]:
     from torch import nn
 
     _, layers = decoder_layers(model)
+    # A PEFT-wrapped model: a LoRA layer holds the base Linear as ``base_layer`` and its
+    # adapters' Linears under ``lora_A``/``lora_B``; the targeted name is the LoRA layer's.
     leaves = {name.rsplit(".", 1)[-1] for name, m in layers.named_modules()
-              if isinstance(m, nn.Linear) and name and not hasattr(m, "base_layer")}
-    # A PEFT-wrapped model: the LoRA layer is the targeted name, its base_layer a child.
-    leaves |= {name.rsplit(".", 1)[-1] for name, m in layers.named_modules() if hasattr(m, "base_layer")}
+              if (isinstance(m, nn.Linear) or hasattr(m, "base_layer")) and ".lora_" not in f".{name}"}
     leaves -= {"base_layer"} | set(ROUTER_LEAVES)
     return sorted(leaves)
 

@@ -144,3 +144,53 @@ def test_unknown_logit_postprocessing_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(arch_mod, "logit_transform", lambda config: {"logit_softcap": None, "logit_scale": 1.0})
     with pytest.raises(ValueError, match="logit post-processing is not supported"):
         policy.load_base_model(str(ensure_arch_model("gemma2")), "float32")
+
+
+# ---- fp8_unified: the trainer's quantized set is the engine's --------------------------------------
+def _engine_fp8_hf_names(model, vllm_arch: str) -> set[str]:
+    """HF names of the Linear layers the engine's FP8 method quantizes, by its own rule on its own layer names.
+
+    vLLM names a fused layer by its packed name (qkv_proj for q/k/v); ``EmulatedFp8Config.is_target``
+    decides per vLLM prefix from the model class's ``packed_modules_mapping`` (what vLLM's loader
+    hands the quant config, vllm/model_executor/model_loader/utils.py).
+    """
+    from torch import nn
+    from vllm.model_executor.models import ModelRegistry
+
+    from rollout.fp8_quant import EmulatedFp8Config
+
+    cls = ModelRegistry._try_load_model_cls(vllm_arch)
+    packed = dict(getattr(cls, "packed_modules_mapping", {}))
+    if vllm_arch == "Qwen2MoeForCausalLM":
+        packed["gate_up_proj"] = ["gate_proj", "up_proj"]  # added in Qwen2MoeForCausalLM.__init__ (shared expert)
+    shard_to_fused = {s: fused for fused, shards in packed.items() for s in shards}
+    quant = EmulatedFp8Config()
+    quant.packed_modules_mapping = packed
+    names = set()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name != "lm_head":
+            leaf = name.rsplit(".", 1)[-1]
+            if quant.is_target(name.rsplit(".", 1)[0] + "." + shard_to_fused.get(leaf, leaf)):
+                names.add(name)
+    return names
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "phi3"])
+def test_fp8_module_sets_of_trainer_and_engine_are_the_same(arch):
+    from trainer.models.precision import convert_to_fp8
+    from trainer.models.zoo import build_arch_model
+
+    model, _ = build_arch_model(arch)
+    engine_side = _engine_fp8_hf_names(model, type(model).__name__)
+    trainer_side = set(convert_to_fp8(model))
+    assert trainer_side == engine_side
+    assert len(trainer_side) >= 2 * 7  # both layers, all seven projections (MoE: the shared expert's)
+
+
+def test_fp8_on_fused_hf_modules_is_refused():
+    from trainer.models.precision import convert_to_fp8
+    from trainer.models.zoo import build_arch_model
+
+    model, _ = build_arch_model("phi3")
+    with pytest.raises(ValueError, match=r"fp8_unified.*\['gate_up_proj', 'qkv_proj'\].*block grids"):
+        convert_to_fp8(model)
