@@ -1,6 +1,8 @@
 """What parityrl needs to know about a causal LM's structure, read from the model itself."""
 from __future__ import annotations
 
+from trainer.config.schema import RecipeError
+
 
 def split_model(model):
     """(backbone returning last hidden states, lm_head Linear) of a causal LM, PEFT-wrapped or not."""
@@ -114,11 +116,11 @@ def resolve_lora_targets(model, targets) -> list[str]:
         resolved = decoder_linear_leaves(model)
     else:
         if ALL_LINEAR in targets:
-            raise ValueError(f"model.lora.target_modules = {targets!r}: {ALL_LINEAR!r} must be the only entry")
+            raise RecipeError(f"model.lora.target_modules = {targets!r}: {ALL_LINEAR!r} must be the only entry")
         present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         missing = [m for m in targets if m not in present]
         if missing:
-            raise ValueError(f"model.lora.target_modules: {missing} not found in the model; linear layers of its "
+            raise RecipeError(f"model.lora.target_modules: {missing} not found in the model; linear layers of its "
                              f"decoder blocks: {decoder_linear_leaves(model)} (or {ALL_LINEAR!r})")
         resolved = targets
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -126,7 +128,7 @@ def resolve_lora_targets(model, targets) -> list[str]:
     tied = bool(getattr(text_config(root.config), "tie_word_embeddings", False))
     embed_names = {n.rsplit(".", 1)[-1] for n, m in root.named_modules() if m is embed}
     if tied and embed_names & set(resolved):
-        raise ValueError(f"model.lora.target_modules = {targets!r}: LoRA on {sorted(embed_names & set(resolved))} of a "
+        raise RecipeError(f"model.lora.target_modules = {targets!r}: LoRA on {sorted(embed_names & set(resolved))} of a "
                          "model with tie_word_embeddings=true is not supported: PEFT adapts the input embedding only, "
                          "the tied lm_head keeps the base weight, and a merge cannot write two values for one tensor")
     return resolved

@@ -14,6 +14,7 @@ import torch
 from parity.logprobs import fused_gather_logprobs, fused_logprobs
 from trainer.models.batch import TokenBatch
 from trainer.config import LoraConfig
+from trainer.config.schema import RecipeError
 from trainer.models.architecture import (attention_implementation, frozen_expert_params, logit_parity_error,
                                          logit_transform, resolve_lora_targets, split_model)
 
@@ -51,7 +52,7 @@ def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cp
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], **kwargs).to(device)
     err = logit_parity_error(model)
     if not err <= LOGIT_PROBE_TOLERANCE[dtype]:
-        raise ValueError(f"model.path = {model_dir!r}: {type(model).__name__}'s own forward gives log-probs "
+        raise RecipeError(f"model.path = {model_dir!r}: {type(model).__name__}'s own forward gives log-probs "
                          f"{err:.3g} (mean abs) away from lm_head + log-softmax with the logit transform parityrl "
                          f"knows ({logit_transform(model.config)}); expected <= {LOGIT_PROBE_TOLERANCE[dtype]}: "
                          "its logit post-processing is not supported")

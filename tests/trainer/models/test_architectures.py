@@ -194,3 +194,68 @@ def test_fp8_on_fused_hf_modules_is_refused():
     model, _ = build_arch_model("phi3")
     with pytest.raises(ValueError, match=r"fp8_unified.*\['gate_up_proj', 'qkv_proj'\].*block grids"):
         convert_to_fp8(model)
+
+
+# ---- slow: the real vLLM engine per architecture ----------------------------------------------------
+# vLLM float32 vs the trainer in float32: the same function computed by different kernels.
+ENGINE_MAE_BOUND = 1e-4
+SYNC_ARCHS = ("qwen2", "gemma2")  # the LoRA-sync check costs a second engine start per architecture
+
+
+@pytest.mark.slow
+def test_engine_vs_trainer_float32_and_lora_sync_per_architecture(tmp_path):
+    """bench/arch_parity.py in a subprocess: one engine per architecture, one after another.
+
+    A subprocess because the session already holds a vLLM engine (tests/conftest.py), and a second
+    engine in one process breaks the first (tests/rollout/test_fp8_quant.py).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(repo / "bench" / "arch_parity.py"), "--dtypes", "float32", "--prompts", "2",
+           "--tokens", "8", "--sync-check", ",".join(SYNC_ARCHS), "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    rows = {r["arch"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == ARCHS
+    for arch, r in rows.items():
+        assert r["engine_vs_trainer"] < ENGINE_MAE_BOUND, r
+        assert r["trainer_vs_own"] < 2e-5, r
+        # Samples that carry information: not all near-certain tokens.
+        assert r["mean_logprob"] < -0.05, r
+    for arch in SYNC_ARCHS:
+        r = rows[arch]
+        assert r["sync_changed"] and r["sync_same_samples"] and r["sync_same_logprobs"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, match", [
+    (["precision.recipe=fp8_unified"], "fp8_unified.*qkv_proj"),
+    (["model.lora.target_modules=[q_proj,v_proj]"], r"\['q_proj', 'v_proj'\] not found"),
+])
+def test_unsupported_combination_is_refused_at_start_by_the_cli(tmp_path, overrides, match):
+    # Phi3 (fused qkv_proj): exit 2 with one line naming the key, before any engine starts.
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    sets = [a for o in [f"model.path={ensure_arch_model('phi3')}", f"name={tmp_path.name}", *overrides]
+            for a in ("--set", o)]
+    proc = subprocess.run([sys.executable, "-m", "trainer", "train", str(repo / "recipes" / "grpo_tiny.yaml"), *sets,
+                           "--set", f"logging.run_dir={tmp_path}/runs/{{name}}", "--set", "logging.wandb.mode=disabled"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True,
+                          timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("parityrl:")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(errors) == 1 and re.search(match, errors[0]), proc.stderr[-2000:]
+    assert "Initializing a V1 LLM engine" not in proc.stderr
