@@ -34,7 +34,18 @@ precomputes under a scalar-loss assumption; see linkedin/Liger-Kernel issue #129
 Callers that only want values should run under ``torch.no_grad()`` so that this extra
 matmul is skipped.
 
-Formulas (z = (h W^T + b) / T, p = softmax(z), lse = log sum exp z):
+Logit transform: some architectures post-process the lm_head output before the softmax
+(Gemma2/3's final softcap ``cap * tanh(u / cap)``, Cohere's ``logit_scale``, Granite's
+``1 / logits_scaling``). With u = h W^T + b the logits are
+``z = scale * softcap(u) / T`` -- softcap first, then scale, the order of vLLM's
+``LogitsProcessor._get_logits`` (vllm/model_executor/layers/logits_processor.py); no
+architecture uses both. The caller passes the two numbers (``logit_softcap``,
+``logit_scale``); this module does not know about model configs. The chain rule adds
+dz/du = (scale / T) * (1 - tanh^2(u / cap)), recomputed with the logits in every tile;
+with a softcap each pass holds one more float32 tile (the tanh derivative).
+
+Formulas (z = (h W^T + b) / T, p = softmax(z), lse = log sum exp z; with a transform
+read d/du = dz/du * d/dz):
   logprob_i   = z_{i,t_i} - lse_i
   entropy_i   = -sum_j p_ij log p_ij = lse_i - sum_j p_ij z_ij
   d logprob_i / d z_ij = 1[j = t_i] - p_ij
@@ -54,7 +65,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -101,6 +112,8 @@ def fused_logprobs(
     chunk_size: Optional[int] = None,
     vocab_chunk_size: Optional[int] = None,
     ignore_index: int = IGNORE_INDEX,
+    logit_softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ) -> _Result:
     """Log-probs of ``targets`` (and entropy) under softmax((hidden @ weight.T + bias) / T), chunked.
 
@@ -119,6 +132,8 @@ def fused_logprobs(
         vocab_chunk_size: vocabulary entries per backward tile (also bounds the float32
             weight-gradient accumulator to ``vocab_chunk_size x H``); None: automatic.
         ignore_index: target value meaning "no token here".
+        logit_softcap: None, or cap > 0: logits become cap * tanh(logits / cap) (module docstring).
+        logit_scale: logits are multiplied by this (after the softcap, before 1/T).
 
     Returns:
         (logprobs, entropy): both shaped like ``targets``, float32 (float64 for float64
@@ -131,6 +146,7 @@ def fused_logprobs(
     flat_h, flat_t, bias, out_shape = _validate(
         hidden, weight, targets, bias, temperature, chunk_size, vocab_chunk_size, ignore_index
     )
+    xf = _transform(temperature, logit_softcap, logit_scale)
     n_tokens = flat_t.shape[0]
     compute_dtype = _compute_dtype(hidden.dtype)
 
@@ -163,7 +179,7 @@ def fused_logprobs(
     )
     fn = _backend_for(rows_h)
     lp, ent = fn.apply(
-        rows_h, weight, bias, rows_t, float(temperature), bool(return_entropy),
+        rows_h, weight, bias, rows_t, xf, bool(return_entropy),
         chunk_size or 0, vocab_chunk_size or 0, bool(precompute),
     )
     if not return_entropy:
@@ -184,6 +200,8 @@ def fused_gather_logprobs(
     bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     chunk_size: Optional[int] = None,
+    logit_softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
     """Log-probs of ``k`` given token ids per row, chunked like ``fused_logprobs``; no gradient.
 
@@ -192,7 +210,8 @@ def fused_gather_logprobs(
         ids: [N, k] or [B, T, k] token ids in [0, V) (e.g. the engine's top-k at each position).
     Returns:
         float32 (float64 for float64 inputs) log-probs shaped like ``ids``:
-        ``log softmax((hidden @ weight.T + bias) / T)[ids]``.
+        ``log softmax((hidden @ weight.T + bias) / T)[ids]`` (with the logit transform, as
+        ``fused_logprobs``).
 
     The logits tile is computed by the same code as ``fused_logprobs``'s forward
     (``_scaled_logits``: matmul in the input dtype, then float32), so a token's value here
@@ -203,6 +222,7 @@ def fused_gather_logprobs(
     k = ids.shape[-1]
     flat_h, _, bias, _ = _validate(hidden, weight, ids[..., 0] if k else ids.new_zeros(hidden.shape[:-1]), bias,
                                    temperature, chunk_size, None, IGNORE_INDEX)
+    xf = _transform(temperature, logit_softcap, logit_scale)
     flat_ids = ids.reshape(-1, k).long()
     vocab = weight.shape[0]
     if k and bool(((flat_ids < 0) | (flat_ids >= vocab)).any()):
@@ -213,11 +233,12 @@ def fused_gather_logprobs(
     if n == 0 or k == 0:
         return out.reshape(ids.shape)
     rows = min(n, chunk_size or _auto_chunk_rows(vocab, DEFAULT_MEMORY_BUDGET_BYTES))
-    buf = _Buffers(rows, vocab, weight.shape[1], hidden.dtype, cd, hidden.device, exp=False, grad_h=False, grad_w=False)
+    buf = _Buffers(rows, vocab, weight.shape[1], hidden.dtype, cd, hidden.device, exp=False, grad_h=False, grad_w=False,
+                   dcap=False)
     bias_c = bias.to(cd) if bias is not None else None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        z = _scaled_logits(flat_h[r0:r1], weight, bias_c, float(temperature), buf)
+        z, _ = _scaled_logits(flat_h[r0:r1], weight, bias_c, xf, buf)
         out[r0:r1] = z.gather(1, flat_ids[r0:r1]) - torch.logsumexp(z, dim=1, keepdim=True)
     return out.reshape(ids.shape)
 
@@ -233,6 +254,8 @@ def naive_logprobs(
     chunk_size: Optional[int] = None,
     vocab_chunk_size: Optional[int] = None,
     ignore_index: int = IGNORE_INDEX,
+    logit_softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ) -> _Result:
     """Reference: full logits, ``log_softmax(logits.float()).gather``; same contract as ``fused_logprobs``.
 
@@ -242,10 +265,15 @@ def naive_logprobs(
     """
     del chunk_size, vocab_chunk_size
     _, _, bias, _ = _validate(hidden, weight, targets, bias, temperature, None, None, ignore_index)
+    _transform(temperature, logit_softcap, logit_scale)
     compute_dtype = _compute_dtype(hidden.dtype)
     logits = (hidden @ weight.T).to(compute_dtype)
     if bias is not None:
         logits = logits + bias.to(compute_dtype)
+    if logit_softcap is not None:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
@@ -263,6 +291,26 @@ def naive_logprobs(
 # ----------------------------------------------------------------------------------
 # Validation and sizing
 # ----------------------------------------------------------------------------------
+
+
+class _Transform(NamedTuple):
+    """z = mult * softcap(u): ``mult`` = logit_scale / T, ``cap`` None or the softcap."""
+
+    mult: float
+    cap: Optional[float]
+
+
+def _transform(temperature, logit_softcap, logit_scale) -> _Transform:
+    if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and math.isfinite(logit_softcap)
+                                          and logit_softcap > 0):
+        raise ValueError(f"logit_softcap: expected None or a finite number > 0, got {logit_softcap!r}")
+    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale) and logit_scale > 0):
+        raise ValueError(f"logit_scale: expected a finite number > 0, got {logit_scale!r}")
+    # 1/T first, as before the transform existed: without one the bits are unchanged.
+    mult = 1.0 / float(temperature)
+    if logit_scale != 1.0:
+        mult *= float(logit_scale)
+    return _Transform(mult, None if logit_softcap is None else float(logit_softcap))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -400,12 +448,14 @@ class _Buffers:
     Tiles are stored flat so that a ragged last tile [r, v] is still a contiguous view.
     """
 
-    def __init__(self, rows, cols, hidden_size, in_dtype, compute_dtype, device, *, exp, grad_h, grad_w):
+    def __init__(self, rows, cols, hidden_size, in_dtype, compute_dtype, device, *, exp, grad_h, grad_w, dcap):
         self.z = torch.empty(rows * cols, dtype=compute_dtype, device=device)
         # Input-dtype tile: the matmul's output, then the input-dtype copy of d/dlogits.
         same = in_dtype == compute_dtype
         self.zin = self.z if same else torch.empty(rows * cols, dtype=in_dtype, device=device)
         self.e = torch.empty(rows * cols, dtype=compute_dtype, device=device) if exp else None
+        # d softcap(u) / du of the current tile, for passes that need a gradient under a softcap.
+        self.dcap = torch.empty(rows * cols, dtype=compute_dtype, device=device) if dcap else None
         self.gh = torch.empty(rows, hidden_size, dtype=in_dtype, device=device) if grad_h else None
         self.gw = torch.empty(cols, hidden_size, dtype=in_dtype, device=device) if grad_w else None
         # Float staging for _accumulate: 1M elements (4 MiB) is past the point of diminishing returns.
@@ -416,8 +466,11 @@ class _Buffers:
         return flat[: r * v].view(r, v)
 
 
-def _scaled_logits(h, w, bias_c, temperature, buf):
-    """float [r, v] tile of (h w^T + b) / T; the matmul stays in h's dtype."""
+def _scaled_logits(h, w, bias_c, xf, buf):
+    """(float [r, v] tile z = mult * softcap(h w^T + b), d softcap/du tile or None); the matmul stays in h's dtype.
+
+    The derivative tile is only filled when ``buf`` has room for it (passes that need gradients).
+    """
     r, v = h.shape[0], w.shape[0]
     z, zin = buf.tile(buf.z, r, v), buf.tile(buf.zin, r, v)
     torch.mm(h, w.T, out=zin)
@@ -425,9 +478,16 @@ def _scaled_logits(h, w, bias_c, temperature, buf):
         z.copy_(zin)
     if bias_c is not None:
         z += bias_c
-    if temperature != 1.0:
-        z *= 1.0 / temperature
-    return z
+    dcap = None
+    if xf.cap is not None:
+        z.mul_(1.0 / xf.cap).tanh_()
+        if buf.dcap is not None:
+            dcap = buf.tile(buf.dcap, r, v)
+            torch.mul(z, z, out=dcap).neg_().add_(1.0)  # 1 - tanh^2
+        z.mul_(xf.cap)
+    if xf.mult != 1.0:
+        z *= xf.mult
+    return z, dcap
 
 
 def _to_input_dtype(x, buf):
@@ -453,13 +513,13 @@ def _accumulate(acc, x, stage, first: bool):
     return acc
 
 
-def _forward_tile(h, weight, bias_c, t, temperature, want_entropy, want_grad_h, buf):
+def _forward_tile(h, weight, bias_c, t, xf, want_entropy, want_grad_h, buf):
     """One row chunk against the full vocabulary.
 
     Returns (logprob [r], lse [r], entropy [r] or None, G [r, H] or None) where
-    G = ((onehot(t) - p) / T) @ weight = d logprob / d hidden.
+    G = ((onehot(t) - p) * dz/du) @ weight = d logprob / d hidden.
     """
-    z = _scaled_logits(h, weight, bias_c, temperature, buf)
+    z, dcap = _scaled_logits(h, weight, bias_c, xf, buf)
     z_t = z.gather(1, t.unsqueeze(1)).squeeze(1)
     m = z.amax(dim=1, keepdim=True)
     z -= m  # z' = z - max, so exp never overflows
@@ -478,22 +538,25 @@ def _forward_tile(h, weight, bias_c, t, temperature, want_entropy, want_grad_h, 
     if want_grad_h:
         g = e.div_(s.unsqueeze(1)).neg_()  # -p
         g.scatter_add_(1, t.unsqueeze(1), torch.ones_like(z_t).unsqueeze(1))
-        if temperature != 1.0:
-            g *= 1.0 / temperature
+        if dcap is not None:
+            g *= dcap
+        if xf.mult != 1.0:
+            g *= xf.mult
         grad_h = torch.mm(_to_input_dtype(g, buf), weight, out=buf.gh[: h.shape[0]]).to(lse.dtype)
     return logprob, lse, ent, grad_h
 
 
-def _backward_tile(h, w_blk, b_blk_c, t, v0, lse, ent, g_lp, g_ent, temperature, buf):
+def _backward_tile(h, w_blk, b_blk_c, t, v0, lse, ent, g_lp, g_ent, xf, buf):
     """Minus the gradient of sum(g_lp * logprob + g_ent * entropy) w.r.t. the tile's raw logits.
 
     Rows ``h`` [r, H] against vocabulary block ``w_blk`` [v, H] starting at ``v0``.
     Returns float [r, v] (a view of ``buf.z``):
-        (p * (g_lp + g_ent * (log p + entropy)) - g_lp * onehot) / T
+        (p * (g_lp + g_ent * (log p + entropy)) - g_lp * onehot) * dz/du
     The sign is flipped because it saves a full pass over the tile; the caller negates
     the much smaller accumulated gradients once at the end.
     """
-    logp = _scaled_logits(h, w_blk, b_blk_c, temperature, buf).sub_(lse.unsqueeze(1))
+    logp, dcap = _scaled_logits(h, w_blk, b_blk_c, xf, buf)
+    logp.sub_(lse.unsqueeze(1))
     if g_ent is not None:
         p = torch.exp(logp, out=buf.tile(buf.e, *logp.shape))
         coef = logp.add_(ent.unsqueeze(1)).mul_(g_ent.unsqueeze(1))
@@ -506,17 +569,19 @@ def _backward_tile(h, w_blk, b_blk_c, t, v0, lse, ent, g_lp, g_ent, temperature,
         local = t - v0
         rows = ((local >= 0) & (local < w_blk.shape[0])).nonzero().squeeze(1)
         neg_grad.index_put_((rows, local[rows]), -g_lp[rows], accumulate=True)
-    if temperature != 1.0:
-        neg_grad *= 1.0 / temperature
+    if dcap is not None:
+        neg_grad *= dcap
+    if xf.mult != 1.0:
+        neg_grad *= xf.mult
     return neg_grad
 
 
-def _forward_pass(hidden, weight, bias, targets, temperature, want_entropy, precompute, rows):
+def _forward_pass(hidden, weight, bias, targets, xf, want_entropy, precompute, rows):
     cd = _compute_dtype(hidden.dtype)
     n, (vocab, hsize) = hidden.shape[0], weight.shape
     rows = min(rows, n)
     buf = _Buffers(rows, vocab, hsize, hidden.dtype, cd, hidden.device,
-                   exp=want_entropy, grad_h=precompute, grad_w=False)
+                   exp=want_entropy, grad_h=precompute, grad_w=False, dcap=precompute and xf.cap is not None)
     bias_c = bias.to(cd) if bias is not None else None
     lp = torch.empty(n, dtype=cd, device=hidden.device)
     lse = torch.empty_like(lp)
@@ -524,7 +589,7 @@ def _forward_pass(hidden, weight, bias, targets, temperature, want_entropy, prec
     gh = torch.empty(n, hsize, dtype=cd, device=hidden.device) if precompute else None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        out = _forward_tile(hidden[r0:r1], weight, bias_c, targets[r0:r1], temperature, want_entropy, precompute, buf)
+        out = _forward_tile(hidden[r0:r1], weight, bias_c, targets[r0:r1], xf, want_entropy, precompute, buf)
         lp[r0:r1], lse[r0:r1] = out[0], out[1]
         if want_entropy:
             ent[r0:r1] = out[2]
@@ -533,13 +598,13 @@ def _forward_pass(hidden, weight, bias, targets, temperature, want_entropy, prec
     return lp, lse, ent, gh
 
 
-def _backward_pass(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, temperature, need, rows, vblock):
+def _backward_pass(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, xf, need, rows, vblock):
     need_h, need_w, need_b = need
     cd = lse.dtype
     n, (vocab, hsize) = hidden.shape[0], weight.shape
     rows, vb = min(rows, n), min(vblock, vocab)
     buf = _Buffers(rows, vb, hsize, hidden.dtype, cd, hidden.device,
-                   exp=g_ent is not None, grad_h=need_h, grad_w=need_w and rows < n)
+                   exp=g_ent is not None, grad_h=need_h, grad_w=need_w and rows < n, dcap=xf.cap is not None)
     bias_c = bias.to(cd) if bias is not None else None
     # _backward_tile returns minus d/dlogits: gh and gb accumulate minus their gradient and
     # are negated once at the end; the weight gradient uses -hidden ([N, H], cheap) instead.
@@ -558,7 +623,7 @@ def _backward_pass(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, tempera
                 hidden[r0:r1], w_blk, bias_c[v0:v1] if bias_c is not None else None, targets[r0:r1], v0,
                 lse[r0:r1], ent[r0:r1] if ent is not None else None,
                 g_lp[r0:r1] if g_lp is not None else None, g_ent[r0:r1] if g_ent is not None else None,
-                temperature, buf,
+                xf, buf,
             )
             if need_b:
                 gb[v0:v1] += neg_grad.sum(0)
@@ -592,13 +657,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, want_entropy, chunk, vblock, precompute):
+    def forward(ctx, hidden, weight, bias, targets, xf, want_entropy, chunk, vblock, precompute):
         vocab, hsize = weight.shape
         rows = chunk or _auto_chunk_rows(vocab, DEFAULT_MEMORY_BUDGET_BYTES)
-        run = lambda r, _v: _forward_pass(hidden, weight, bias, targets, temperature, want_entropy, precompute, r)
+        run = lambda r, _v: _forward_pass(hidden, weight, bias, targets, xf, want_entropy, precompute, r)
         lp, lse, ent, gh = _retry_halving(run, min(rows, hidden.shape[0]), vocab, "forward", split_vocab=False)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, gh)
-        ctx.temperature, ctx.chunk, ctx.vblock, ctx.precompute = temperature, chunk, vblock, precompute
+        ctx.xf, ctx.chunk, ctx.vblock, ctx.precompute = xf, chunk, vblock, precompute
         ctx.set_materialize_grads(False)
         if ent is None:
             ent = torch.zeros(0, dtype=lp.dtype, device=lp.device)
@@ -625,7 +690,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         vocab, hsize = weight.shape
         rows, vblock = _backward_tile_shape(hidden.shape[0], vocab, hsize, ctx.chunk, ctx.vblock)
         run = lambda r, v: _backward_pass(
-            hidden, weight, bias, targets, lse, ent, g_lp, g_ent, ctx.temperature, need, r, v
+            hidden, weight, bias, targets, lse, ent, g_lp, g_ent, ctx.xf, need, r, v
         )
         gh, gw, gb = _retry_halving(run, rows, vblock, "backward", split_vocab=True)
         grad_h = gh.to(hidden.dtype) if gh is not None else None

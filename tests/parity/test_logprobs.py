@@ -441,3 +441,68 @@ def test_gather_logprobs_refuses_bad_ids():
         fused_gather_logprobs(hidden, weight, torch.full((4, 2), 10))
     with pytest.raises(ValueError, match="ids: expected shape"):
         fused_gather_logprobs(hidden, weight, torch.zeros(3, 2, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- logit transform (softcap, scale)
+
+
+def test_softcap_and_scale_hand_value():
+    # V = 2, raw logits u = [2, 1], cap = 2, scale = 0.5, T = 0.5:
+    #   softcap(u) = 2 tanh(u / 2) = [2 tanh 1, 2 tanh 0.5] = [1.5231883, 0.9242343]
+    #   z = softcap(u) * 0.5 / 0.5 = [1.5231883, 0.9242343]
+    #   logprob(target 0) = -log(1 + e^(0.9242343 - 1.5231883)) = -log(1 + 0.5493860) = -0.4378587
+    hidden = torch.tensor([[1.0]])
+    weight = torch.tensor([[2.0], [1.0]])
+    lp, _ = fused_logprobs(hidden, weight, torch.tensor([0]), temperature=0.5, logit_softcap=2.0, logit_scale=0.5)
+    assert lp.item() == pytest.approx(-0.4378587, abs=1e-6)
+    # Without the transform the same inputs give -log(1 + e^-2) = -0.1269280: the transform is not a no-op.
+    plain, _ = fused_logprobs(hidden, weight, torch.tensor([0]), temperature=0.5)
+    assert plain.item() == pytest.approx(-0.1269280, abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [8, None])
+def test_gradcheck_softcap_all_inputs(chunk):
+    # Weights scaled up so |u| reaches the cap: tanh is in its curved range, where a missing
+    # (1 - tanh^2) factor in the backward would be caught.
+    hidden, weight, bias, targets = _inputs()
+    weight = weight * 4
+    args = (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_())
+
+    def f(h, w, b):
+        return fused_logprobs(h, w, targets, bias=b, temperature=0.7, return_entropy=True, chunk_size=chunk,
+                              vocab_chunk_size=10, logit_softcap=1.5, logit_scale=0.8)
+
+    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_gradcheck_softcap_frozen_lm_head():
+    # The precomputed d logprob / d hidden path (frozen lm_head, no entropy).
+    hidden, weight, bias, targets = _inputs()
+    weight = weight * 4
+    f = lambda h: fused_logprobs(h, weight, targets, bias=bias, temperature=0.7, chunk_size=8,
+                                 logit_softcap=1.5, logit_scale=0.8)[0]
+    assert torch.autograd.gradcheck(f, (hidden.requires_grad_(),), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs", [dict(logit_softcap=1.5), dict(logit_scale=0.25), dict(logit_softcap=3.0, logit_scale=2.0)])
+def test_transform_matches_naive_and_gather(kwargs):
+    hidden, weight, bias, targets = _inputs(dtype=torch.float32)
+    weight = weight * 4
+    lp, ent = fused_logprobs(hidden, weight, targets, bias=bias, temperature=0.9, return_entropy=True, chunk_size=8,
+                             **kwargs)
+    ref, ref_ent = naive_logprobs(hidden, weight, targets, bias=bias, temperature=0.9, return_entropy=True, **kwargs)
+    assert torch.allclose(lp, ref, atol=1e-6) and torch.allclose(ent, ref_ent, atol=1e-6)
+    plain, _ = naive_logprobs(hidden, weight, targets, bias=bias, temperature=0.9)
+    assert (plain - ref).abs().max() > 0.05
+    top = lpmod.fused_gather_logprobs(hidden, weight, targets.unsqueeze(1), bias=bias, temperature=0.9, chunk_size=8,
+                                      **kwargs)
+    assert torch.equal(top.squeeze(1), lp)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(logit_softcap=0.0), "logit_softcap"),
+                                           (dict(logit_softcap=float("inf")), "logit_softcap"),
+                                           (dict(logit_scale=-1.0), "logit_scale")])
+def test_bad_transform_is_refused(kwargs, match):
+    hidden, weight, bias, targets = _inputs(dtype=torch.float32)
+    with pytest.raises(ValueError, match=match):
+        fused_logprobs(hidden, weight, targets, **kwargs)

@@ -420,13 +420,14 @@ def load_model_for_rm_training(model_dir: str, cfg: RMConfig, tokenizer, device)
     if lora.enabled:
         from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
-        present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-        missing = [m for m in lora.target_modules if m not in present]
-        if missing:
-            raise RecipeError(f"model.lora.target_modules = {lora.target_modules!r}: {missing} not found in "
-                              f"{model_dir}; expected names of its linear layers")
+        from trainer.models.architecture import resolve_lora_targets
+
+        try:
+            targets = resolve_lora_targets(model, lora.target_modules)
+        except ValueError as err:
+            raise RecipeError(f"{model_dir}: {err}") from None
         model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                     target_modules=list(lora.target_modules), task_type="SEQ_CLS"))
+                                                     target_modules=targets, task_type="SEQ_CLS"))
     elif cfg.model.dtype == "bfloat16":
         model = model.float()  # full fine-tuning: float32 master weights (as `parityrl sft` does)
     return model.to(device)

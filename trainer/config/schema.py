@@ -21,9 +21,9 @@ class LoraConfig:
     r: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    # "all-linear": every nn.Linear inside the decoder blocks, found in the model (MoE routers
+    # excluded; trainer.models.architecture.decoder_linear_leaves), printed at start.
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
 
 @dataclass

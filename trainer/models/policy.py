@@ -14,7 +14,9 @@ import torch
 from parity.logprobs import fused_gather_logprobs, fused_logprobs
 from trainer.models.batch import TokenBatch
 from trainer.config import LoraConfig
-from trainer.models.architecture import split_model
+from trainer.config.schema import RecipeError
+from trainer.models.architecture import (attention_implementation, frozen_expert_params, logit_parity_error,
+                                         logit_transform, resolve_lora_targets, split_model)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -30,22 +32,42 @@ def load_tokenizer(model_dir: str):
     return tok
 
 
-def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cpu"):
-    from transformers import AutoModelForCausalLM
+# Largest mean |log-prob difference| of the load-time probe (``logit_parity_error``) per dtype.
+# float32: both sides compute the same function (measured <= 1e-6 on the architecture matrix);
+# bf16/fp16: the model's forward rounds its logit transform in that dtype, the kernel in float32.
+# A dropped transform is far above either (Gemma2's softcap on the matrix model: 0.05-0.3).
+LOGIT_PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05, "float16": 0.05}
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
-    return model.to(device)
+
+def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cpu"):
+    """The causal LM, with the attention implementation that computes what the model defines.
+
+    Refuses (ValueError) a model whose own forward's log-probs the fused kernel does not
+    reproduce (an unknown logit post-processing): training it would optimise another function.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    attn = attention_implementation(AutoConfig.from_pretrained(model_dir))
+    kwargs = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], **kwargs).to(device)
+    err = logit_parity_error(model)
+    if not err <= LOGIT_PROBE_TOLERANCE[dtype]:
+        raise RecipeError(f"model.path = {model_dir!r}: {type(model).__name__}'s own forward gives log-probs "
+                         f"{err:.3g} (mean abs) away from lm_head + log-softmax with the logit transform parityrl "
+                         f"knows ({logit_transform(model.config)}); expected <= {LOGIT_PROBE_TOLERANCE[dtype]}: "
+                         "its logit post-processing is not supported")
+    return model
 
 
 def add_lora(model, lora: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [m for m in lora.target_modules if m not in present]
-    if missing:
-        raise ValueError(f"model.lora.target_modules: {missing} not found in the model; "
-                         f"linear layers it has: {sorted(n for n in present if 'proj' in n or 'fc' in n)}")
-    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
+    targets = resolve_lora_targets(model, lora.target_modules)
+    experts = frozen_expert_params(model)
+    print(f"LoRA targets ({type(model).__name__}): {', '.join(targets)}"
+          + (f"; {len(experts)} fused MoE expert tensors stay frozen (e.g. {experts[0]})" if experts else ""),
+          flush=True)
+    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                          task_type="CAUSAL_LM")
     # PEFT keeps the adapter weights in float32 (autocast_adapter_dtype) while the base
     # stays in the model dtype: small updates are not rounded away in bf16.
@@ -81,7 +103,16 @@ def completion_hidden(model, batch: TokenBatch, value_head=None):
         values = None if value_head is None else value_head(hidden)
     p, c = batch.prompt_len, batch.targets.shape[1]
     values = None if value_head is None else values[:, p - 1:p - 1 + c]
-    return hidden[:, p - 1:p - 1 + c], full_lm_head(lm_head), values
+    config = (wrapped.policy if wrapped is not None else model).config
+    return hidden[:, p - 1:p - 1 + c], LogitHead(full_lm_head(lm_head), config), values
+
+
+class LogitHead:
+    """What the fused kernel reads of the output layer: lm_head's weight and bias, and the model's logit transform."""
+
+    def __init__(self, lm_head, config) -> None:
+        self.weight, self.bias = lm_head.weight, lm_head.bias
+        self.transform = logit_transform(config)
 
 
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
@@ -100,10 +131,11 @@ def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_s
 def logprobs_from_hidden(hidden, lm_head, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
                          return_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None):
     """``completion_logprobs`` from already computed ``completion_hidden`` (same returns)."""
+    xf = getattr(lm_head, "transform", {})  # a bare Linear: no transform
     lp, ent = fused_logprobs(hidden, lm_head.weight, batch.targets, bias=lm_head.bias, temperature=temperature,
-                             return_entropy=return_entropy, chunk_size=chunk_size)
+                             return_entropy=return_entropy, chunk_size=chunk_size, **xf)
     if topk_ids is None:
         return lp, ent
     top = fused_gather_logprobs(hidden.detach(), lm_head.weight.detach(), topk_ids, temperature=temperature,
-                                bias=None if lm_head.bias is None else lm_head.bias.detach(), chunk_size=chunk_size)
+                                bias=None if lm_head.bias is None else lm_head.bias.detach(), chunk_size=chunk_size, **xf)
     return lp, ent, top

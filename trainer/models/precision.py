@@ -51,7 +51,8 @@ from torch import nn
 
 from parity.precision import FP8_BACKENDS, FP8_TARGETS, fake_quant_weight, fp8_linear, verify_scaled_mm
 
-__all__ = ["FP8_TARGETS", "Fp8Linear", "convert_to_fp8", "fp8_weights", "is_fp8_module", "lora_merged_weight"]
+__all__ = ["FP8_TARGETS", "Fp8Linear", "convert_to_fp8", "fp8_targets", "fp8_weights", "is_fp8_module",
+           "lora_merged_weight"]
 
 
 class Fp8Linear(nn.Linear):
@@ -133,16 +134,33 @@ def is_fp8_module(module: nn.Module) -> bool:
     return isinstance(module, Fp8Linear) or getattr(type(module), "_parityrl_fp8", False)
 
 
-def _decoder_layers(model: nn.Module) -> tuple[str, nn.Module]:
-    """(name under the HF root, ModuleList of decoder layers) of a causal LM, PEFT-wrapped or not."""
-    root = model.get_base_model() if hasattr(model, "get_base_model") else model
-    prefix = getattr(root, "base_model_prefix", "model")
-    backbone = getattr(root, prefix, None)
-    layers = getattr(backbone, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(root).__name__}: no decoder layers at .{prefix}.layers; convert_to_fp8 supports "
-                        "Llama-style *ForCausalLM models (Llama, Mistral, Qwen2/3)")
-    return f"{prefix}.layers", layers
+def fp8_targets(model: nn.Module) -> tuple[str, ...]:
+    """The leaf names ``fp8_unified`` quantizes in this model: its decoder linear layers, if the engine quantizes the same.
+
+    Derived from the model (``decoder_linear_leaves``: every Linear in the decoder blocks but
+    MoE routers -- the LoRA ``all-linear`` set). The engine's quantization method
+    (``rollout.fp8_quant.EmulatedFp8Config``) decides per vLLM layer from ``FP8_TARGETS`` and
+    the model's fused-module mapping; both sides quantize the same set exactly when every
+    leaf found here is one of ``FP8_TARGETS`` (tests/trainer/models/test_architectures.py
+    compares the two sets per architecture). Refused otherwise, e.g. Phi3's fused
+    ``qkv_proj``/``gate_up_proj``: the trainer's layer is one matrix on one 128x128 block grid,
+    while vLLM's loader splits it into q/k/v (gate/up) shards whose grids restart at each shard,
+    a different quantization whenever a shard is not a multiple of 128 rows.
+    MoE routed experts are not Linear layers on either side (fused 3-D tensors; vLLM's
+    ``FusedMoE``): they stay unquantized on both.
+    """
+    from trainer.config.schema import RecipeError
+    from trainer.models.architecture import decoder_linear_leaves
+
+    leaves = tuple(decoder_linear_leaves(model))
+    other = [leaf for leaf in leaves if leaf not in FP8_TARGETS]
+    if other:
+        root = model.get_base_model() if hasattr(model, "get_base_model") else model
+        raise RecipeError(f"precision.recipe = 'fp8_unified': {type(root).__name__}'s decoder linear layers {other} are "
+                         f"not ones the engine's FP8 method quantizes per Hugging Face module ({list(FP8_TARGETS)}); "
+                         "fused HF modules (e.g. Phi3's qkv_proj) would be quantized on different block grids by "
+                         "the engine and the trainer")
+    return leaves
 
 
 def _check_lora(name: str, module: nn.Module) -> None:
@@ -165,7 +183,7 @@ def _check_lora(name: str, module: nn.Module) -> None:
             raise NotImplementedError(f"{name}: adapter {adapter!r} has lora_bias=True; not supported by fp8")
 
 
-def convert_to_fp8(model: nn.Module, *, targets: Iterable[str] = FP8_TARGETS, backend: str = "emulated") -> list[str]:
+def convert_to_fp8(model: nn.Module, *, targets: Optional[Iterable[str]] = None, backend: str = "emulated") -> list[str]:
     """Make every targeted linear layer of the decoder run ``fp8_linear``, in place; returns their names.
 
     model: a Hugging Face causal LM, or a PEFT model wrapping one; call it
@@ -173,6 +191,7 @@ def convert_to_fp8(model: nn.Module, *, targets: Iterable[str] = FP8_TARGETS, ba
         docstring; converting again after wrapping is fine, it is idempotent).
     targets: leaf names of the linear layers to quantize, inside ``<prefix>.layers``
         only (lm_head and embeddings are never touched). Every target must exist.
+        None: ``fp8_targets(model)`` (which refuses architectures the engine would quantize differently).
     backend: "emulated" (quantize -> dequantize -> BF16 GEMM; any device) or
         "scaled_mm" (CUDA SM90+: FP8 GEMMs; checked once against the emulation here).
     Names returned are relative to the Hugging Face model (e.g.
@@ -180,10 +199,12 @@ def convert_to_fp8(model: nn.Module, *, targets: Iterable[str] = FP8_TARGETS, ba
     """
     if backend not in FP8_BACKENDS:
         raise ValueError(f"backend = {backend!r}: expected one of {FP8_BACKENDS}")
-    targets = tuple(targets)
     from peft.tuners.lora import LoraLayer
 
-    prefix, layers = _decoder_layers(model)
+    from trainer.models.architecture import decoder_layers
+
+    targets = fp8_targets(model) if targets is None else tuple(targets)
+    prefix, layers = decoder_layers(model)
     if backend == "scaled_mm":
         verify_scaled_mm(next(layers.parameters()).device)
     found: set[str] = set()
