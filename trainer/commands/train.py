@@ -18,6 +18,9 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool) -> int
 
     try:
         train(cfg, resume=resume)
+    except RecipeError as e:  # data that does not fit the recipe, found when loaded (e.g. over-long prompts)
+        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        return 2
     except (FileExistsError, FileNotFoundError) as e:  # run-directory state: a user decision, not a crash
         print(f"parityrl: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from parity.correction import importance_weights
-from parity.guards import threshold_violations
+from parity.guards import MaeRatioLimit, threshold_violations
 from trainer.io import checkpoint as ckpt
 from trainer.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageInputs, LossInputs
 from trainer.models.batch import TokenBatch, batch_from_rollouts
@@ -240,8 +240,10 @@ class ParityLimitExceeded(RuntimeError):
     """The step's rollout/trainer mismatch broke a recipe limit with ``parity.on_violation: stop``."""
 
 
-def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = "parity/", when: str = "") -> None:
+def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = "parity/", when: str = "",
+                           ratio: MaeRatioLimit | None = None) -> None:
     problems = threshold_violations(m, max_mae=cfg.parity.max_mae, max_kl_k3=cfg.parity.max_kl_k3, prefix=prefix)
+    problems += ratio.violations(m, prefix) if ratio is not None else []
     if not problems:
         return
     msg = f"step {step}{when}: " + "; ".join(problems)
@@ -274,7 +276,7 @@ def _draw_round(engine, batcher, tokenizer, reward_fns, cfg: RunConfig, step: in
     rows = dp.shard(next(batcher))  # every rank draws the same batch and keeps its slice
     prompts = [r["prompt"] for r in rows]
     prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
-                                max_prompt_tokens=d.max_prompt_tokens)
+                                max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
     spec = sampling_spec(cfg, step)
     first = round_index * cfg.rollout.prompts_per_step * spec.n + dp.offset(len(prompt_ids) * spec.n)
     rollouts = engine.generate(prompt_ids, replace(spec, index_offset=first))
@@ -307,7 +309,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from trainer.data.datasets import PromptBatcher, encode_prompts, load_prompt_dataset
+    from trainer.data.datasets import PromptBatcher, apply_prompt_budget, encode_prompts, load_prompt_dataset
     from trainer.models.builtin import resolve_model_path
     from trainer.commands.train_rm import build_reward_sources
     from rollout.weight_export import merged_lora_weights  # noqa: F401  (import early: fail before the engine starts)
@@ -339,6 +341,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     d = cfg.data
     dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
+    dataset = apply_prompt_budget(dataset, tokenizer, d, verbose=accelerator.is_main_process)  # before the engine
     batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
     # Rule functions and reward models (trainer/commands/train_rm.py), each logged as reward/<name>.
     reward_fns, _ = build_reward_sources(cfg.reward, accelerator.device)
@@ -423,7 +426,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     # The probe's prompts: the dataset's first rows, the same every step and after a resume.
     n_probe = min(cfg.parity.probe_prompts, len(dataset))
     probe_ids = encode_prompts(tokenizer, [dataset[i]["prompt"] for i in range(n_probe)],
-                               use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens) if n_probe else []
+                               use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                               system_prompt=d.system_prompt) if n_probe else []
+    ratio_limit = MaeRatioLimit(cfg.parity.max_mae_ratio)  # its baseline: the first mae measured below
     try:
         # Probe before the first step: the engine must already agree with the trainer.
         m0 = _probe(engine, model, probe_ids, cfg, tokenizer, accelerator.device, dp)
@@ -433,7 +438,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             if start_step == 0:  # a resumed run has logged this step already; wandb steps only increase
                 logger.log(0, m0, echo=False)
         if m0:  # every rank sees the same pooled values and stops together
-            _enforce_parity_limits(cfg, start_step, m0, prefix="probe/", when=" (probe before training)")
+            _enforce_parity_limits(cfg, start_step, m0, prefix="probe/", when=" (probe before training)", ratio=ratio_limit)
         for step in range(start_step + 1, cfg.train.steps + 1):
             t_step = time.perf_counter()
             m: dict[str, float] = {}
@@ -484,7 +489,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             m.update(dp.pooled_parity(out["train_logprobs"], batch.rollout_logprobs, batch.mask,
                                       train_topk_logprobs=out["train_topk_logprobs"],
                                       rollout_topk_logprobs=batch.topk_logprobs))
-            _enforce_parity_limits(cfg, step, m)
+            _enforce_parity_limits(cfg, step, m, ratio=ratio_limit)
             if accelerator.is_main_process:
                 breakdown = step_breakdown(out["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
                                            tokenizer, entropy=out["entropy"])
@@ -518,7 +523,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             logger.log(step, m)
             result.history.append({"step": step, **m})
             # After logging (the step's record keeps the probe values), before the checkpoint.
-            _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)")
+            _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)", ratio=ratio_limit)
 
             # ---------------------------------------------------- checkpoint
             every = cfg.checkpoint.every
