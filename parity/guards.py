@@ -27,3 +27,41 @@ def threshold_violations(metrics: Mapping[str, float], *, max_mae: Optional[floa
         if math.isnan(value) or value > limit:
             out.append(f"{key} = {value:.3g} exceeds the recipe's limit {limit:.3g}")
     return out
+
+
+# Below this mae a ratio says nothing: float32 on both sides measures ~1e-5 on a 30-layer model
+# (README "The bound we hold ourselves to"), where a 5x move is still far below any BF16 level,
+# and an exact recipe's 0 would make every later non-zero value an infinite ratio.
+RATIO_MAE_FLOOR = 1e-4
+
+
+class MaeRatioLimit:
+    """``parity.max_mae_ratio``: a mae more than ``max_ratio`` times the run's first one is a breach.
+
+    Which absolute mae is normal depends on the model's depth and the dtype (2e-3 for the
+    4-layer tiny model in BF16, 5e-2 for a 30-layer one), so a fixed limit either misses
+    a broken sync on a deep model or fires on every step of it. The run's own first
+    measurement (the probe before step 1, or step 1's ``parity/mae`` without a probe) is the
+    baseline; later ``parity/mae`` and ``probe/mae`` values are compared with
+    ``max_ratio * max(baseline, RATIO_MAE_FLOOR)``. A NaN counts as a breach. ``max_ratio``
+    None disables it. State: the baseline, set once (every rank sees the same pooled values).
+    """
+
+    def __init__(self, max_ratio: Optional[float], floor: float = RATIO_MAE_FLOOR) -> None:
+        self.max_ratio, self.floor = max_ratio, floor
+        self.baseline: Optional[float] = None
+
+    def violations(self, metrics: Mapping[str, float], prefix: str = "parity/") -> list[str]:
+        key = prefix + "mae"
+        if self.max_ratio is None or key not in metrics:
+            return []
+        value = float(metrics[key])
+        if self.baseline is None:
+            if math.isfinite(value):
+                self.baseline = value
+            return []
+        limit = self.max_ratio * max(self.baseline, self.floor)
+        if math.isnan(value) or value > limit:
+            return [f"{key} = {value:.3g} is more than parity.max_mae_ratio = {self.max_ratio:g} times the run's first "
+                    f"mae {self.baseline:.3g} (limit {limit:.3g})"]
+        return []

@@ -97,6 +97,8 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-column", default="prompt", help="prompt column of a .jsonl/.json/.parquet file")
     p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
                    help="render prompts with the tokenizer's chat template (auto: if it has one)")
+    p.add_argument("--system-prompt", default=None,
+                   help="the chat template's system message ('' = none; default: the template's own)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse prompts longer than this")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="engine context (default: longest prompt + max new tokens)")
@@ -195,7 +197,7 @@ def _compare(args) -> int:
             use_chat_template={"auto": None, "on": True, "off": False}[args.chat_template],
             max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_bytes, batch_size=args.batch_size, self_check=args.self_check, topk=args.topk,
-            precision=args.precision,
+            precision=args.precision, system_prompt=args.system_prompt,
             overwrite=args.overwrite, progress=progress)
     except (CompareError, FileExistsError, ImportError) as e:
         print(f"parityrl compare: {e}", file=sys.stderr)

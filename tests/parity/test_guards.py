@@ -1,4 +1,4 @@
-from parity.guards import threshold_violations
+from parity.guards import MaeRatioLimit, threshold_violations
 
 
 def test_violations_name_metric_value_and_limit():
@@ -20,3 +20,28 @@ def test_probe_prefix_checks_the_probe_keys_only():
     assert threshold_violations(m, max_mae=0.01, prefix="probe/") == []
     assert threshold_violations({"probe/kl_k3": 0.2}, max_kl_k3=0.1, prefix="probe/") == [
         "probe/kl_k3 = 0.2 exceeds the recipe's limit 0.1"]
+
+
+def test_mae_ratio_first_value_is_the_baseline_then_k_times_it_is_the_limit():
+    lim = MaeRatioLimit(5.0)
+    assert lim.violations({"probe/mae": 0.04}, prefix="probe/") == []  # sets the baseline, never a breach
+    assert lim.baseline == 0.04
+    assert lim.violations({"parity/mae": 0.2}) == []  # 5 x 0.04 = 0.2: at the limit is allowed
+    assert lim.violations({"parity/mae": 0.21}) == [
+        "parity/mae = 0.21 is more than parity.max_mae_ratio = 5 times the run's first mae 0.04 (limit 0.2)"]
+    assert lim.violations({"probe/mae": 0.3}, prefix="probe/") == [
+        "probe/mae = 0.3 is more than parity.max_mae_ratio = 5 times the run's first mae 0.04 (limit 0.2)"]
+    assert lim.baseline == 0.04  # later values never move it
+
+
+def test_mae_ratio_floor_nan_missing_and_off():
+    lim = MaeRatioLimit(5.0)
+    lim.violations({"probe/mae": 0.0}, prefix="probe/")  # an exact recipe: 0
+    assert lim.violations({"parity/mae": 5e-4}) == []  # 5 x max(0, floor 1e-4) = 5e-4
+    assert lim.violations({"parity/mae": 6e-4}) != []
+    assert lim.violations({"parity/mae": float("nan")}) != []
+    assert lim.violations({"parity/num_tokens": 0}) == []  # no tokens: no key, nothing to judge
+    nan_first = MaeRatioLimit(2.0)
+    assert nan_first.violations({"parity/mae": float("nan")}) == [] and nan_first.baseline is None
+    off = MaeRatioLimit(None)
+    assert off.violations({"parity/mae": 1.0}) == [] and off.violations({"parity/mae": 100.0}) == []

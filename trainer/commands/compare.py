@@ -170,11 +170,13 @@ def _chat_template_info(tokenizer, use_chat_template: Optional[bool], model_dir:
             "text": template}
 
 
-def _encode(tokenizer, prompts: list[str], used: bool, max_prompt_tokens: Optional[int]) -> list[list[int]]:
+def _encode(tokenizer, prompts: list[str], used: bool, max_prompt_tokens: Optional[int],
+            system_prompt: Optional[str] = None) -> list[list[int]]:
     from trainer.data.datasets import encode_prompts
 
     try:
-        return encode_prompts(tokenizer, prompts, use_chat_template=used, max_prompt_tokens=max_prompt_tokens)
+        return encode_prompts(tokenizer, prompts, use_chat_template=used, max_prompt_tokens=max_prompt_tokens,
+                              system_prompt=system_prompt)
     except ValueError as e:
         raise CompareError(str(e)) from None
 
@@ -412,6 +414,7 @@ def run_compare(
     self_check: bool = False,
     topk: int = 0,
     precision: str = "bf16",
+    system_prompt: Optional[str] = None,
     overwrite: bool = False,
     num_examples: int = 5,
     worst_k: int = 20,
@@ -431,6 +434,7 @@ def run_compare(
         n: samples per prompt (sample i answers prompt i // n).
         dtype: trainer (and started engine) dtype, one of ``trainer.models.policy.DTYPES``.
         use_chat_template: None = use the tokenizer's chat template if it has one.
+        system_prompt: the template's system turn, as a recipe's ``data.system_prompt`` (None = its default).
         max_model_len: engine context; None = longest prompt + max_new_tokens.
         kv_cache_bytes: vLLM's CPU KV cache size (None: the engine's default).
         batch_size, chunk_size: samples per scoring micro-batch; fused kernel rows per tile.
@@ -460,7 +464,7 @@ def run_compare(
     prompts = load_prompts(prompts_path, prompt_column=prompt_column, num_prompts=num_prompts)
     tokenizer = load_tokenizer(model_dir)
     template = _chat_template_info(tokenizer, use_chat_template, model_dir)
-    prompt_ids = _encode(tokenizer, prompts, template["used"], max_prompt_tokens)
+    prompt_ids = _encode(tokenizer, prompts, template["used"], max_prompt_tokens, system_prompt)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf = load_base_model(model_dir, dtype, device).eval()

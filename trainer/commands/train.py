@@ -18,7 +18,7 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool) -> int
 
     try:
         train(cfg, resume=resume)
-    except RecipeError as e:  # found once the model is loaded: an architecture the recipe cannot run on
+    except RecipeError as e:  # found once data or model is loaded: over-long prompts, an architecture the recipe cannot run on
         print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError) as e:  # run-directory state: a user decision, not a crash

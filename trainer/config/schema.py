@@ -46,6 +46,13 @@ class DataConfig:
     use_chat_template: bool = True
     max_prompt_tokens: int = 64
     builtin_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The chat template's system turn (trainer.data.datasets.chat_messages): null = the template's
+    # own default (SmolLM2 inserts ~20 tokens of it), "" = no system text, else this message.
+    system_prompt: Optional[str] = None
+    # Prompts longer than max_prompt_tokens (chat template included), found when the dataset is
+    # loaded: error = refuse to start, naming the rows; drop = train without them (verl's
+    # data.filter_overlong_prompts), the count logged.
+    overlong_prompts: Literal["error", "drop"] = "error"
 
 
 @dataclass
@@ -174,6 +181,11 @@ class ParityConfig:
     # (trainer/rl/probe.py: one prefill in the engine + one forward in the trainer per probe).
     probe_every: int = 1
     probe_first: int = 3
+    # Relative limit (parity.guards.MaeRatioLimit): a step's or the probe's mae above this many
+    # times the run's first measurement (the probe before step 1) is a violation. On by default:
+    # what is normal depends on model depth and dtype (README "The bound we hold ourselves to"),
+    # a jump relative to the run's own start does not. null = off.
+    max_mae_ratio: Optional[float] = 5.0
 
 
 @dataclass

@@ -179,6 +179,8 @@ def _check_parity(cfg: RunConfig, need: Need) -> None:
     for key in ("max_mae", "max_kl_k3"):
         v = getattr(p, key)
         need(v is None or v > 0, f"parity.{key}", v, "null or a number > 0")
+    ratio = cfg.parity.max_mae_ratio
+    need(ratio is None or ratio > 1, "parity.max_mae_ratio", ratio, "null or a number > 1 (a multiple of the run's first mae)")
     # The top-k costs a [tokens, k] transfer per step; beyond a few hundred the rest
     # bucket is negligible anyway and vLLM's sampler slows down (torch.topk on the vocab).
     need(0 <= p.topk <= 256, "parity.topk", p.topk, "an integer in [0, 256] (0 = off)")
@@ -218,6 +220,10 @@ def check_model_path(mp: str, where: str) -> None:
 
         if mp not in BUILTIN_MODELS:
             raise RecipeError(f"{where}: model.path = {mp!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
+        from trainer.models.pretrained import missing_requirement
+
+        if missing_requirement(mp):
+            raise RecipeError(f"{where}: model.path = {mp!r}: {missing_requirement(mp)}")
     elif _looks_local(mp):
         d = Path(mp).expanduser()
         if not d.is_dir():

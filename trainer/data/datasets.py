@@ -25,7 +25,7 @@ from typing import Any
 
 import datasets
 
-__all__ = ["PromptBatcher", "encode_prompts", "load_prompt_dataset"]
+__all__ = ["PromptBatcher", "apply_prompt_budget", "chat_messages", "check_prompt_lengths", "encode_prompts", "load_prompt_dataset"]
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # Suffixes that mark a source as a file path rather than a Hub id, so a missing
@@ -177,12 +177,14 @@ def encode_prompts(
     *,
     use_chat_template: bool = True,
     max_prompt_tokens: int | None = None,
+    system_prompt: str | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt, ready for the rollout engine.
 
     With ``use_chat_template`` each prompt becomes one user turn rendered by the
     tokenizer's chat template with the generation prompt appended (the template
-    writes any BOS itself, so no special tokens are added on top); otherwise the
+    writes any BOS itself, so no special tokens are added on top), after the
+    system turn ``system_prompt`` asks for (``chat_messages``); otherwise the
     raw text is encoded with the tokenizer's own special tokens (e.g. BOS).
 
     The template is rendered to text and then encoded, rather than calling
@@ -206,10 +208,7 @@ def encode_prompts(
         if not isinstance(prompt, str):
             raise TypeError(f"prompts[{i}] is {type(prompt).__name__}, expected str")
         if use_chat_template:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = _chat_ids(tokenizer, chat_messages(tokenizer, prompt, system_prompt))
         else:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
@@ -219,6 +218,90 @@ def encode_prompts(
             )
         encoded.append(list(ids))
     return encoded
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_messages(tokenizer: Any, user: str, system_prompt: str | None) -> list[dict]:
+    """The messages a user prompt is rendered from, for a recipe's ``data.system_prompt``.
+
+    * ``None``: the user turn alone; the template decides (SmolLM2's and Qwen2.5's insert
+      their default system prompt, ~20-30 tokens of the prompt budget).
+    * ``""``: no system text. Whichever of "no system message" and "an empty system
+      message" renders shorter: a template that inserts a default when the first message
+      is not a system one only skips it for an explicit (empty) system message, while a
+      template without a default would render that empty message as an extra turn.
+    * any other string: that system message.
+    """
+    user_turn = [{"role": "user", "content": user}]
+    if system_prompt is None:
+        return user_turn
+    if system_prompt:
+        return [{"role": "system", "content": system_prompt}] + user_turn
+    empty = [{"role": "system", "content": ""}] + user_turn
+    try:
+        shorter = len(_chat_ids(tokenizer, empty)) < len(_chat_ids(tokenizer, user_turn))
+    except Exception:  # noqa: BLE001 - templates that refuse a system role raise their own error types
+        return user_turn
+    return empty if shorter else user_turn
+
+
+def check_prompt_lengths(
+    dataset: datasets.Dataset,
+    tokenizer: Any,
+    *,
+    max_prompt_tokens: int,
+    use_chat_template: bool = True,
+    system_prompt: str | None = None,
+    overlong: str = "error",
+    source: str = "<dataset>",
+) -> tuple[datasets.Dataset, list[int]]:
+    """Every row's prompt measured once, at load time, against ``max_prompt_tokens``.
+
+    Measuring here rather than when a batch is drawn means an over-long prompt cannot
+    stop a run at step N with N-1 steps done (and it is named by its dataset row, not by
+    its index within a batch). ``overlong``: ``"error"`` raises ``ValueError`` naming the
+    first rows that do not fit and their lengths; ``"drop"`` removes them (verl's
+    ``data.filter_overlong_prompts``). Returns the dataset kept and the dropped rows.
+    """
+    if overlong not in ("error", "drop"):
+        raise ValueError(f"overlong={overlong!r}: expected 'error' or 'drop'")
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, dataset["prompt"], use_chat_template=use_chat_template,
+                                                  system_prompt=system_prompt)]
+    too_long = [i for i, n in enumerate(lengths) if n > max_prompt_tokens]
+    if not too_long:
+        return dataset, []
+    if overlong == "error":
+        shown = ", ".join(f"row {i} ({lengths[i]} tokens)" for i in too_long[:5])
+        more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+        raise ValueError(
+            f"data.max_prompt_tokens = {max_prompt_tokens}: {len(too_long)} of {len(lengths)} prompts of {source!r} are"
+            f" longer: {shown}{more}; expected every prompt to fit (raise the limit, or set data.overlong_prompts: drop)"
+        )
+    keep = sorted(set(range(len(lengths))) - set(too_long))
+    if not keep:
+        raise ValueError(f"data.max_prompt_tokens = {max_prompt_tokens}: every prompt of {source!r} is longer"
+                         f" (shortest {min(lengths)} tokens); nothing is left to train on")
+    return dataset.select(keep), too_long
+
+
+def apply_prompt_budget(dataset: datasets.Dataset, tokenizer: Any, data: Any, *, verbose: bool = True) -> datasets.Dataset:
+    """``check_prompt_lengths`` with a recipe's ``data`` section; a refusal is a ``RecipeError`` (exit 2)."""
+    from trainer.config.schema import RecipeError
+
+    try:
+        kept, dropped = check_prompt_lengths(
+            dataset, tokenizer, max_prompt_tokens=data.max_prompt_tokens, use_chat_template=data.use_chat_template,
+            system_prompt=data.system_prompt, overlong=data.overlong_prompts, source=data.source)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+    if dropped and verbose:
+        print(f"data.overlong_prompts: drop: {len(dropped)} of {len(dataset)} prompts are longer than"
+              f" data.max_prompt_tokens = {data.max_prompt_tokens} and were dropped (first rows: {dropped[:5]})", flush=True)
+    return kept
 
 
 class PromptBatcher:

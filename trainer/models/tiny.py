@@ -142,10 +142,14 @@ def build_tiny_base(
 
 
 # The built-in models (``model.path: builtin:...``), resolved by trainer.models.builtin.
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base")
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", "builtin:smollm2-135m")
+# Context of the pretrained built-ins (trainer.models.pretrained), known without building them.
+_PRETRAINED_MAX_POSITIONS = {"builtin:smollm2-135m": 8192}
 
 
 def builtin_max_positions(name: str) -> Optional[int]:
+    if name in _PRETRAINED_MAX_POSITIONS:
+        return _PRETRAINED_MAX_POSITIONS[name]
     default = inspect.signature(build_tiny_base).parameters.get("max_position_embeddings")
     return None if default is None else default.default
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from parity.correction import importance_weights
-from parity.guards import threshold_violations
+from parity.guards import MaeRatioLimit, threshold_violations
 from rollout.base import RolloutEngine
 from trainer.algorithms import AdvantageInputs, LossInputs, kl_k3
 from trainer.config import RunConfig, correction_config, to_dict
@@ -250,8 +250,10 @@ class ParityLimitExceeded(RuntimeError):
     """The step's rollout/trainer mismatch broke a recipe limit with ``parity.on_violation: stop``."""
 
 
-def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = "parity/", when: str = "") -> None:
+def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = "parity/", when: str = "",
+                           ratio: MaeRatioLimit | None = None) -> None:
     problems = threshold_violations(m, max_mae=cfg.parity.max_mae, max_kl_k3=cfg.parity.max_kl_k3, prefix=prefix)
+    problems += ratio.violations(m, prefix) if ratio is not None else []
     if not problems:
         return
     msg = f"step {step}{when}: " + "; ".join(problems)
@@ -278,7 +280,7 @@ def _draw_round(engine, batcher, tokenizer, reward_fns, cfg: RunConfig, step: in
     rows = dp.shard(next(batcher))  # every rank draws the same batch and keeps its slice
     prompts = [r["prompt"] for r in rows]
     prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
-                                max_prompt_tokens=d.max_prompt_tokens)
+                                max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
     spec = sampling_spec(cfg, step)
     first = round_index * cfg.rollout.prompts_per_step * spec.n + dp.offset(len(prompt_ids) * spec.n)
     rollouts = engine.generate(prompt_ids, replace(spec, index_offset=first))
@@ -334,6 +336,7 @@ class Run:
     own_engine: bool = True
     logger: Optional[RunLogger] = None
     probe: Optional[Probe] = None
+    ratio_limit: Optional[MaeRatioLimit] = None  # its baseline: the first mae measured (the probe before step 1)
     start_step: int = 0
 
     @property
@@ -374,7 +377,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             run.logger.log(step, m)
             result.history.append({"step": step, **m})
             # After logging (the step's record keeps the probe values), before the checkpoint.
-            _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)")
+            _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)",
+                                   ratio=run.ratio_limit)
             checkpoint_phase(run, step, result)
         result.wandb = run.logger.wandb_location
         _print_summary(result, run.logger)
@@ -395,7 +399,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
 
     from rollout.weight_export import merged_lora_weights  # noqa: F401  (import early: fail before the engine starts)
     from trainer.commands.train_rm import build_reward_sources
-    from trainer.data.datasets import PromptBatcher, load_prompt_dataset
+    from trainer.data.datasets import PromptBatcher, apply_prompt_budget, load_prompt_dataset
     from trainer.distributed.deepspeed import (
         accelerator_kwargs,
         check_deepspeed_recipe,
@@ -420,6 +424,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     d = cfg.data
     dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
+    dataset = apply_prompt_budget(dataset, tokenizer, d, verbose=accelerator.is_main_process)  # before the engine
     batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
     # Rule functions and reward models (trainer/commands/train_rm.py), each logged as reward/<name>.
     reward_fns, _ = build_reward_sources(cfg.reward, accelerator.device)
@@ -442,6 +447,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules)
     run.probe = Probe(_probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
                       device=accelerator.device, dp=dp)
+    run.ratio_limit = MaeRatioLimit(cfg.parity.max_mae_ratio)
     run.start_step = _restore(run) if resume else _refuse_existing_run(cfg)
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
@@ -524,7 +530,8 @@ def _probe_prompt_ids(cfg: RunConfig, dataset, tokenizer) -> list:
     if not n_probe:
         return []
     return encode_prompts(tokenizer, [dataset[i]["prompt"] for i in range(n_probe)],
-                          use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens)
+                          use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                          system_prompt=d.system_prompt)
 
 
 def probe_before_training(run: Run) -> None:
@@ -538,7 +545,8 @@ def probe_before_training(run: Run) -> None:
         if run.start_step == 0:  # a resumed run has logged this step already; wandb steps only increase
             run.logger.log(0, m0, echo=False)
     # every rank sees the same pooled values and stops together
-    _enforce_parity_limits(run.cfg, run.start_step, m0, prefix="probe/", when=" (probe before training)")
+    _enforce_parity_limits(run.cfg, run.start_step, m0, prefix="probe/", when=" (probe before training)",
+                           ratio=run.ratio_limit)
 
 
 # ---------------------------------------------------------------- the phases of a step
@@ -605,7 +613,7 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: dict, m: dict) 
     m.update(run.dp.pooled_parity(scored["train_logprobs"], batch.rollout_logprobs, batch.mask,
                                   train_topk_logprobs=scored["train_topk_logprobs"],
                                   rollout_topk_logprobs=batch.topk_logprobs))
-    _enforce_parity_limits(cfg, step, m)
+    _enforce_parity_limits(cfg, step, m, ratio=run.ratio_limit)
     if run.is_main:
         breakdown = step_breakdown(scored["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
                                    run.tokenizer, entropy=scored["entropy"])

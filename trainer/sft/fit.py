@@ -65,7 +65,7 @@ def _pairs(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]
         fn = resolve_reward(d.completion_fn)  # same "module:function" resolution
         completions = [fn(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in rows]
     prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], use_chat_template=d.use_chat_template,
-                                max_prompt_tokens=d.max_prompt_tokens)
+                                max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
     completion_ids = []
     for i, text in enumerate(completions):
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]

@@ -24,6 +24,7 @@ class SFTDataConfig:
     builtin_kwargs: dict[str, Any] = field(default_factory=dict)
     packing: bool = False  # true: concatenate documents and cut into block_size blocks (module docstring)
     block_size: int = 128  # tokens per packed block (packing only)
+    system_prompt: Optional[str] = None  # as the RL recipe's data.system_prompt (null = the template's default)
 
 
 @dataclass

@@ -168,13 +168,26 @@ def test_parity_limit_stops_before_the_bad_update(tmp_path, tiny_model_dir, vllm
     # Probe off: the step's own metrics are the guard.
     cfg = cfg_for(tmp_path, "guard", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false",
                   "checkpoint.every=1", f"parity.max_mae={3 * PARITY_MAE_BOUND}", "parity.on_violation=stop",
-                  "parity.probe_prompts=0")
+                  "parity.probe_prompts=0", "parity.max_mae_ratio=null")  # the absolute limit alone
     with pytest.raises(ParityLimitExceeded, match=r"parity/mae = .* exceeds the recipe's limit 0.03") as e:
         train(cfg, engine=vllm_engine)
     stopped_at = int(str(e.value).split()[1].rstrip(":"))
     assert stopped_at >= 2  # step 1 scores untouched weights
     assert latest_checkpoint(cfg.run_dir).name == f"step_{stopped_at - 1:06d}"
     assert len((cfg.run_dir / "metrics.jsonl").read_text().splitlines()) == stopped_at - 1
+
+
+def test_relative_limit_is_on_by_default_and_stops_a_stale_run(tmp_path, tiny_model_dir, vllm_engine):
+    from trainer.rl.loop import ParityLimitExceeded
+
+    # No absolute limit: the default parity.max_mae_ratio (5x the probe before step 1) alone.
+    # The stale engine's mae reaches 15x and more within 3 steps (test_skipped_sync_is_detected).
+    cfg = cfg_for(tmp_path, "ratio_guard", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false",
+                  "checkpoint.every=0", "parity.on_violation=stop")
+    assert cfg.parity.max_mae is None and cfg.parity.max_mae_ratio == 5.0
+    with pytest.raises(ParityLimitExceeded, match=r"mae = .* is more than parity.max_mae_ratio = 5 times the run's "
+                                                  r"first mae"):
+        train(cfg, engine=vllm_engine)
 
 
 def test_pmd_mean_with_several_updates_per_batch(tmp_path, tiny_model_dir, vllm_engine):
