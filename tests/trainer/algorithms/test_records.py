@@ -67,31 +67,31 @@ def test_gspo_set_on_a_grpo_recipe_gets_gspo_clip(tmp_path):
                     check_paths=False)
 
 
-def test_a_key_of_another_algorithm_is_refused_naming_its_owners(tmp_path):
-    with pytest.raises(RecipeError, match=r"algorithm.tau = 0.1: not an option of grpo; it belongs to pmd_mean, pmd_part"):
-        load_recipe(_recipe(tmp_path, "  name: grpo\n  tau: 0.1"), check_paths=False)
-    with pytest.raises(RecipeError, match=r"algorithm.loss_agg = 'token_mean': not an option of dr_grpo"):
-        load_recipe(_recipe(tmp_path, "  name: dr_grpo\n  loss_agg: token_mean"), check_paths=False)
-    with pytest.raises(RecipeError, match=r"unknown key 'algorithm.taux'; valid keys here: name, group_size"):
-        load_recipe(_recipe(tmp_path, "  name: pmd_mean\n  taux: 0.1"), check_paths=False)
+REFUSED = [  # (the algorithm section, what the one-line error must say)
+    # a key of another algorithm, naming the algorithms that have it
+    ("  name: grpo\n  tau: 0.1", r"algorithm.tau = 0.1: not an option of grpo; it belongs to pmd_mean, pmd_part"),
+    ("  name: dr_grpo\n  loss_agg: token_mean", r"algorithm.loss_agg = 'token_mean': not an option of dr_grpo"),
+    ("  name: pmd_mean\n  taux: 0.1", r"unknown key 'algorithm.taux'; valid keys here: name, group_size"),
+    # an option out of range: key, value, expectation, algorithm
+    ("  name: gspo\n  clip_eps_low: 1.5", r"r.yaml: algorithm.clip_eps_low = 1.5: expected in \[0, 1\) \(gspo\)"),
+    ("  name: pmd_part\n  kl_coef: 0.1", r"algorithm.kl_coef = 0.1: expected 0 \(PMD has no KL"),
+    ("  name: grpoo", r"algorithm.name = 'grpoo': expected one of dr_grpo, grpo, gspo"),
+    # a capability of the record
+    ("  name: rloo\n  group_size: 1", r"algorithm.group_size = 1: expected an integer >= 2 for rloo"),
+    ("  name: ppo\n  dynamic_sampling: true", r"algorithm.dynamic_sampling = True: expected false for ppo"),
+]
 
 
-def test_option_errors_name_key_value_and_algorithm(tmp_path):
-    with pytest.raises(RecipeError, match=r"r.yaml: algorithm.clip_eps_low = 1.5: expected in \[0, 1\) \(gspo\)"):
-        load_recipe(_recipe(tmp_path, "  name: gspo\n  clip_eps_low: 1.5"), check_paths=False)
-    with pytest.raises(RecipeError, match=r"algorithm.kl_coef = 0.1: expected 0 \(PMD has no KL"):
-        load_recipe(_recipe(tmp_path, "  name: pmd_part\n  kl_coef: 0.1"), check_paths=False)
-    with pytest.raises(RecipeError, match=r"algorithm.name = 'grpoo': expected one of dr_grpo, grpo, gspo"):
-        load_recipe(_recipe(tmp_path, "  name: grpoo"), check_paths=False)
+@pytest.mark.parametrize("section,message", REFUSED)
+def test_refused_with_key_value_and_algorithm(tmp_path, section, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(_recipe(tmp_path, section), check_paths=False)
 
 
 def test_capabilities_come_from_the_record(tmp_path):
-    with pytest.raises(RecipeError, match=r"algorithm.group_size = 1: expected an integer >= 2 for rloo"):
-        load_recipe(_recipe(tmp_path, "  name: rloo\n  group_size: 1"), check_paths=False)
     cfg = load_recipe(_recipe(tmp_path, "  name: ppo\n  group_size: 1"), check_paths=False)
     assert cfg.algorithm.record.critic and cfg.algorithm.group_size == 1
-    with pytest.raises(RecipeError, match=r"algorithm.dynamic_sampling = True: expected false for ppo"):
-        load_recipe(_recipe(tmp_path, "  name: ppo\n  dynamic_sampling: true"), check_paths=False)
+    assert not load_recipe(_recipe(tmp_path, "  name: grpo"), check_paths=False).algorithm.record.critic
 
 
 def test_resolved_config_is_flat_like_a_recipe(tmp_path):
