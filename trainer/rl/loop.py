@@ -273,7 +273,7 @@ def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = 
         consequence = ("this step's update was not applied" if prefix == "parity/" else
                        "the engine disagrees with the trainer on the fixed probe prompts; no further rollout was made "
                        "with these weights")
-        raise ParityLimitExceeded(f"{msg} (parity.on_violation: stop; {consequence}; the last checkpoint is intact)")
+        raise ParityLimitExceeded(f"{msg} (parity.on_violation: stop; {consequence})")
     warnings.warn(msg, stacklevel=2)
 
 
