@@ -43,6 +43,9 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
     except (FileExistsError, FileNotFoundError) as e:  # run-directory state: a user decision, not a crash
         _say(str(e))
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the loop's own handler is installed (loading, engine start)
+        _say("interrupted while starting up, before this process trained a step; nothing to checkpoint")
+        return 130
     except (RunStopped, EngineUnavailable) as e:  # the message names the cause; the note, the checkpoint
         _say(f"stopped: {e}; {getattr(e, 'checkpoint_note', '')}")
         return getattr(e, "exit_status", 4)  # EngineUnavailable: a dead rollout server

@@ -149,16 +149,16 @@ def expected_words(case: Case, tmp: Path) -> list[str]:
     return [w.replace("{tmp}", str(tmp)) for w in case.contains]
 
 
-# Run in the subprocess: marks (in a file) that an engine was constructed, then runs the CLI.
+# Run in the subprocess: marks (in a file) that the loop asked for an engine, then runs the CLI. The loop
+# takes make_engine by name when it is imported, so the patch precedes that import.
 _MARK_ENGINES = """
 import os, sys
-import rollout.hf_engine as h, rollout.vllm_engine as v
-for cls in (h.HFEngine, v.VLLMEngine):
-    init = cls.__init__
-    def marked(self, *a, _init=init, **k):
-        open(os.environ["CORPUS_ENGINE_MARK"], "w").close()
-        return _init(self, *a, **k)
-    cls.__init__ = marked
+import trainer.rl.engines as engines
+make_engine = engines.make_engine
+def marked(*a, **k):
+    open(os.environ["CORPUS_ENGINE_MARK"], "w").close()
+    return make_engine(*a, **k)
+engines.make_engine = marked
 from trainer.cli import main
 sys.exit(main(sys.argv[1:]))
 """
