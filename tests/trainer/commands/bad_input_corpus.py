@@ -170,8 +170,11 @@ def classify(case: Case, tmp: Path, timeout: float = 900) -> tuple[str, str]:
     mark = tmp / "engine_started"
     env = {**os.environ, "CORPUS_ENGINE_MARK": str(mark), "WANDB_MODE": "disabled"}
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _MARK_ENGINES, *argv], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _MARK_ENGINES, *argv], cwd=tmp, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # e.g. an empty recipe training 40 steps on the defaults
+        return ("accepted" if mark.exists() else "unclear"), f"still running after {timeout:.0f}s"
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     last = lines[-1] if lines else ""
     if proc.returncode == 0:
@@ -190,7 +193,7 @@ def main() -> int:
     tally: dict[str, int] = {}
     for case in CASES:
         with tempfile.TemporaryDirectory() as d:
-            bucket, last = classify(case, Path(d))
+            bucket, last = classify(case, Path(d), timeout=float(os.environ.get("CORPUS_TIMEOUT_S", 300)))
         tally[bucket] = tally.get(bucket, 0) + 1
         print(f"{bucket:12s} {case.id:34s} {last[:150]}", flush=True)
     print(f"{len(CASES)} cases: " + ", ".join(f"{k} {tally.get(k, 0)}" for k in ("early+clear", "late", "unclear",
