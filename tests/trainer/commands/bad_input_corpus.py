@@ -182,8 +182,10 @@ def classify(case: Case, tmp: Path, timeout: float = 900) -> tuple[str, str]:
     if mark.exists():
         return "late", last
     messages = [ln for ln in lines if ln.startswith("parityrl")]
+    # Clear: status 2, no traceback, one parityrl line naming the case's first word (its key, mostly). The
+    # test asserts every word; the tally also judges other implementations, whose wording differs.
     clear = (proc.returncode == case.status == 2 and "Traceback" not in proc.stderr and len(messages) == 1
-             and all(w in messages[0] for w in expected_words(case, tmp)))
+             and expected_words(case, tmp)[0] in messages[0])
     return ("early+clear" if clear else "unclear"), last
 
 
