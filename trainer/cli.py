@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="RL training (GRPO, PPO, PMD-mean, ...) with vLLM rollouts and per-step parity metrics")
     _add_recipe_args(t)
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run directory")
+    t.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error (or PARITYRL_DEBUG=1)")
     s = sub.add_parser("sft", help="supervised fine-tuning (the warm start before RL)")
     _add_recipe_args(s)
     s.add_argument("--overwrite", action="store_true",
@@ -117,6 +118,7 @@ def run_train(argv: list[str] | None = None, prog: str = "parityrl train") -> in
     p = argparse.ArgumentParser(prog=prog)
     _add_recipe_args(p)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     return _train(args)
 
@@ -124,7 +126,7 @@ def run_train(argv: list[str] | None = None, prog: str = "parityrl train") -> in
 def _train(args) -> int:
     from trainer.commands.train import run_train_command
 
-    return run_train_command(args.recipe, args.overrides, resume=args.resume)
+    return run_train_command(args.recipe, args.overrides, resume=args.resume, debug=args.debug)
 
 
 def _sft(args) -> int:

@@ -196,9 +196,12 @@ def load_recipe_dict(path: str | os.PathLike, overrides: list[str] = ()) -> tupl
     if not p.is_file():
         raise RecipeError(f"{where}: recipe file not found")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
-        raise RecipeError(f"{where}: not valid YAML: {e}") from None
+        raise RecipeError(f"{where}: not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:  # an empty file would otherwise be a whole run on the defaults
+        raise RecipeError(f"{where}: the recipe is empty; expected a mapping of sections (an explicit `{{}}` "
+                          "runs on every default)")
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: expected a mapping of sections at the top level, got {type(data).__name__}")
     for o in overrides:

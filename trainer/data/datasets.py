@@ -114,7 +114,42 @@ def _load_local(path: Path, split: str) -> datasets.Dataset:
         raise ValueError(f"dataset {str(path)!r} is empty")
     if path.is_dir():
         return _as_dataset(datasets.load_from_disk(str(path)), str(path), split)
-    return datasets.load_dataset(_FILE_BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
+    try:
+        return datasets.load_dataset(_FILE_BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
+    except Exception as e:  # datasets' own errors name neither the file nor the line
+        raise ValueError(_json_problem(path) or f"{str(path)!r} could not be read: {type(e).__name__}: {e}") from e
+
+
+def _json_problem(path: Path) -> str | None:
+    """'file:line: ...' for the first line of a JSON / JSON Lines file that is not a JSON object, else None."""
+    if path.suffix.lower() not in (".json", ".jsonl"):
+        return None
+    text = path.read_text(errors="replace")
+    if path.suffix.lower() == ".json":
+        try:
+            json.loads(text)
+            return None
+        except json.JSONDecodeError as e:
+            if not _first_line_is_json(text):  # one document, not JSON Lines: its own error position
+                return f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}): {line.strip()[:60]!r}"
+        if not isinstance(row, dict):
+            return f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}"
+    return None
+
+
+def _first_line_is_json(text: str) -> bool:
+    try:
+        json.loads(text.strip().splitlines()[0])
+        return True
+    except (json.JSONDecodeError, IndexError):
+        return False
 
 
 def _is_empty_local(path: Path) -> bool:

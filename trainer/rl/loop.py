@@ -10,6 +10,7 @@ per rollout batch (pi_old is scored once first, ``score_pass``).
 """
 from __future__ import annotations
 
+import signal
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,7 @@ import torch
 from parity.correction import importance_weights
 from parity.guards import MaeRatioLimit, threshold_violations
 from rollout.base import RolloutEngine
+from rollout.server_engine import EngineUnavailable
 from trainer.algorithms import AdvantageInputs, LossInputs, kl_k3
 from trainer.config import RunConfig, correction_config, to_dict
 from trainer.distributed.data_parallel import DataParallel
@@ -40,7 +42,17 @@ from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
 from trainer.rl.engines import make_engine, sampling_spec, sync_weights
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
+from trainer.rl.preemption import Preemption
 from trainer.rl.probe import Probe, due
+from trainer.rl.stops import (
+    EngineFailed,
+    Preempted,
+    RewardFailed,
+    RunStopped,
+    StepBoundary,
+    checkpoint_on_stop,
+    stop_together,
+)
 from trainer.rl.value_head import ValueHead
 
 
@@ -246,8 +258,10 @@ def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: Ru
     return metrics
 
 
-class ParityLimitExceeded(RuntimeError):
+class ParityLimitExceeded(RunStopped):
     """The step's rollout/trainer mismatch broke a recipe limit with ``parity.on_violation: stop``."""
+
+    exit_status = 3
 
 
 def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = "parity/", when: str = "",
@@ -261,7 +275,7 @@ def _enforce_parity_limits(cfg: RunConfig, step: int, m: dict, *, prefix: str = 
         consequence = ("this step's update was not applied" if prefix == "parity/" else
                        "the engine disagrees with the trainer on the fixed probe prompts; no further rollout was made "
                        "with these weights")
-        raise ParityLimitExceeded(f"{msg} (parity.on_violation: stop; {consequence}; the last checkpoint is intact)")
+        raise ParityLimitExceeded(f"{msg} (parity.on_violation: stop; {consequence})")
     warnings.warn(msg, stacklevel=2)
 
 
@@ -283,14 +297,28 @@ def _draw_round(engine, batcher, tokenizer, reward_fns, cfg: RunConfig, step: in
                                 max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
     spec = sampling_spec(cfg, step)
     first = round_index * cfg.rollout.prompts_per_step * spec.n + dp.offset(len(prompt_ids) * spec.n)
-    rollouts = engine.generate(prompt_ids, replace(spec, index_offset=first))
+    rollouts, error = None, None
+    try:
+        rollouts = engine.generate(prompt_ids, replace(spec, index_offset=first))
+    except Exception as e:  # noqa: BLE001 - every rank stops with it (stop_together)
+        error = e if isinstance(e, EngineUnavailable) else EngineFailed(
+            f"step {step}: the rollout engine failed to generate: {type(e).__name__}: {' '.join(str(e).split())}")
+        error.__cause__ = e if error is not e else None
+    stop_together(dp, error)
     generate_s = time.perf_counter() - t
     t = time.perf_counter()
     g = spec.n
     completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
     columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-    total, per_fn = compute_rewards(reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
-                                    completions, columns)
+    total, per_fn, error = None, None, None
+    try:
+        total, per_fn = compute_rewards(reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
+                                        completions, columns)
+    except Exception as e:  # noqa: BLE001 - the user's function: one line naming it, every rank stops
+        raised_in = "; ".join(getattr(e, "__notes__", []))  # compute_rewards notes the function that raised
+        error = RewardFailed(f"step {step}: " + (f"{raised_in}: {type(e).__name__}: {e}" if raised_in else str(e)))
+        error.__cause__ = e
+    stop_together(dp, error)
     return Drawn(rows=rows, rollouts=rollouts, rewards=total, per_fn=per_fn, generate_s=generate_s,
                  reward_s=time.perf_counter() - t)
 
@@ -358,9 +386,13 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     """Run ``cfg`` to ``cfg.train.steps``. ``engine``: an already-started engine to reuse (tests share one)."""
     run = setup(cfg, resume=resume, engine=engine)
     result = TrainResult(run_dir=cfg.run_dir)
+    boundary = StepBoundary()
+    boundary.begin(run.start_step + 1, _run_state(run))
+    preemption = Preemption(announce=run.is_main).install()
     try:
         probe_before_training(run)
         for step in range(run.start_step + 1, cfg.train.steps + 1):
+            boundary.begin(step, _run_state(run))
             t_step = time.perf_counter()
             drawn, m = rollout_phase(run, step)
             batch = batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device)
@@ -371,6 +403,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             parity_phase(run, step, batch, scored, m)
             samples_phase(run, step, drawn, batch, scored)
             update_phase(run, step, batch, scored, advantages, returns, m)
+            boundary.update_applied()
             m["perf/train_s"] = time.perf_counter() - t
             sync_phase(run, step, m)
             m["perf/step_s"] = time.perf_counter() - t_step
@@ -380,9 +413,14 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)",
                                    ratio=run.ratio_limit)
             checkpoint_phase(run, step, result)
+            _stop_if_preempted(run, preemption, step)
         result.wandb = run.logger.wandb_location
         _print_summary(result, run.logger)
+    except (RunStopped, EngineUnavailable) as e:
+        e.checkpoint_note = checkpoint_on_stop(cfg.run_dir, boundary, lambda s, state: save_step(run, s, result, state))
+        raise
     finally:
+        preemption.restore()
         run.logger.close()
         if run.own_engine:
             run.engine.close()
@@ -682,8 +720,19 @@ def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:
     every = cfg.checkpoint.every
     if not ((every and step % every == 0) or step == cfg.train.steps):
         return
-    state = {"batcher": run.batcher.state_dict(), "name": cfg.name, "probe": run.probe.state_dict(),
-             **({"kl_controller": run.kl_controller.state_dict()} if run.kl_controller else {})}
+    save_step(run, step, result)
+
+
+def _run_state(run: Run) -> dict:
+    """What a checkpoint keeps besides weights, optimizer, scheduler and RNG."""
+    return {"batcher": run.batcher.state_dict(), "name": run.cfg.name, "probe": run.probe.state_dict(),
+            **({"kl_controller": run.kl_controller.state_dict()} if run.kl_controller else {})}
+
+
+def save_step(run: Run, step: int, result: TrainResult, state: Optional[dict] = None) -> Path:
+    """The checkpoint of ``step``; ``state``: ``_run_state`` as it was after that step (default: now)."""
+    cfg = run.cfg
+    state = _run_state(run) if state is None else state
     if run.stage:  # every rank writes its ZeRO shard
         result.final_checkpoint = ckpt.save_deepspeed_checkpoint(
             cfg.run_dir, step, engine=run.model, policy=run.policy, scheduler=run.scheduler, state=state,
@@ -693,6 +742,13 @@ def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:
             cfg.run_dir, step, model=run.policy, optimizer=run.optimizer, scheduler=run.scheduler, state=state,
             keep_last=cfg.checkpoint.keep_last, modules=run.modules)
     run.accelerator.wait_for_everyone()
+    return result.final_checkpoint
+
+
+def _stop_if_preempted(run: Run, preemption: Preemption, step: int) -> None:
+    signum = preemption.requested(run.dp)
+    if signum is not None and step < run.cfg.train.steps:
+        raise Preempted(f"{signal.Signals(signum).name} after step {step} of {run.cfg.train.steps}", signum)
 
 
 def _print_summary(result: TrainResult, logger: RunLogger) -> None:

@@ -58,6 +58,23 @@ def pooled_statistics(dp: DataParallel) -> dict:
     return out
 
 
+def stops(dp: DataParallel) -> dict:
+    """Rank 1 alone has a failing reward and a SIGTERM: both ranks stop with its message and signal."""
+    import signal
+
+    from trainer.rl.preemption import Preemption
+    from trainer.rl.stops import RewardFailed, stop_together
+
+    try:
+        stop_together(dp, RewardFailed("step 2: reward function 'r' returned nan at sample 0") if dp.rank else None)
+        stopped = "no exception"
+    except RewardFailed as e:
+        stopped = f"{type(e).__name__} {e.exit_status}: {e}"
+    preemption = Preemption(announce=False)
+    preemption.signum = signal.SIGTERM if dp.rank else None
+    return {"stop_together": stopped, "preempted": preemption.requested(dp)}
+
+
 def main() -> None:
     torch.distributed.init_process_group("gloo")
     dp = DataParallel.current()
@@ -72,7 +89,8 @@ def main() -> None:
         outcome = f"own=ValueError: {e}"
     except RuntimeError as e:
         outcome = f"others=RuntimeError: {str(e).split(' (')[0]}"
-    result = {"raise_together": f"RANK {dp.rank} tag={tag} {outcome}", "pooled": pooled_statistics(dp)}
+    result = {"raise_together": f"RANK {dp.rank} tag={tag} {outcome}", "pooled": pooled_statistics(dp),
+              **stops(dp)}
     (Path(sys.argv[1]) / f"rank_{dp.rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
 

@@ -51,7 +51,9 @@ def test_two_ranks_raise_together_broadcast_and_pool_batch_statistics(tmp_path):
     assert [r["raise_together"] for r in results] == [
         "RANK 0 tag=abc others=RuntimeError: data-parallel rank(s) [1] failed",
         "RANK 1 tag=abc own=ValueError: bad reward on rank 1"]
-    for r in results:
+    for r in results:  # every rank stops with rank 1's reward failure and its SIGTERM
+        assert r["stop_together"] == "RewardFailed 5: step 2: reward function 'r' returned nan at sample 0"
+        assert r["preempted"] == 15
         pooled = r["pooled"]
         for key in ("whiten", "reinforce_pp", "ppo_advantages", "ppo_returns", "kl_ref_seq"):
             assert pooled[key] < 1e-5, (key, pooled)

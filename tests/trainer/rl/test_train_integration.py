@@ -151,9 +151,12 @@ def test_probe_limit_stops_right_after_a_bad_sync(tmp_path, tiny_model_dir, vllm
 
     cfg = cfg_for(tmp_path, "probe_guard", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false",
                   "checkpoint.every=1", f"parity.max_mae={PARITY_MAE_BOUND}", "parity.on_violation=stop")
-    with pytest.raises(ParityLimitExceeded, match=r"step 1 \(probe after the weight sync\): probe/mae = .* exceeds"):
+    with pytest.raises(ParityLimitExceeded, match=r"step 1 \(probe after the weight sync\): probe/mae = .* exceeds") as e:
         train(cfg, engine=vllm_engine)
-    assert latest_checkpoint(cfg.run_dir) is None  # stopped before step 1's checkpoint
+    # step 1's update was applied and logged: the last completed step, checkpointed on the way out
+    # (a resume re-syncs the engine and probes it before drawing anything)
+    assert latest_checkpoint(cfg.run_dir).name == "step_000001"
+    assert "last completed step 1 written to" in e.value.checkpoint_note
     import json
 
     rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,159 @@
+"""Checks of a training recipe against what it names -- run directory, reward functions, dataset, LoRA targets --
+before any model loads or engine starts.
+
+``trainer.config.validate`` checks the recipe on its own (types, ranges, paths exist); what needs the files
+read (a dataset's columns, a reward module's functions, a model's layer names) is checked here, so that a
+mistake is refused in seconds with exit status 2 and one line naming the file, the key and the value,
+instead of failing after the engine started or with a traceback. Each check raises ``RecipeError``.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+from typing import Optional
+
+from trainer.config import RecipeError, RunConfig
+
+
+def preflight(cfg: RunConfig, where: str) -> None:
+    """Every check, cheapest first; the LoRA check is last because it needs the model's config."""
+    check_run_dir(cfg, where)
+    reward_fns = check_reward_functions(cfg, where)
+    columns = check_dataset(cfg, where)
+    if columns is not None:
+        check_reward_signatures(reward_fns, columns, where)
+    check_lora_targets(cfg, where)
+
+
+def check_run_dir(cfg: RunConfig, where: str) -> None:
+    """The run directory is a directory, or can be created (its nearest existing ancestor is a writable directory)."""
+    run_dir = Path(cfg.run_dir)
+    key = f"logging.run_dir = {cfg.logging.run_dir!r}"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RecipeError(f"{where}: {key}: {str(run_dir)!r} exists and is not a directory; expected a directory "
+                          "for the run's checkpoints and metrics")
+    ancestor = run_dir.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise RecipeError(f"{where}: {key}: {str(ancestor)!r} is a file, so no directory can be created under it")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise RecipeError(f"{where}: {key}: {str(ancestor)!r} is not writable by this user")
+
+
+def check_reward_functions(cfg: RunConfig, where: str) -> dict:
+    """Every ``reward.functions`` spec imports and names a callable: name -> the callable."""
+    from trainer.data.rewards import resolve_reward
+
+    fns = {}
+    for name, spec in cfg.reward.functions.items():
+        try:
+            fns[name] = resolve_reward(spec)
+        except (ImportError, AttributeError, TypeError, ValueError, OSError) as e:
+            raise RecipeError(f"{where}: reward.functions.{name} = {spec!r}: {_one_line(e)}") from None
+    return fns
+
+
+def check_reward_signatures(fns: dict, columns: list[str], where: str) -> None:
+    """Each function accepts ``(prompts, completions, **columns)`` with this dataset's columns."""
+    others = {c: [] for c in columns if c != "prompt"}
+    for name, fn in fns.items():
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # builtins and some C callables have no signature: nothing to check
+            continue
+        try:
+            sig.bind([], [], **others)
+        except TypeError as e:
+            raise RecipeError(f"{where}: reward.functions.{name}: {getattr(fn, '__qualname__', fn)}{sig} cannot be "
+                              f"called as f(prompts, completions, **columns) with the dataset's columns "
+                              f"{sorted(others)}: {e} (add **kwargs to accept the columns it does not use)") from None
+
+
+def check_dataset(cfg: RunConfig, where: str) -> Optional[list[str]]:
+    """Load a local or built-in dataset as training will: parse errors, missing columns, too few rows.
+
+    Returns its column names, or None for a hub dataset (left to training: it may need the network).
+    """
+    import datasets
+
+    from trainer.data.datasets import load_prompt_dataset, looks_like_path
+
+    d = cfg.data
+    if not (d.source.startswith("builtin:") or looks_like_path(d.source) or Path(d.source).expanduser().exists()):
+        return None
+    bars, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    # The console is for the one line below, if any: no progress bars, and not the loader's own error
+    # log of a parse failure (a traceback-like block; the line below names the file and line instead).
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL + 1)
+    try:
+        ds = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column,
+                                 answer_column=d.answer_column, num_examples=d.num_examples, seed=cfg.train.seed,
+                                 builtin_kwargs=d.builtin_kwargs)
+    except (ValueError, TypeError, OSError) as e:
+        raise RecipeError(f"{where}: data.source = {d.source!r}: {_one_line(e)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+    n = cfg.rollout.prompts_per_step
+    if len(ds) < n:
+        raise RecipeError(f"{where}: rollout.prompts_per_step = {n}: expected at most the dataset's {len(ds)} rows "
+                          f"({d.source})")
+    return list(ds.column_names)
+
+
+# Layer types PEFT's LoRA can wrap (torch.nn.Linear and friends; GPT-2's Conv1D).
+_LORA_LAYERS = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D")
+
+
+def lora_target_problems(module_types: dict[str, str], targets: list[str]) -> list[str]:
+    """Why each of ``targets`` would not be adapted, given the model's ``{module name: class name}``.
+
+    PEFT matches a name when it equals the module's full name or is its last dotted parts; a
+    target matching nothing is ignored by PEFT (or, if all are, fails mid-setup), so every one
+    must match at least one layer LoRA can wrap.
+    """
+    problems = []
+    for t in targets:
+        hits = [n for n in module_types if n == t or n.endswith("." + t)]
+        if not hits:
+            problems.append(f"{t!r} matches no module")
+        elif not any(module_types[n] in _LORA_LAYERS for n in hits):
+            problems.append(f"{t!r} matches {module_types[hits[0]]} modules, which LoRA cannot wrap")
+    return problems
+
+
+def model_module_types(model_dir: str) -> Optional[dict[str, str]]:
+    """``{module name: class name}`` of the model, built on the meta device from its config (no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):  # a hub id without network: left to training
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {n: type(m).__name__ for n, m in model.named_modules() if n}
+
+
+def check_lora_targets(cfg: RunConfig, where: str, targets: Optional[list[str]] = None) -> None:
+    """``targets`` (default ``model.lora.target_modules``) against the model's layers."""
+    from trainer.models.builtin import resolve_model_path
+
+    targets = cfg.model.lora.target_modules if targets is None else targets
+    types = model_module_types(resolve_model_path(cfg.model.path))
+    if types is None:
+        return
+    problems = lora_target_problems(types, targets)
+    if problems:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, t in types.items() if t in _LORA_LAYERS})
+        raise RecipeError(f"{where}: model.lora.target_modules = {targets!r}: {'; '.join(problems)} of "
+                          f"{cfg.model.path}; its layers LoRA can wrap: {', '.join(leaves)}")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
