@@ -1,6 +1,7 @@
 """What parityrl needs to know about a causal LM's structure, read from the model itself."""
 from __future__ import annotations
 
+from rollout.hf_engine import attention_implementation  # noqa: F401  (the HF engine loads models the same way)
 from trainer.config.schema import RecipeError
 
 
@@ -52,16 +53,6 @@ def logit_transform(config) -> dict:
     if getattr(c, "logits_scaling", None) not in (None, 1.0):
         scale /= float(c.logits_scaling)
     return {"logit_softcap": cap, "logit_scale": scale}
-
-
-def attention_implementation(config) -> str | None:
-    """The Transformers attention implementation that computes what the model defines, or None for the default.
-
-    Gemma2's ``attn_logit_softcapping`` is applied by the ``eager`` attention only
-    (SDPA has no score hook; ``sdpa_attention_forward`` ignores ``softcap``), while
-    vLLM's attention applies it (``logits_soft_cap``): eager makes both the same function.
-    """
-    return "eager" if getattr(text_config(config), "attn_logit_softcapping", None) else None
 
 
 def decoder_layers(model):

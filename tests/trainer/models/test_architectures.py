@@ -262,3 +262,10 @@ def test_unsupported_combination_is_refused_at_start_by_the_cli(tmp_path, overri
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(errors) == 1 and re.search(match, errors[0]), proc.stderr[-2000:]
     assert "Initializing a V1 LLM engine" not in proc.stderr
+
+
+def test_hf_engine_loads_gemma2_with_the_attention_softcap():
+    from rollout.hf_engine import HFEngine
+
+    engine = HFEngine(str(ensure_arch_model("gemma2")), dtype="float32")
+    assert engine.model.config._attn_implementation == "eager"
