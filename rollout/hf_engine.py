@@ -29,6 +29,19 @@ from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.vllm_engine import sample_seed, validate_request
 
 
+def attention_implementation(config) -> str | None:
+    """The Transformers attention implementation that computes what the model defines, or None for the default.
+
+    Gemma2's ``attn_logit_softcapping`` is applied by the ``eager`` attention only
+    (SDPA has no score hook; ``sdpa_attention_forward`` ignores ``softcap``), while
+    vLLM's attention applies it (``logits_soft_cap``): eager makes both the same function. Used
+    by the trainer's ``load_base_model`` and by this engine.
+    """
+    get_text = getattr(config, "get_text_config", None)  # multimodal configs nest the decoder's
+    text = get_text() if callable(get_text) else config
+    return "eager" if getattr(text, "attn_logit_softcapping", None) else None
+
+
 class HFEngine(LayerChunkUpdates):
     """A ``transformers`` causal LM behind the ``rollout.base.RolloutEngine`` interface.
 
@@ -43,12 +56,14 @@ class HFEngine(LayerChunkUpdates):
     def __init__(self, model, *, dtype: str = "bfloat16", device: str = "cpu",
                  eos_ids: Sequence[int] | None = None, max_batch_size: int = 256) -> None:
         if isinstance(model, (str, Path)):
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM
 
             torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
             if not isinstance(torch_dtype, torch.dtype):
                 raise ValueError(f"dtype = {dtype!r}: expected a torch dtype name such as 'bfloat16'")
-            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype).to(device)
+            attn = attention_implementation(AutoConfig.from_pretrained(str(model)))
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype,
+                                                         **({"attn_implementation": attn} if attn else {})).to(device)
         if not hasattr(model, "generate"):
             raise TypeError(f"model: expected a transformers PreTrainedModel or a path, got {type(model).__name__}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:

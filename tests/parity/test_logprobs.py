@@ -484,7 +484,8 @@ def test_gradcheck_softcap_frozen_lm_head():
     assert torch.autograd.gradcheck(f, (hidden.requires_grad_(),), eps=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("kwargs", [dict(logit_softcap=1.5), dict(logit_scale=0.25), dict(logit_softcap=3.0, logit_scale=2.0)])
+@pytest.mark.parametrize("kwargs", [dict(logit_softcap=1.5), dict(logit_scale=0.25),
+                                    dict(logit_softcap=3.0, logit_scale=2.0)])
 def test_transform_matches_naive_and_gather(kwargs):
     hidden, weight, bias, targets = _inputs(dtype=torch.float32)
     weight = weight * 4

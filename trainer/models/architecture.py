@@ -1,6 +1,7 @@
 """What parityrl needs to know about a causal LM's structure, read from the model itself."""
 from __future__ import annotations
 
+from rollout.hf_engine import attention_implementation  # noqa: F401  (the HF engine loads models the same way)
 from trainer.config.schema import RecipeError
 
 
@@ -52,16 +53,6 @@ def logit_transform(config) -> dict:
     if getattr(c, "logits_scaling", None) not in (None, 1.0):
         scale /= float(c.logits_scaling)
     return {"logit_softcap": cap, "logit_scale": scale}
-
-
-def attention_implementation(config) -> str | None:
-    """The Transformers attention implementation that computes what the model defines, or None for the default.
-
-    Gemma2's ``attn_logit_softcapping`` is applied by the ``eager`` attention only
-    (SDPA has no score hook; ``sdpa_attention_forward`` ignores ``softcap``), while
-    vLLM's attention applies it (``logits_soft_cap``): eager makes both the same function.
-    """
-    return "eager" if getattr(text_config(config), "attn_logit_softcapping", None) else None
 
 
 def decoder_layers(model):
@@ -128,14 +119,14 @@ def resolve_lora_targets(model, targets) -> list[str]:
     tied = bool(getattr(text_config(root.config), "tie_word_embeddings", False))
     embed_names = {n.rsplit(".", 1)[-1] for n, m in root.named_modules() if m is embed}
     if tied and embed_names & set(resolved):
-        raise RecipeError(f"model.lora.target_modules = {targets!r}: LoRA on {sorted(embed_names & set(resolved))} of a "
-                         "model with tie_word_embeddings=true is not supported: PEFT adapts the input embedding only, "
+        raise RecipeError(f"model.lora.target_modules = {targets!r}: LoRA on {sorted(embed_names & set(resolved))} "
+                         "of a model with tie_word_embeddings=true is not supported: PEFT adapts the input embedding only, "
                          "the tied lm_head keeps the base weight, and a merge cannot write two values for one tensor")
     return resolved
 
 
 def logit_parity_error(model, n_tokens: int = 8) -> float:
-    """Mean |log_softmax difference| between the fused kernel (with ``logit_transform``) and the model's own forward.
+    """E_p |log_softmax difference| between the fused kernel (with ``logit_transform``) and the model's own forward.
 
     A probe on ``n_tokens`` fixed token ids, run once at load: an architecture whose
     ``forward`` post-processes the logits in a way ``logit_transform`` does not know shows
@@ -154,4 +145,7 @@ def logit_parity_error(model, n_tokens: int = 8) -> float:
         hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state[0]
         every = torch.arange(vocab, device=hidden.device).expand(n_tokens, vocab)
         ours = fused_gather_logprobs(hidden, lm_head.weight, every, bias=lm_head.bias, **logit_transform(base.config))
-    return float((ours - own).abs().mean())
+    # Weighted by the model's own probabilities: a bf16 forward rounds the transformed logits
+    # (Gemma2's cap*tanh near the cap: half a bf16 ulp of 30 is 0.06), which moves the unlikely
+    # tail most, while a dropped or unknown transform moves the likely tokens.
+    return float((own.exp() * (ours - own).abs()).sum(-1).mean())

@@ -32,11 +32,11 @@ def load_tokenizer(model_dir: str):
     return tok
 
 
-# Largest mean |log-prob difference| of the load-time probe (``logit_parity_error``) per dtype.
-# float32: both sides compute the same function (measured <= 1e-6 on the architecture matrix);
-# bf16/fp16: the model's forward rounds its logit transform in that dtype, the kernel in float32.
-# A dropped transform is far above either (Gemma2's softcap on the matrix model: 0.05-0.3).
-LOGIT_PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05, "float16": 0.05}
+# Largest error of the load-time probe (``logit_parity_error``, E_p|d log-prob|) per dtype.
+# float32: both sides compute the same function (measured <= 4e-7 on the architecture matrix);
+# bf16/fp16: the model's forward rounds its logit transform in that dtype, the kernel does it in
+# float32 (Gemma2 matrix model: 0.009). Its softcap dropped: 0.066 in both dtypes.
+LOGIT_PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.03, "float16": 0.03}
 
 
 def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cpu"):
@@ -53,8 +53,9 @@ def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cp
     err = logit_parity_error(model)
     if not err <= LOGIT_PROBE_TOLERANCE[dtype]:
         raise RecipeError(f"model.path = {model_dir!r}: {type(model).__name__}'s own forward gives log-probs "
-                         f"{err:.3g} (mean abs) away from lm_head + log-softmax with the logit transform parityrl "
-                         f"knows ({logit_transform(model.config)}); expected <= {LOGIT_PROBE_TOLERANCE[dtype]}: "
+                         f"{err:.3g} (probability-weighted mean abs) away from lm_head + log-softmax with the "
+                         f"logit transform parityrl knows ({logit_transform(model.config)}); expected <= "
+                         f"{LOGIT_PROBE_TOLERANCE[dtype]}: "
                          "its logit post-processing is not supported")
     return model
 

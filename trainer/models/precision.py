@@ -156,8 +156,8 @@ def fp8_targets(model: nn.Module) -> tuple[str, ...]:
     other = [leaf for leaf in leaves if leaf not in FP8_TARGETS]
     if other:
         root = model.get_base_model() if hasattr(model, "get_base_model") else model
-        raise RecipeError(f"precision.recipe = 'fp8_unified': {type(root).__name__}'s decoder linear layers {other} are "
-                         f"not ones the engine's FP8 method quantizes per Hugging Face module ({list(FP8_TARGETS)}); "
+        raise RecipeError(f"precision.recipe = 'fp8_unified': {type(root).__name__}'s decoder linear layers {other} "
+                         f"are not ones the engine's FP8 method quantizes per Hugging Face module ({list(FP8_TARGETS)}); "
                          "fused HF modules (e.g. Phi3's qkv_proj) would be quantized on different block grids by "
                          "the engine and the trainer")
     return leaves

@@ -135,7 +135,8 @@ def test_lora_on_tied_embeddings_is_refused():
     assert resolve_lora_targets(untied, ["embed_tokens"]) == ["embed_tokens"]
 
 
-def test_unknown_logit_postprocessing_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unknown_logit_postprocessing_is_refused(dtype, monkeypatch):
     # An architecture whose forward transforms the logits in a way logit_transform does not know
     # (simulated: the known transform is hidden from the kernel) is refused at load.
     import trainer.models.architecture as arch_mod
@@ -143,7 +144,9 @@ def test_unknown_logit_postprocessing_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(arch_mod, "logit_transform", lambda config: {"logit_softcap": None, "logit_scale": 1.0})
     with pytest.raises(ValueError, match="logit post-processing is not supported"):
-        policy.load_base_model(str(ensure_arch_model("gemma2")), "float32")
+        policy.load_base_model(str(ensure_arch_model("gemma2", dtype=dtype)), dtype)
+    monkeypatch.undo()
+    policy.load_base_model(str(ensure_arch_model("gemma2", dtype=dtype)), dtype)  # the known transform passes
 
 
 # ---- fp8_unified: the trainer's quantized set is the engine's --------------------------------------
@@ -259,3 +262,10 @@ def test_unsupported_combination_is_refused_at_start_by_the_cli(tmp_path, overri
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(errors) == 1 and re.search(match, errors[0]), proc.stderr[-2000:]
     assert "Initializing a V1 LLM engine" not in proc.stderr
+
+
+def test_hf_engine_loads_gemma2_with_the_attention_softcap():
+    from rollout.hf_engine import HFEngine
+
+    engine = HFEngine(str(ensure_arch_model("gemma2")), dtype="float32")
+    assert engine.model.config._attn_implementation == "eager"
