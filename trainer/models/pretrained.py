@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trainer.models.tiny import default_cache_dir, file_lock
+from trainer.models.tiny import build_once, default_cache_dir
 
 __all__ = ["SMOLLM2_NAME", "RealModelUnavailable", "ensure_smollm2", "missing_requirement", "smollm2_dir",
            "smollm2_gguf_path"]
@@ -83,15 +83,12 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
 def ensure_smollm2(cache_dir: str | Path | None = None) -> Path:
     """The dense SmolLM2-135M-Instruct directory, built on first use (~30 s); safe when processes race."""
     target = smollm2_dir(cache_dir)
-    if (target / _MARKER).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(target.parent / f".{target.name}.lock"):
-        if (target / _MARKER).is_file():  # built by another process while we waited
-            return target
+
+    def build() -> None:
         print(f"building {SMOLLM2_NAME} (once): dequantizing {_GGUF} -> {target}", flush=True)
         _build(smollm2_gguf_path(), target)
-    return target
+
+    return build_once(target, _MARKER, build)
 
 
 def _build(gguf: Path, out_dir: Path) -> None:

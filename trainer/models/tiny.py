@@ -182,12 +182,8 @@ def ensure_tiny_base(cache_dir: str | Path | None = None, **params: int) -> Path
     never sees a half-built model.
     """
     target = tiny_base_dir(cache_dir, **params)
-    if (target / _MARKER).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(target.parent / f"{target.name}.lock"):
-        if (target / _MARKER).is_file():  # another process built it while we waited
-            return target
+
+    def build() -> None:
         if target.exists():  # left by something other than build_tiny_base: not trusted
             raise RuntimeError(
                 f"{str(target)!r} exists but has no {_MARKER}; delete it so it can be rebuilt"
@@ -198,6 +194,21 @@ def ensure_tiny_base(cache_dir: str | Path | None = None, **params: int) -> Path
             # Without flock (non-POSIX) a concurrent builder may have won the rename.
             if not (target / _MARKER).is_file():
                 raise
+
+    return build_once(target, _MARKER, build)
+
+
+def build_once(target: Path, marker: str, build) -> Path:
+    """``target``, after calling ``build()`` under a lock file next to it unless ``target/marker`` exists.
+
+    Checked again under the lock: a process that waited finds the other's finished build.
+    """
+    if (target / marker).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(target.parent / f"{target.name}.lock"):
+        if not (target / marker).is_file():
+            build()
     return target
 
 

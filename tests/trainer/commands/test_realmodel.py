@@ -2,7 +2,9 @@
 
 The tiny model's 4 random layers say little about a real model's numerics; these tests pin
 the levels measured on this one (README "The bound we hold ourselves to"). Lean on
-purpose: 2 prompts, short completions, one BF16 engine shared by compare and GRPO.
+purpose: 2 prompts, short completions, one float32 engine shared by compare and GRPO. GRPO runs
+in float32: this CPU has no BF16 arithmetic (AVX2 only), so a BF16 step of even 8 short samples
+took minutes, while the float32 one is the pipeline's own level (a broken sync stands out far more).
 Skipped when the realmodel extra is not installed (``make setup`` installs it).
 """
 from __future__ import annotations
@@ -37,10 +39,10 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="module")
-def bf16_engine(smollm2_dir):
+def fp32_engine(smollm2_dir):
     from rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(smollm2_dir, dtype="bfloat16", max_model_len=160, seed=0,
+    engine = VLLMEngine(smollm2_dir, dtype="float32", max_model_len=160, seed=0,
                         kv_cache_memory_bytes=256 * 1024**2, enforce_eager=True)
     yield engine
     engine.close()
@@ -53,27 +55,26 @@ def prompt_file(tmp_path_factory) -> Path:
     return p
 
 
-def test_compare_float32_is_the_pipeline_self_test(tmp_path, smollm2_dir, prompt_file):
-    from trainer.commands.compare import run_compare
-
-    summary = run_compare(smollm2_dir, prompt_file, tmp_path / "fp32", dtype="float32", n=2, max_new_tokens=16,
-                          seed=0, system_prompt="")
-    m = summary["metrics"]
-    assert m["parity/num_tokens"] >= 32 and m["parity/mae"] <= FP32_MAE_BOUND, m
-    assert m["parity/frac_rho_outside_0.9_1.1"] == 0.0
-
-
-def test_compare_bfloat16_at_the_measured_level(tmp_path, smollm2_dir, prompt_file, bf16_engine):
+def test_compare_float32_is_the_pipeline_self_test(tmp_path, smollm2_dir, prompt_file, fp32_engine):
     from transformers import AutoModelForCausalLM
 
     from rollout.weight_export import full_weights
     from trainer.commands.compare import run_compare
 
     # The engine is shared with the GRPO test: start from the weights on disk whatever ran before.
-    bf16_engine.load_weights(full_weights(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16),
-                                          dtype=torch.bfloat16))
-    summary = run_compare(smollm2_dir, prompt_file, tmp_path / "bf16", engine=bf16_engine, n=2, max_new_tokens=24,
-                          seed=0)
+    fp32_engine.load_weights(full_weights(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32),
+                                          dtype=torch.float32))
+    summary = run_compare(smollm2_dir, prompt_file, tmp_path / "fp32", engine=fp32_engine, dtype="float32", n=2,
+                          max_new_tokens=16, seed=0, system_prompt="")
+    m = summary["metrics"]
+    assert m["parity/num_tokens"] >= 32 and m["parity/mae"] <= FP32_MAE_BOUND, m
+    assert m["parity/frac_rho_outside_0.9_1.1"] == 0.0
+
+
+def test_compare_bfloat16_at_the_measured_level(tmp_path, smollm2_dir, prompt_file):
+    from trainer.commands.compare import run_compare
+
+    summary = run_compare(smollm2_dir, prompt_file, tmp_path / "bf16", n=2, max_new_tokens=16, seed=0)
     m = summary["metrics"]
     # the template's default system turn was used (system_prompt unset)
     assert "You are a helpful AI assistant named SmolLM" in summary["chat_template"]["text"]
@@ -81,24 +82,30 @@ def test_compare_bfloat16_at_the_measured_level(tmp_path, smollm2_dir, prompt_fi
     assert m["parity/pearson"] > 0.99 and m["parity/kl_k3"] < 2e-2
 
 
-def test_grpo_steps_keep_parity_at_the_first_steps_level(tmp_path, bf16_engine):
+def test_grpo_steps_keep_parity_at_the_first_steps_level(tmp_path, fp32_engine):
     from trainer.config import load_recipe
     from trainer.rl.loop import train
 
+    # 16 tokens are too few for SmolLM2 to reach "The answer is N": exact_answer is 0 for every sample
+    # (measured), so no group has signal and nothing trains. Characters per completion differ
+    # between samples even when every one is cut at 16 tokens.
+    (tmp_path / "length_reward.py").write_text(
+        "def chars(prompts, completions, **columns):\n    return [float(len(c)) for c in completions]\n")
     cfg = load_recipe(REPO / "recipes" / "grpo_smollm2_cpu.yaml", [
-        "name=rm", f"logging.run_dir={tmp_path / 'rm'}", "logging.wandb.mode=disabled", "train.steps=3",
-        "rollout.prompts_per_step=2", "algorithm.group_size=4", "rollout.max_new_tokens=24", "checkpoint.every=0",
-        "parity.on_violation=stop"])  # the default relative limit (5x the first mae) must not fire
-    res = train(cfg, engine=bf16_engine)
+        f"reward.functions={{chars: {tmp_path / 'length_reward.py'}:chars}}", "name=rm", f"logging.run_dir={tmp_path / 'rm'}", "logging.wandb.mode=disabled", "train.steps=3",
+        "model.dtype=float32", "rollout.prompts_per_step=2", "algorithm.group_size=4", "rollout.max_new_tokens=16",
+        "checkpoint.every=0", "parity.on_violation=stop"])  # the default relative limit (5x the first mae) must not fire
+    res = train(cfg, engine=fp32_engine)
     step = [h["parity/mae"] for h in res.history]
     probe = [h["probe/mae"] for h in res.history]
     rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     probe0 = rows[0]["probe/mae"]
-    assert BF16_MAE_BAND[0] < step[0] < BF16_MAE_BAND[1], step
+    assert 0 < step[0] <= FP32_MAE_BOUND, step
     # after each sync, within 2x of the first measurement of its kind (a broken sync on this
     # model moves it by far more: the base and the trained policy disagree on every token)
     assert max(step[1:]) < 2 * step[0], step
     assert max(probe) < 2 * probe0, (probe0, probe)
+    assert max(step + probe) <= FP32_MAE_BOUND
     assert all(h["perf/sync_bytes"] > 0 for h in res.history)
     b_norm = sum(v.float().norm() for k, v in _adapter(res.run_dir).items() if "lora_B" in k)
     assert b_norm > 0  # the updates were real
