@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainer.config import RecipeError, RunConfig
+from trainer.models.architecture import ALL_LINEAR
 
 
 def preflight(cfg: RunConfig, where: str) -> None:
@@ -126,8 +127,8 @@ def lora_target_problems(module_types: dict[str, str], targets: list[str]) -> li
     return problems
 
 
-def model_module_types(model_dir: str) -> Optional[dict[str, str]]:
-    """``{module name: class name}`` of the model, built on the meta device from its config (no weights read)."""
+def meta_model(model_dir: str):
+    """The model built on the meta device from its config (no weights read); None if the config is unreachable."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -136,23 +137,30 @@ def model_module_types(model_dir: str) -> Optional[dict[str, str]]:
     except (OSError, ValueError):  # a hub id without network: left to training
         return None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {n: type(m).__name__ for n, m in model.named_modules() if n}
+        return AutoModelForCausalLM.from_config(config)
 
 
 def check_lora_targets(cfg: RunConfig, where: str, targets: Optional[list[str]] = None) -> None:
-    """``targets`` (default ``model.lora.target_modules``) against the model's layers."""
+    """``targets`` (default ``model.lora.target_modules``) against the model's layers, resolved as training
+    resolves them (``trainer.models.architecture.resolve_lora_targets``: ``all-linear``, tied embeddings)."""
+    from trainer.models.architecture import resolve_lora_targets
     from trainer.models.builtin import resolve_model_path
 
     targets = cfg.model.lora.target_modules if targets is None else targets
-    types = model_module_types(resolve_model_path(cfg.model.path))
-    if types is None:
+    model = meta_model(resolve_model_path(cfg.model.path))
+    if model is None:
         return
-    problems = lora_target_problems(types, targets)
+    types = {n: type(m).__name__ for n, m in model.named_modules() if n}
+    explicit = [t for t in targets if t != ALL_LINEAR]
+    problems = lora_target_problems(types, explicit)
     if problems:
         leaves = sorted({n.rsplit(".", 1)[-1] for n, t in types.items() if t in _LORA_LAYERS})
         raise RecipeError(f"{where}: model.lora.target_modules = {targets!r}: {'; '.join(problems)} of "
                           f"{cfg.model.path}; its layers LoRA can wrap: {', '.join(leaves)}")
+    try:
+        resolve_lora_targets(model, targets)
+    except RecipeError as e:
+        raise RecipeError(f"{where}: {e}") from None
 
 
 def _one_line(e: BaseException) -> str:
