@@ -184,9 +184,9 @@ def test_completion_hidden_through_policy_forward_is_the_direct_computation(poli
         lp_wrapped, _ = completion_logprobs(wrapped, batch, temperature=1.0)
         with wrapped.module.disable_adapter():  # what the loop calls on the prepared model
             lp_base, _ = completion_logprobs(wrapped, batch, temperature=1.0)
-    # the same output layer (a LogitHead view of lm_head + the model's logit transform, made per call)
-    assert torch.equal(h_direct, h_wrapped) and head_direct.weight is head_wrapped.weight and no_values is None
-    assert head_direct.transform == head_wrapped.transform
+    assert torch.equal(h_direct, h_wrapped) and no_values is None
+    # The same lm_head weight and the same logit transform (a LogitHead is built per call).
+    assert head_direct.weight is head_wrapped.weight and head_direct.transform == head_wrapped.transform
     assert torch.equal(lp_direct, lp_wrapped)
     assert not torch.equal(lp_base, lp_wrapped)  # the adapter really was disabled
     assert wrapped.module.config is policy.config
