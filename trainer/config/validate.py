@@ -42,7 +42,7 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
         if not ok:
             raise RecipeError(f"{where}: {key} = {value!r}: expected {expected}")
 
-    for check in (_check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
+    for check in (_check_name, _check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
                   _check_parity, _check_precision, _check_checkpoint_and_logging):
         check(cfg, need)
     try:
@@ -58,6 +58,13 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
             raise RecipeError(f"{where}: {e}") from None
     if check_paths:
         _check_paths(cfg, where)
+
+
+def _check_name(cfg: RunConfig, need: Need) -> None:
+    n = cfg.name
+    # {name} becomes one folder under logging.run_dir: never a path that leaves it
+    need(bool(n) and n not in (".", "..") and not any(c in n for c in "/\\\0") and n == n.strip(), "name", n,
+         "one folder name (no '/', '\\', '..' or surrounding spaces)")
 
 
 def _check_algorithm(cfg: RunConfig, need: Need) -> None:

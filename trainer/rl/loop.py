@@ -41,6 +41,7 @@ from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
 from trainer.rl.engines import make_engine, sampling_spec, sync_weights
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
 from trainer.rl.probe import run_probe
+from trainer.rl.run_state import choose_checkpoint, claim_run_dir, record_recipe
 from trainer.rl.value_head import ValueHead
 
 
@@ -359,7 +360,12 @@ class Run:
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     """Run ``cfg`` to ``cfg.train.steps``. ``engine``: an already-started engine to reuse (tests share one)."""
-    run = setup(cfg, resume=resume, engine=engine)
+    lock = claim_run_dir(cfg, resume=resume)  # one writer per run directory (trainer/rl/run_state.py)
+    try:
+        run = setup(cfg, resume=resume, engine=engine)
+    except BaseException:
+        lock.release()
+        raise
     result = TrainResult(run_dir=cfg.run_dir)
     try:
         probe_before_training(run)
@@ -387,6 +393,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         run.logger.close()
         if run.own_engine:
             run.engine.close()
+        lock.release()
     return result
 
 
@@ -446,6 +453,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
               gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules)
     run.start_step = _restore(run) if resume else _refuse_existing_run(cfg)
+    record_recipe(run, resumed=resume)
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
         cfg, model_dir, max_model_len=d.max_prompt_tokens + cfg.rollout.max_new_tokens, dp=dp)
@@ -494,9 +502,7 @@ def _prepare(cfg: RunConfig, accelerator, stage: int, model, optimizer, value_he
 def _restore(run: Run) -> int:
     """Load the newest complete checkpoint into the run; returns its step."""
     run_dir = run.cfg.run_dir
-    latest = ckpt.latest_checkpoint(run_dir)
-    if latest is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.checkpoints_dir(run_dir)}")
+    latest = choose_checkpoint(run_dir, verbose=run.is_main)
     if run.stage:
         state = ckpt.load_deepspeed_checkpoint(latest, engine=run.model, scheduler=run.scheduler,
                                                world_size=run.accelerator.num_processes)
@@ -512,7 +518,7 @@ def _restore(run: Run) -> int:
 
 
 def _refuse_existing_run(cfg: RunConfig) -> int:
-    if ckpt.list_checkpoints(cfg.run_dir):
+    if ckpt.step_dirs(cfg.run_dir):
         raise FileExistsError(f"{cfg.run_dir} already holds checkpoints; pass --resume to continue it, or choose "
                               "another name / logging.run_dir (nothing was overwritten)")
     return 0
