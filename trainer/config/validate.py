@@ -109,6 +109,8 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
     need(r.max_num_seqs >= 1, "rollout.max_num_seqs", r.max_num_seqs, "an integer >= 1")
     need(r.sync_chunk_bytes >= 1, "rollout.sync_chunk_bytes", r.sync_chunk_bytes, "an integer >= 1 (bytes)")
     need(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "a number of seconds > 0")
+    need(r.server_connect_timeout_s > 0, "rollout.server_connect_timeout_s", r.server_connect_timeout_s,
+         "a number of seconds > 0")
     need(not (rec.startswith("fp8") and r.engine == "hf"), "rollout.engine", r.engine,
          f"'vllm' with precision.recipe {rec} (the HF engine has no FP8 path)")
     # A server is a vLLM server started by `parityrl serve` from the BF16 model: it has neither
