@@ -42,6 +42,7 @@ from trainer.rl.engines import make_engine, sampling_spec, sync_weights
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
 from trainer.rl.probe import run_probe
 from trainer.rl.run_state import choose_checkpoint, claim_run_dir, record_recipe
+from trainer.rl.truncation import TruncationWatch
 from trainer.rl.value_head import ValueHead
 
 
@@ -342,6 +343,7 @@ class Run:
     logger: Optional[RunLogger] = None
     probe_ids: list = field(default_factory=list)
     start_step: int = 0
+    truncation: TruncationWatch = field(default_factory=TruncationWatch)
 
     @property
     def device(self):
@@ -383,6 +385,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             sync_phase(run, m)
             m["perf/step_s"] = time.perf_counter() - t_step
             run.logger.log(step, m)
+            _warn_truncation(run, step, m)
             result.history.append({"step": step, **m})
             # After logging (the step's record keeps the probe values), before the checkpoint.
             _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)")
@@ -659,6 +662,12 @@ def _sync(run: Run) -> dict:
         error = e
     run.dp.raise_together(error)
     return out
+
+
+def _warn_truncation(run: Run, step: int, m: dict) -> None:
+    msg = run.truncation.check(step, m.get("rollout/frac_truncated"), run.cfg.rollout.max_new_tokens)
+    if msg and run.is_main:
+        print(msg, flush=True)
 
 
 def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:
