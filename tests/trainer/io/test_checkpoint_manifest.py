@@ -2,13 +2,17 @@
 newest complete one and names what it skipped. The damaged-checkpoint corpus (bench/damaged_checkpoints.py) in
 miniature: ten damages, each detected before anything is loaded."""
 import errno
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainer.io import checkpoint as ckpt
 from trainer.rl.run_state import choose_checkpoint, claim_run_dir
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 class FakeAdapter:
@@ -34,25 +38,16 @@ def save(run_dir, step, **kw):
                                 state={"batcher": {}}, keep_last=5, **kw)
 
 
-def _random(p):
-    p.write_bytes(os.urandom(p.stat().st_size))
+def _corpus():
+    """The damages of bench/damaged_checkpoints.py, and two of the manifest itself."""
+    spec = importlib.util.spec_from_file_location("damaged_checkpoints", REPO / "bench" / "damaged_checkpoints.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return {**mod.DAMAGES, "manifest_missing": lambda c: (c / "manifest.json").unlink(),
+            "manifest_unreadable": lambda c: (c / "manifest.json").write_text("{")}
 
 
-DAMAGES = {
-    "weights_truncated": lambda c: (c / "adapter/adapter_model.bin").write_bytes(
-        (c / "adapter/adapter_model.bin").read_bytes()[:100]),
-    "weights_emptied": lambda c: (c / "adapter/adapter_model.bin").write_bytes(b""),
-    "weights_random_bytes": lambda c: _random(c / "adapter/adapter_model.bin"),
-    "optimizer_missing": lambda c: (c / "optimizer.pt").unlink(),
-    "optimizer_random_bytes": lambda c: _random(c / "optimizer.pt"),
-    "scheduler_missing": lambda c: (c / "scheduler.pt").unlink(),
-    "rng_missing": lambda c: (c / "rng.pt").unlink(),
-    "state_unreadable": lambda c: (c / "state.json").write_bytes(b"\x00{not json"),
-    "state_missing": lambda c: (c / "state.json").unlink(),
-    "adapter_config_missing": lambda c: (c / "adapter/adapter_config.json").unlink(),
-    "manifest_missing": lambda c: (c / "manifest.json").unlink(),
-    "manifest_unreadable": lambda c: (c / "manifest.json").write_text("{"),
-}
+DAMAGES = _corpus()
 
 
 def test_a_written_checkpoint_verifies_and_its_manifest_is_the_last_file(tmp_path):
@@ -80,7 +75,7 @@ def test_no_usable_checkpoint_is_one_line_naming_each_reason(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         choose_checkpoint(tmp_path, verbose=True)
     msg = str(e.value)
-    assert "\n" not in msg and "step_000001: rng.pt missing" in msg and "step_000002: adapter/adapter_model.bin" in msg
+    assert "\n" not in msg and "step_000001: rng.pt missing" in msg and "step_000002: adapter/adapter_model.bin does not match" in msg
 
 
 def test_a_failed_write_removes_its_partial_folder(tmp_path, capsys):
