@@ -221,8 +221,9 @@ def save_deepspeed_checkpoint(run_dir: Path, step: int, *, engine, policy, sched
 
 
 def _read_state(path: Path) -> dict:
-    if not (path / _COMPLETE).is_file():
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {_COMPLETE})")
+    # (verified against its manifest before, by usable_checkpoint: the loaders only read)
+    if not (path / _STATE).is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {_STATE})")
     return json.loads((path / _STATE).read_text())
 
 
