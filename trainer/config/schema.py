@@ -118,6 +118,7 @@ class RolloutConfig:
     mode: Literal["colocate", "server"] = "colocate"
     server_url: str = "http://127.0.0.1:8000"
     server_timeout_s: float = 300.0  # startup health wait and per-request limit
+    server_connect_timeout_s: float = 30.0  # startup: give up when nothing has accepted a connection for this long
     prompts_per_step: int = 16
     temperature: float = 1.0
     top_p: float = 1.0

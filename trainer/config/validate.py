@@ -42,7 +42,7 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
         if not ok:
             raise RecipeError(f"{where}: {key} = {value!r}: expected {expected}")
 
-    for check in (_check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
+    for check in (_check_name, _check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
                   _check_parity, _check_precision, _check_checkpoint_and_logging):
         check(cfg, need)
     try:
@@ -58,6 +58,13 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
             raise RecipeError(f"{where}: {e}") from None
     if check_paths:
         _check_paths(cfg, where)
+
+
+def _check_name(cfg: RunConfig, need: Need) -> None:
+    n = cfg.name
+    # {name} becomes one folder under logging.run_dir: never a path that leaves it
+    need(bool(n) and n not in (".", "..") and not any(c in n for c in "/\\\0") and n == n.strip(), "name", n,
+         "one folder name (no '/', '\\', '..' or surrounding spaces)")
 
 
 def _check_algorithm(cfg: RunConfig, need: Need) -> None:
@@ -102,6 +109,8 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
     need(r.max_num_seqs >= 1, "rollout.max_num_seqs", r.max_num_seqs, "an integer >= 1")
     need(r.sync_chunk_bytes >= 1, "rollout.sync_chunk_bytes", r.sync_chunk_bytes, "an integer >= 1 (bytes)")
     need(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "a number of seconds > 0")
+    need(r.server_connect_timeout_s > 0, "rollout.server_connect_timeout_s", r.server_connect_timeout_s,
+         "a number of seconds > 0")
     need(not (rec.startswith("fp8") and r.engine == "hf"), "rollout.engine", r.engine,
          f"'vllm' with precision.recipe {rec} (the HF engine has no FP8 path)")
     # A server is a vLLM server started by `parityrl serve` from the BF16 model: it has neither

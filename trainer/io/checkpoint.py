@@ -9,10 +9,16 @@ written by ``engine.save_checkpoint``); ``adapter/`` is the same, gathered whole
 A checkpoint is written into a temporary sibling directory and renamed into
 place only when complete, so a kill mid-write leaves the previous checkpoints
 untouched and never a half-written "latest". Old ones are pruned only after the
-new one is in place.
+new one is in place. Its last file is ``manifest.json``: the size and SHA-256 of
+every other file. Only a checkpoint whose manifest is there and whose files match it
+is complete (``verify_checkpoint``); resume takes the newest such one
+(``usable_checkpoint``) and names the newer ones it skipped, with the reason.
+A failed write removes its temporary directory; so does the next start (the lock of
+trainer/io/run_lock.py guarantees no other writer is using it).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -25,7 +31,8 @@ import numpy as np
 import torch
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-_COMPLETE = "state.json"  # written last: its presence marks a complete checkpoint
+_STATE = "state.json"
+_COMPLETE = MANIFEST = "manifest.json"  # written last: its presence marks a complete checkpoint
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -81,10 +88,8 @@ def _finish(tmp: Path, final: Path, run_dir: Path, step: int, *, scheduler, stat
     torch.save(rng_state(), tmp / "rng.pt")
     for name, module in (modules or {}).items():
         torch.save(module.state_dict(), tmp / f"{name}.pt")
-    with open(tmp / _COMPLETE, "w") as f:
-        json.dump({"step": step, **state}, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_synced(tmp / _STATE, json.dumps({"step": step, **state}, indent=2))
+    _write_synced(tmp / MANIFEST, json.dumps(_manifest(tmp), indent=1))
     if final.exists():  # re-saving the same step (e.g. the final step after a periodic one)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -93,18 +98,95 @@ def _finish(tmp: Path, final: Path, run_dir: Path, step: int, *, scheduler, stat
     return final
 
 
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(ckpt_dir: Path) -> dict:
+    files = sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return {"files": {p.relative_to(ckpt_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                      for p in files}}
+
+
+def verify_checkpoint(path: Path) -> Optional[str]:
+    """None if ``path`` is complete (its manifest is there and every file matches it), else why not."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        entries = [(str(name), int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (the write did not finish, or an older parityrl wrote it)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} unreadable ({type(e).__name__})"
+    if _STATE not in files:
+        return f"{MANIFEST} does not list {_STATE}"
+    for name, size, digest in entries:
+        f = path / name
+        if not f.is_file():
+            return f"{name} missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {size}"
+        if _sha256(f) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Every ``step_*`` folder, complete or not, oldest first."""
+    d = checkpoints_dir(run_dir)
+    found = [(_STEP_DIR.match(p.name), p) for p in (d.iterdir() if d.is_dir() else ()) if p.is_dir()]
+    return [p for _, p in sorted((int(m.group(1)), p) for m, p in found if m)]
+
+
+def usable_checkpoint(run_dir: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+    """(the newest verified checkpoint or None, [(newer checkpoint skipped, why)])."""
+    skipped = []
+    for p in reversed(step_dirs(run_dir)):
+        why = verify_checkpoint(p)
+        if why is None:
+            return p, skipped
+        skipped.append((p, why))
+    return None, skipped
+
+
+def remove_partial_checkpoints(run_dir: Path) -> list[Path]:
+    """Delete the ``.tmp_step_*`` folders of writes that never finished (a kill, a full disk); the removed ones."""
+    d = checkpoints_dir(run_dir)
+    partial = sorted(d.glob(".tmp_step_*")) if d.is_dir() else []
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
+
+
 def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, scheduler, state: dict, keep_last: int,
                     modules: Optional[dict] = None) -> Path:
     """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``.
 
     ``modules``: extra trainable modules outside the adapter (e.g. PPO's value head), saved
-    as ``<name>.pt`` state dicts.
+    as ``<name>.pt`` state dicts. A write that fails (a full disk) removes its partial folder.
     """
     final, tmp = _staging_dirs(run_dir, step, f"_{os.getpid()}")
-    _fresh_dir(tmp)
-    model.save_pretrained(tmp / "adapter")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    return _finish(tmp, final, run_dir, step, scheduler=scheduler, state=state, keep_last=keep_last, modules=modules)
+    try:
+        _fresh_dir(tmp)
+        model.save_pretrained(tmp / "adapter")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        return _finish(tmp, final, run_dir, step, scheduler=scheduler, state=state, keep_last=keep_last,
+                       modules=modules)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"note: checkpoint {step} was not written; removed its partial folder {tmp}", flush=True)
+        raise
 
 
 def save_deepspeed_checkpoint(run_dir: Path, step: int, *, engine, policy, scheduler, state: dict, keep_last: int,
@@ -139,9 +221,10 @@ def save_deepspeed_checkpoint(run_dir: Path, step: int, *, engine, policy, sched
 
 
 def _read_state(path: Path) -> dict:
-    if not (path / _COMPLETE).is_file():
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {_COMPLETE})")
-    return json.loads((path / _COMPLETE).read_text())
+    # (verified against its manifest before, by usable_checkpoint: the loaders only read)
+    if not (path / _STATE).is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {_STATE})")
+    return json.loads((path / _STATE).read_text())
 
 
 def load_checkpoint(path: Path, *, model, optimizer, scheduler, modules: Optional[dict] = None) -> dict:

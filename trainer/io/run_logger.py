@@ -7,7 +7,8 @@ checkpoint appear twice; readers take the last occurrence of a step.
 
 wandb runs online when credentials exist (``WANDB_API_KEY`` or a netrc entry),
 offline otherwise (``wandb sync`` uploads it later); an online start that fails
-for lack of network falls back to offline instead of failing the run.
+for lack of network (or an invalid key) within ``ONLINE_INIT_TIMEOUT_S`` (10 s) falls
+back to offline with a warning instead of failing or stalling the run.
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def resolve_wandb_mode(mode: str) -> str:
     if mode != "auto":
         return mode
     return "online" if _has_wandb_credentials() else "offline"
+
+
+# An online start that has not connected within this time (no network, an invalid key: wandb
+# waits for its server) falls back to offline with a warning instead of stalling the run.
+ONLINE_INIT_TIMEOUT_S = 10.0
+OFFLINE_INIT_TIMEOUT_S = 60.0
 
 
 def _finite_or_none(v: Any) -> Any:
@@ -76,9 +83,11 @@ class RunLogger:
             return None, "disabled"
         wdir = self.run_dir
         for attempt in ([mode, "offline"] if mode == "online" else [mode]):
+            wait = ONLINE_INIT_TIMEOUT_S if attempt == "online" else OFFLINE_INIT_TIMEOUT_S
             try:
                 run = wandb.init(project=project, entity=entity, name=name, config=config, dir=str(wdir), mode=attempt,
-                                 settings=wandb.Settings(init_timeout=60, console="off", silent=True), reinit="finish_previous")
+                                 settings=wandb.Settings(init_timeout=wait, console="off", silent=True),
+                                 reinit="finish_previous")
                 return run, attempt
             except Exception as e:  # noqa: BLE001 - any wandb failure must not end training
                 warnings.warn(f"wandb {attempt} start failed ({type(e).__name__}: {e}); "

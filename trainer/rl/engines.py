@@ -94,7 +94,8 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp):
 
     def connect(pushes: bool):
         return ServerEngine(r.server_url, model_dir=model_dir, timeout_s=r.server_timeout_s, dtype=cfg.model.dtype,
-                            max_model_len=max_model_len, pushes_weights=pushes, version_tag=tag)
+                            max_model_len=max_model_len, pushes_weights=pushes, version_tag=tag,
+                            connect_timeout_s=r.server_connect_timeout_s)
 
     engine, error = None, None
     if dp.rank == 0:

@@ -53,6 +53,8 @@ from trainer.rl.stops import (
     checkpoint_on_stop,
     stop_together,
 )
+from trainer.rl.run_state import choose_checkpoint, claim_run_dir, record_recipe
+from trainer.rl.truncation import TruncationWatch
 from trainer.rl.value_head import ValueHead
 
 
@@ -366,6 +368,7 @@ class Run:
     probe: Optional[Probe] = None
     ratio_limit: Optional[MaeRatioLimit] = None  # its baseline: the first mae measured (the probe before step 1)
     start_step: int = 0
+    truncation: TruncationWatch = field(default_factory=TruncationWatch)
 
     @property
     def device(self):
@@ -384,7 +387,12 @@ class Run:
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     """Run ``cfg`` to ``cfg.train.steps``. ``engine``: an already-started engine to reuse (tests share one)."""
-    run = setup(cfg, resume=resume, engine=engine)
+    lock = claim_run_dir(cfg, resume=resume)  # one writer per run directory (trainer/rl/run_state.py)
+    try:
+        run = setup(cfg, resume=resume, engine=engine)
+    except BaseException:
+        lock.release()
+        raise
     result = TrainResult(run_dir=cfg.run_dir)
     boundary = StepBoundary()
     boundary.begin(run.start_step + 1, _run_state(run))
@@ -408,6 +416,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             sync_phase(run, step, m)
             m["perf/step_s"] = time.perf_counter() - t_step
             run.logger.log(step, m)
+            _warn_truncation(run, step, m)
             result.history.append({"step": step, **m})
             # After logging (the step's record keeps the probe values), before the checkpoint.
             _enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)",
@@ -424,6 +433,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         run.logger.close()
         if run.own_engine:
             run.engine.close()
+        lock.release()
     return result
 
 
@@ -487,6 +497,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
                       device=accelerator.device, dp=dp)
     run.ratio_limit = MaeRatioLimit(cfg.parity.max_mae_ratio)
     run.start_step = _restore(run) if resume else _refuse_existing_run(cfg)
+    record_recipe(run, resumed=resume)
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
         cfg, model_dir, max_model_len=d.max_prompt_tokens + cfg.rollout.max_new_tokens, dp=dp)
@@ -534,9 +545,7 @@ def _prepare(cfg: RunConfig, accelerator, stage: int, model, optimizer, value_he
 def _restore(run: Run) -> int:
     """Load the newest complete checkpoint into the run; returns its step."""
     run_dir = run.cfg.run_dir
-    latest = ckpt.latest_checkpoint(run_dir)
-    if latest is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.checkpoints_dir(run_dir)}")
+    latest = choose_checkpoint(run_dir, verbose=run.is_main)
     if run.stage:
         state = ckpt.load_deepspeed_checkpoint(latest, engine=run.model, scheduler=run.scheduler,
                                                world_size=run.accelerator.num_processes)
@@ -553,7 +562,7 @@ def _restore(run: Run) -> int:
 
 
 def _refuse_existing_run(cfg: RunConfig) -> int:
-    if ckpt.list_checkpoints(cfg.run_dir):
+    if ckpt.step_dirs(cfg.run_dir):
         raise FileExistsError(f"{cfg.run_dir} already holds checkpoints; pass --resume to continue it, or choose "
                               "another name / logging.run_dir (nothing was overwritten)")
     return 0
@@ -713,6 +722,12 @@ def _sync(run: Run) -> dict:
         error = e
     run.dp.raise_together(error)
     return out
+
+
+def _warn_truncation(run: Run, step: int, m: dict) -> None:
+    msg = run.truncation.check(step, m.get("rollout/frac_truncated"), run.cfg.rollout.max_new_tokens)
+    if msg and run.is_main:
+        print(msg, flush=True)
 
 
 def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:

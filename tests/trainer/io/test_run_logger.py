@@ -34,3 +34,29 @@ def test_non_main_process_writes_nothing(tmp_path):
     log.log(1, {"a": 1.0})
     log.close()
     assert not (tmp_path / "r").exists()
+
+
+def test_an_online_start_that_cannot_connect_gives_up_within_10_s_and_goes_offline(tmp_path, monkeypatch):
+    """An invalid key / no network: wandb waits for its server up to init_timeout; online gets 10 s, then offline."""
+    import sys
+    import types
+
+    import pytest
+
+    from trainer.io.run_logger import RunLogger
+
+    calls = []
+
+    def init(**kw):
+        calls.append((kw["mode"], kw["settings"].init_timeout))
+        if kw["mode"] == "online":
+            raise TimeoutError("Run initialization has timed out")  # what wandb raises after init_timeout
+        return types.SimpleNamespace(finish=lambda **k: None)
+
+    fake = types.SimpleNamespace(init=init, Settings=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with pytest.warns(UserWarning, match="wandb online start failed.*retrying offline"):
+        logger = RunLogger(tmp_path, config={}, wandb_mode="online")
+    assert calls[0] == ("online", 10.0) and calls[1][0] == "offline"
+    assert logger.wandb_mode == "offline"
