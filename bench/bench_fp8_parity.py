@@ -131,9 +131,9 @@ def main(argv=None) -> dict:
     from rollout.weight_export import merged_lora_weights
     from trainer.config import LoraConfig
     from trainer.data.datasets import encode_prompts
+    from trainer.data.tasks.arithmetic import arithmetic_dataset
     from trainer.models.policy import add_lora, load_base_model, load_tokenizer
     from trainer.models.precision import convert_to_fp8
-    from trainer.data.tasks.arithmetic import arithmetic_dataset
 
     path = model_dir(args)
     tok = load_tokenizer(path)

@@ -192,9 +192,19 @@ def distributed_steps(args, model_dir: str) -> dict:
 
     from rollout.weight_export import merged_lora_weights
     from trainer.distributed.data_parallel import DataParallel
-    from trainer.distributed.deepspeed import (accelerator_kwargs, deepspeed_stage, fill_deepspeed_config, gathered_trainable,
-                                     is_zero3_partitioned, make_backward, model_load_context, optimizer_step,
-                                     unwrap_policy, wrap_for_prepare, zero3_gather)
+    from trainer.distributed.deepspeed import (
+        accelerator_kwargs,
+        deepspeed_stage,
+        fill_deepspeed_config,
+        gathered_trainable,
+        is_zero3_partitioned,
+        make_backward,
+        model_load_context,
+        optimizer_step,
+        unwrap_policy,
+        wrap_for_prepare,
+        zero3_gather,
+    )
 
     accelerator = Accelerator(**accelerator_kwargs())
     stage = deepspeed_stage(accelerator)

@@ -51,8 +51,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from parity.precision import BLOCK, FP8_TARGETS, quantize_weight_blocks
-from rollout.fp8_scheme import DECODER_LAYER as _DECODER_LAYER
-from rollout.fp8_scheme import EMULATED_FP8
+from rollout.fp8_scheme import DECODER_LAYER as _DECODER_LAYER, EMULATED_FP8
 
 __all__ = [
     "EMULATED_FP8",

@@ -59,16 +59,16 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from rollout.types import Rollouts, SamplingSpec
-from rollout.weight_export import payload_bytes
 from rollout.vllm_engine import (
     DEFAULT_PACKED_MODULES,
-    engine_named_tensors,
     check_update,
     checkpoint_shapes,
+    engine_named_tensors,
     eos_token_ids,
     sample_seed,
     validate_request,
 )
+from rollout.weight_export import payload_bytes
 
 _RESTART_HINT = ("the server process may have died or never started; start it with `parityrl serve <recipe>` "
                  "and continue the run with `parityrl train <recipe> --resume`")

@@ -184,7 +184,7 @@ class FileWeightTransferEngine(WeightTransferEngine[FileWeightTransferInitInfo, 
             if missing or len(present) != len(update_info.names):
                 raise ValueError(f"{BACKEND}: {path} holds {len(present)} tensors, the update names "
                                  f"{len(update_info.names)}; missing {missing[:6]}")
-            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+            for name, shape in zip(update_info.names, update_info.shapes):
                 sl = f.get_slice(name)
                 if list(sl.get_shape()) != list(shape):
                     raise ValueError(f"{BACKEND}: {name} has shape {sl.get_shape()} in {path}, update says {shape}")

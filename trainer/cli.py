@@ -175,8 +175,8 @@ def _merge(args) -> int:
 
 
 def _serve(args) -> int:
-    from trainer.config import load_recipe
     from trainer.commands.serve import run_serve
+    from trainer.config import load_recipe
 
     try:
         cfg = load_recipe(args.recipe, args.overrides)

@@ -20,7 +20,13 @@ import sys
 import pytest
 import torch
 
-from parity.precision import FP8_TARGETS, dequantize_weight_blocks, fake_quant_weight, fake_quant_weight_shards, fp8_linear
+from parity.precision import (
+    FP8_TARGETS,
+    dequantize_weight_blocks,
+    fake_quant_weight,
+    fake_quant_weight_shards,
+    fp8_linear,
+)
 from rollout.fp8_export import (
     EMULATED_FP8,
     FP8_BLOCK_QUANT_CONFIG,

@@ -126,8 +126,8 @@ def test_server_settings_check_names_what_is_wrong(tmp_path):
 
 
 def test_serve_command_has_the_settings_the_trainer_relies_on():
-    from trainer.config import RecipeError, load_recipe
     from trainer.commands.serve import serve_command
+    from trainer.config import RecipeError, load_recipe
 
     cfg = load_recipe(RECIPE, ["rollout.server_url=http://127.0.0.1:8123", "parity.topk=40",
                                "rollout.kv_cache_memory_bytes=67108864"], check_paths=False)
@@ -247,13 +247,14 @@ class _LoopbackClient:
 
 
 def test_file_backend_delivers_the_tensors_bit_exact(tmp_path):
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
     from rollout.server_transfer import (
         FileTrainerInitInfo,
         FileWeightTransferEngine,
         FileWeightTransferUpdateInfo,
         ListWeightSource,
     )
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     model = _StandInModel()
     cfg = SimpleNamespace(parallel_config=None, model_config=None)

@@ -36,8 +36,8 @@ from parity.report import check_out_dir, prepare_out_dir, require_report_deps, w
 from rollout.fp8_export import PRECISION_RECIPES
 from rollout.types import Rollouts, SamplingSpec
 from trainer.models.batch import TokenBatch, batch_from_rollouts
-from trainer.rl.parity_report import step_breakdown
 from trainer.models.policy import DTYPES, completion_logprobs, load_base_model, load_tokenizer
+from trainer.rl.parity_report import step_breakdown
 
 __all__ = ["CompareError", "SELF_CHECK_EXPECTED", "load_prompts", "run_compare", "score_completions", "self_check_result"]
 
@@ -259,10 +259,10 @@ def score_completions(model, batch: TokenBatch, *, temperature: float, batch_siz
         for start in range(0, s, batch_size):
             idx = order[start:start + batch_size]
             micro = batch.select(idx.to(batch.mask.device))
-            l, e, *t = completion_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size,
-                                           return_entropy=True, topk_ids=micro.topk_ids)
-            c = l.shape[1]
-            lp[idx, :c] = l.float().cpu()
+            lp_micro, e, *t = completion_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size,
+                                                  return_entropy=True, topk_ids=micro.topk_ids)
+            c = lp_micro.shape[1]
+            lp[idx, :c] = lp_micro.float().cpu()
             ent[idx, :c] = e.float().cpu()
             if top is not None:
                 top[idx, :c] = t[0].float().cpu()

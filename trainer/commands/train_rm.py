@@ -448,10 +448,10 @@ def evaluate_pairs(model, chosen: list, rejected: list, pad_id: int, batch_size:
 
 def run_train_rm(cfg: RMConfig) -> Path:
     """Train a reward model per ``cfg`` and write it to ``cfg.out_path`` (atomically); returns that path."""
-    from trainer.models.builtin import resolve_model_path
     from trainer.io.outputs import atomic_output_dir, refuse_existing_output
-    from trainer.models.policy import load_tokenizer
+    from trainer.models.builtin import resolve_model_path
     from trainer.models.optim import make_scheduler
+    from trainer.models.policy import load_tokenizer
 
     out = cfg.out_path
     refuse_existing_output(out, "output_dir")  # before any loading: fail in seconds, not after training

@@ -79,7 +79,7 @@ class RunLogger:
         try:
             import wandb
         except ImportError:
-            warnings.warn("wandb is not installed; metrics go to metrics.jsonl only")
+            warnings.warn("wandb is not installed; metrics go to metrics.jsonl only", stacklevel=3)
             return None, "disabled"
         wdir = self.run_dir
         for attempt in ([mode, "offline"] if mode == "online" else [mode]):
@@ -91,7 +91,8 @@ class RunLogger:
                 return run, attempt
             except Exception as e:  # noqa: BLE001 - any wandb failure must not end training
                 warnings.warn(f"wandb {attempt} start failed ({type(e).__name__}: {e}); "
-                              + ("retrying offline" if attempt == "online" else "metrics go to metrics.jsonl only"))
+                              + ("retrying offline" if attempt == "online" else "metrics go to metrics.jsonl only"),
+                              stacklevel=3)
         return None, "disabled"
 
     def log(self, step: int, metrics: dict[str, Any], *, echo: bool = True) -> None:

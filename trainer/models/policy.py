@@ -12,11 +12,17 @@ from typing import Optional
 import torch
 
 from parity.logprobs import fused_gather_logprobs, fused_logprobs
-from trainer.models.batch import TokenBatch
 from trainer.config import LoraConfig
 from trainer.config.schema import RecipeError
-from trainer.models.architecture import (attention_implementation, frozen_expert_params, logit_parity_error,
-                                         logit_transform, resolve_lora_targets, split_model)
+from trainer.models.architecture import (
+    attention_implementation,
+    frozen_expert_params,
+    logit_parity_error,
+    logit_transform,
+    resolve_lora_targets,
+    split_model,
+)
+from trainer.models.batch import TokenBatch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

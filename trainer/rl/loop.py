@@ -44,6 +44,7 @@ from trainer.rl.engines import make_engine, sampling_spec, sync_weights
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
 from trainer.rl.preemption import Preemption
 from trainer.rl.probe import Probe, due
+from trainer.rl.run_state import choose_checkpoint, claim_run_dir, record_recipe
 from trainer.rl.stops import (
     EngineFailed,
     Preempted,
@@ -53,7 +54,6 @@ from trainer.rl.stops import (
     checkpoint_on_stop,
     stop_together,
 )
-from trainer.rl.run_state import choose_checkpoint, claim_run_dir, record_recipe
 from trainer.rl.truncation import TruncationWatch
 from trainer.rl.value_head import ValueHead
 

@@ -14,7 +14,7 @@ import torch
 
 from parity.report import REPORT_FILES, pick_longest, pick_typical, prepare_out_dir, write_report
 from trainer.cli import main, parse_bytes
-from trainer.commands.compare import CompareError, SELF_CHECK_EXPECTED, load_prompts, run_compare, self_check_result
+from trainer.commands.compare import SELF_CHECK_EXPECTED, CompareError, load_prompts, run_compare, self_check_result
 
 PROMPTS = ["What is 12 + 7?", "Tom has 4 pens and finds 3 more. How many pens does Tom have?", "What is 9 - 5?"]
 SHEETS = {"summary", "longest", "typical"}

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from trainer.cli import main as cli_main
-from trainer.config import RecipeError, RewardConfig, RewardModelEntry, load_recipe
 from trainer.commands.train_rm import (
     RM_INFO_FILE,
     RewardModelScorer,
@@ -22,6 +21,7 @@ from trainer.commands.train_rm import (
     run_train_rm,
     sequence_scores,
 )
+from trainer.config import RecipeError, RewardConfig, RewardModelEntry, load_recipe
 from trainer.data.rewards import compute_rewards
 
 REPO = Path(__file__).resolve().parents[3]

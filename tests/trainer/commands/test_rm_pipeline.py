@@ -14,11 +14,11 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.mark.slow
 def test_sft_merge_rm_ppo_end_to_end(tmp_path, tiny_model_dir, vllm_engine, capsys):
-    from trainer.config import load_recipe
     from trainer.commands.merge import merge_adapter
-    from trainer.commands.train_rm import build_reward_sources, load_preference_pairs, load_rm_recipe, run_train_rm
-    from trainer.data.rewards import compute_rewards
     from trainer.commands.sft import run_sft
+    from trainer.commands.train_rm import build_reward_sources, load_preference_pairs, load_rm_recipe, run_train_rm
+    from trainer.config import load_recipe
+    from trainer.data.rewards import compute_rewards
     from trainer.sft.recipe import load_sft_recipe
 
     # 1. SFT: LoRA on packed blocks, saved as an adapter

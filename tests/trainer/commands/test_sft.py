@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import RecipeError
 from trainer.commands.sft import run_sft
+from trainer.config import RecipeError
 from trainer.sft.fit import pack_documents, packed_batch
 from trainer.sft.recipe import load_sft_recipe
 

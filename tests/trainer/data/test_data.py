@@ -10,9 +10,9 @@ import datasets
 import pytest
 
 from trainer.data import datasets as data
-from trainer.models import tiny
 from trainer.data.datasets import PromptBatcher, encode_prompts, load_prompt_dataset
 from trainer.data.tasks.arithmetic import arithmetic_dataset
+from trainer.models import tiny
 
 ROWS = [
     {"question": "What is 1 + 1?", "solution": "2", "level": 1},

@@ -39,12 +39,12 @@ def fixed_batch(tokenizer, cfg, device):
 def main() -> int:
     torch.distributed.init_process_group("gloo")
     from trainer.algorithms import ADVANTAGES, AdvantageInputs
-    from trainer.models.batch import batch_from_rollouts
     from trainer.config import load_recipe
     from trainer.distributed.data_parallel import DataParallel
+    from trainer.models.batch import batch_from_rollouts
     from trainer.models.builtin import resolve_model_path
-    from trainer.rl.loop import policy_gradient_pass
     from trainer.models.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
+    from trainer.rl.loop import policy_gradient_pass
 
     cfg = load_recipe(sys.argv[1], ["algorithm.group_size=4", "train.micro_batch_size=6"])
     dp = DataParallel.current()

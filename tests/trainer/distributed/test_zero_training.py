@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.io import checkpoint as ckpt
 from trainer.config import load_recipe
 from trainer.distributed.deepspeed import check_deepspeed_recipe
+from trainer.io import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent

@@ -3,10 +3,10 @@ import random
 import pytest
 import torch
 
-from trainer.io import checkpoint as ckpt
 from trainer.config import LoraConfig
-from trainer.models.policy import add_lora
+from trainer.io import checkpoint as ckpt
 from trainer.models.optim import make_scheduler
+from trainer.models.policy import add_lora
 
 
 def tiny_peft(seed: int):

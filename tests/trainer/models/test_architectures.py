@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from trainer.config import LoraConfig
-from trainer.models.architecture import (attention_implementation, decoder_linear_leaves, frozen_expert_params,
-                                         logit_transform, resolve_lora_targets)
+from trainer.models.architecture import (
+    attention_implementation,
+    decoder_linear_leaves,
+    frozen_expert_params,
+    logit_transform,
+    resolve_lora_targets,
+)
 from trainer.models.batch import build_token_batch
 from trainer.models.policy import add_lora, completion_logprobs, load_base_model
 from trainer.models.zoo import ARCHITECTURES, ensure_arch_model
@@ -228,7 +233,7 @@ def test_engine_vs_trainer_float32_and_lora_sync_per_architecture(tmp_path):
     print(proc.stdout)
     rows = {r["arch"]: r for r in json.loads(out.read_text())}
     assert sorted(rows) == ARCHS
-    for arch, r in rows.items():
+    for r in rows.values():
         assert r["engine_vs_trainer"] < ENGINE_MAE_BOUND, r
         assert r["trainer_vs_own"] < 2e-5, r
         # Samples that carry information: not all near-certain tokens.

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.models import tiny
 from trainer.data.tasks.arithmetic import arithmetic_dataset, sft_text
+from trainer.models import tiny
 
 QUESTION = "Tom has 3 apples and buys 5 more. How many apples does Tom have?"
 

@@ -28,7 +28,7 @@ import random
 
 import datasets
 
-from trainer.data.tasks.arithmetic import ADD_VERBS, _PROMPT_RE, arithmetic_dataset, sft_text
+from trainer.data.tasks.arithmetic import _PROMPT_RE, ADD_VERBS, arithmetic_dataset, sft_text
 
 __all__ = ["REJECTED_KINDS", "MAX_OFFSET", "preference_dataset", "rejected_completion"]
 
