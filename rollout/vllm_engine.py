@@ -288,6 +288,8 @@ class VLLMEngine(LayerChunkUpdates):
     llm_kwargs: passed to ``vllm.LLM`` as is.
     """
 
+    _live = 0  # engines open in this process (close() tears the shared vLLM state down with the last)
+
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", max_model_len: int = 1024, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
@@ -330,6 +332,7 @@ class VLLMEngine(LayerChunkUpdates):
                             enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                             skip_tokenizer_init=not load_tokenizer, logprobs_mode="processed_logprobs",
                             enable_sleep_mode=enable_sleep_mode and self.cuda, **memory, **llm_kwargs)
+        VLLMEngine._live += 1
         self._sleep_enabled = enable_sleep_mode and self.cuda
         self.packed_modules = self._packed_modules()
 
@@ -474,10 +477,15 @@ class VLLMEngine(LayerChunkUpdates):
         self._llm = None
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        destroy_model_parallel()
-        # Tear down the process group only if vLLM created it (never the trainer's own).
-        if not self._dist_was_initialized:
-            destroy_distributed_environment()
+        # vLLM's model-parallel groups are process globals that every in-process engine shares: the
+        # last engine to close tears them down (closing one of two engines would break the other:
+        # "pipeline model parallel group is not initialized").
+        VLLMEngine._live -= 1
+        if VLLMEngine._live == 0:
+            destroy_model_parallel()
+            # Tear down the process group only if vLLM created it (never the trainer's own).
+            if not self._dist_was_initialized:
+                destroy_distributed_environment()
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()

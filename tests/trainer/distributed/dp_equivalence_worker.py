@@ -68,7 +68,7 @@ def main() -> int:
 
     def one_pass(m, batch, rew, dpx):
         adv = ADVANTAGES.get(cfg.algorithm.name)(AdvantageInputs(rewards=rew, mask=batch.mask, group_size=g),
-                                                 cfg.algorithm)
+                                                 cfg.algorithm.options)
         out = policy_gradient_pass(m, batch, adv, cfg, lambda loss: loss.backward(), dp=dpx)
         parity = dpx.pooled_parity(out["train_logprobs"], batch.rollout_logprobs, batch.mask)
         grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
