@@ -70,8 +70,11 @@ LR, MAX_GRAD_NORM = 0.05, 1.0
 
 
 def grad_rtol(stage: int, dtype: str) -> float:
-    """Relative tolerance of gradients / updates (module docstring: why ZeRO-3 + bf16 is looser)."""
-    return 2e-2 if (stage == 3 and dtype == "bfloat16") else 1e-5
+    """Relative tolerance of gradients / updates (module docstring: why ZeRO-3 + bf16 is looser; on a CPU
+    without native BF16 every bf16 comparison is, see ``parity.precision.host_has_native_bf16``)."""
+    from parity.precision import host_has_native_bf16
+
+    return 2e-2 if (dtype == "bfloat16" and (stage == 3 or not host_has_native_bf16())) else 1e-5
 
 
 def fixed_batch():
@@ -344,7 +347,10 @@ def compare(args, ref: dict, got: dict) -> dict:
     steps = args.steps if args.optim == "sgd" else 1
     sums = [sum(step) for step in out["rank_losses"]]
     # Step 1 runs the same forward on fewer rows (1e-5); later steps start from updated weights (gradient rtol).
-    checks["loss"] = all(abs(s - r) <= (1e-5 if i == 0 else max(rtol, 1e-5)) * abs(r)
+    from parity.precision import host_has_native_bf16
+
+    first = 1e-5 if (args.dtype != "bfloat16" or host_has_native_bf16()) else rtol  # emulated bf16: shard-variant
+    checks["loss"] = all(abs(s - r) <= (first if i == 0 else max(rtol, 1e-5)) * abs(r)
                          for i, (s, r) in enumerate(zip(sums[:steps], ref["losses"][:steps])))
     checks["grad_norm"] = all(abs(d - r) <= rtol * r for d, r in zip(out["grad_norms"][:steps], ref["grad_norms"][:steps]))
     checks["clip_active"] = all(r > MAX_GRAD_NORM for r in ref["grad_norms"])

@@ -17,9 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from parity.precision import host_has_native_bf16
 from trainer.config import load_recipe
 from trainer.distributed.deepspeed import check_deepspeed_recipe
 from trainer.io import checkpoint as ckpt
+
+# 1e-3 where the CPU computes BF16 natively; emulated BF16 (AVX2-only hosts) differs by shard: measured 1.7e-3
+BF16_REL = 1e-3 if host_has_native_bf16() else 5e-3
 
 REPO = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
@@ -193,7 +197,7 @@ def test_zero3_several_updates_with_a_kl_term_match_data_parallel(tmp_path):
     assert z["parity/mae"] == pytest.approx(d["parity/mae"], rel=1e-3)  # pi_old, before any update
     # Measured: grad norm (mean of the 4 updates) 3e-6 relative, approx_kl_last 0.3%, loss 0.8%: the
     # bf16 ZeRO-3 gradient-sum order (bench/zero_cpu_check.py) compounds over the updates.
-    assert z["train/grad_norm"] == pytest.approx(d["train/grad_norm"], rel=1e-3)
+    assert z["train/grad_norm"] == pytest.approx(d["train/grad_norm"], rel=BF16_REL)
     assert z["train/approx_kl_last"] == pytest.approx(d["train/approx_kl_last"], rel=3e-2)
     assert z["train/loss"] == pytest.approx(d["train/loss"], rel=5e-2)
 
