@@ -200,4 +200,8 @@ def test_two_cpu_processes_match_one_process(run, tiny_model_dir, tmp_path):
         assert report["gather_calls"] == 2 * report["exported_tensors"] == 56
         assert report["max_whole_numel"] < report["total_partitioned_numel"] / 10
     if report["stage"] == 2 or report["dtype"] == "float32" or report["stage"] == 0:
-        assert report["grad_rtol"] == 1e-5  # the strict tolerance applied
+        # the strict tolerance applied, except to BF16 on a CPU that emulates it (bench/zero_cpu_check.grad_rtol)
+        from parity.precision import host_has_native_bf16
+
+        strict = report["dtype"] == "float32" or host_has_native_bf16()
+        assert report["grad_rtol"] == (1e-5 if strict else 2e-2)
