@@ -51,7 +51,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from parity.precision import BLOCK, FP8_TARGETS, quantize_weight_blocks
-from rollout.fp8_scheme import DECODER_LAYER as _DECODER_LAYER, EMULATED_FP8
+from rollout.fp8_scheme import DECODER_LAYER as _DECODER_LAYER, EMULATED_FP8, EXACT
 
 __all__ = [
     "EMULATED_FP8",
@@ -67,7 +67,8 @@ __all__ = [
 ]
 
 FP8_RECIPES = ("fp8_rollout", "fp8_unified")
-PRECISION_RECIPES = ("bf16", "fp16") + FP8_RECIPES
+# exact: the model dtype on both phases and the trainer rerunning the engine's kernels (trainer.models.exact).
+PRECISION_RECIPES = ("bf16", "fp16", "exact") + FP8_RECIPES
 # vLLM's Fp8Config for DeepSeek-V3-style block FP8 (vllm/model_executor/layers/quantization/fp8.py).
 FP8_BLOCK_QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 SCALE_SUFFIX = "weight_scale_inv"
@@ -78,6 +79,12 @@ def engine_llm_kwargs(recipe: str, *, cuda: bool) -> dict:
     """Extra ``VLLMEngine`` keyword arguments for a precision recipe (see module docstring)."""
     if recipe not in PRECISION_RECIPES:
         raise ValueError(f"precision.recipe = {recipe!r}: expected one of {PRECISION_RECIPES}")
+    if recipe == "exact":
+        if cuda:
+            raise ValueError("precision.recipe = 'exact': CPU only (trainer/models/exact.py says why)")
+        import rollout.exact_quant  # noqa: F401  (registers EXACT with vLLM)
+
+        return {"quantization": EXACT}
     if recipe not in FP8_RECIPES:
         return {}
     if cuda:

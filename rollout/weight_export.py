@@ -250,6 +250,33 @@ def merged_lora_weights(
     return list(iter_merged_lora_weights(peft_model, dtype=dtype, fused_groups=fused_groups, gather=gather))
 
 
+def effective_state(peft_model: nn.Module, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every weight the engine holds after a sync, HF-named: base parameters cast to ``dtype``, each
+    LoRA-wrapped module's weight merged by ``_merged_lora_weight`` (the sync's own arithmetic).
+
+    What exact mode's trainer-side forward runs on (``trainer.models.exact``), so that it
+    multiplies by the same rounded matrices as the engine. Tied parameters appear once.
+    ``modules_to_save`` and LoRA variants are refused (exact mode does not cover them).
+    """
+    lora_layer, aux_wrapper = _lora_types()
+    root = _hf_root(peft_model)
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in root.named_modules():
+            if isinstance(module, aux_wrapper):
+                raise NotImplementedError(f"{name}: modules_to_save ({type(module).__name__}) is not covered")
+            if isinstance(module, lora_layer):
+                out[f"{name}.weight"] = _merged_lora_weight(module, dtype)
+                bias = module.get_base_layer().bias
+                if bias is not None:
+                    out[f"{name}.bias"] = bias.detach().to(dtype)
+        for name, p in root.named_parameters():
+            if ".lora_" in name or ".base_layer." in name:
+                continue
+            out[name] = p.detach().to(dtype)
+    return out
+
+
 def full_weights(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> NamedTensors:
     """Every parameter of a plain Transformers model, under its HF name, cast to ``dtype``.
 

@@ -196,7 +196,9 @@ class PrecisionConfig:
     #   fp16        both phases FP16 (model.dtype float16)
     #   fp8_rollout BF16 trainer, FP8 engine (the common verl/slime/NeMo-RL setup; the baseline)
     #   fp8_unified both phases the same FP8 linear layers, one quantizer (parity.precision; Jet-RL)
-    recipe: Literal["bf16", "fp16", "fp8_rollout", "fp8_unified"] = "bf16"
+    #   exact       the engine's log-probs and the trainer's bit for bit (model.dtype float32 or bfloat16;
+    #               colocated vLLM on CPU, Llama family; trainer/models/exact.py)
+    recipe: Literal["bf16", "fp16", "fp8_rollout", "fp8_unified", "exact"] = "bf16"
 
 
 @dataclass

@@ -206,6 +206,11 @@ def _check_precision(cfg: RunConfig, need: Need) -> None:
          "bfloat16 or float32 unless precision.recipe is fp16 (set precision.recipe: fp16 to run in FP16)")
     need(not rec.startswith("fp8") or dt == "bfloat16", "model.dtype", dt,
          f"bfloat16 with precision.recipe {rec} (BF16 master weights; the FP8 layers dequantize to BF16)")
+    if rec == "exact":
+        from trainer.models.exact import exact_requirements
+
+        for ok, key, value, expected in exact_requirements(cfg):
+            need(ok, key, value, expected)
 
 
 def _check_checkpoint_and_logging(cfg: RunConfig, need: Need) -> None:

@@ -79,17 +79,22 @@ def _check_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor, dp: DataParall
                            "score a token the engine considers impossible (check top_k/top_p and logprobs mode)")
 
 
-def _forward(model, micro: TokenBatch, cfg: RunConfig, value_head=None):
+def _forward(model, micro: TokenBatch, cfg: RunConfig, value_head=None, exact=None):
     """(log-probs, entropy, top-k log-probs or None, values or None) of one micro-batch from one forward.
 
     Entropy comes from the same kernel pass: it feeds the breakdown of the mismatch by
     trainer entropy and PPO's entropy bonus. Values: the critic on the same hidden states.
+    ``exact`` (``trainer.models.exact.ExactLogprobs``, precision.recipe exact): log-probs,
+    entropy and top-k take the engine's numbers, the gradients stay this forward's.
     """
     hidden, lm_head, values = completion_hidden(model, micro, value_head)
     lp, ent, *top = logprobs_from_hidden(hidden, lm_head, micro, temperature=cfg.rollout.temperature,
                                          chunk_size=cfg.parity.chunk_size, return_entropy=True,
                                          topk_ids=micro.topk_ids)
-    return lp, ent, (top[0] if top else None), values
+    top = top[0] if top else None
+    if exact is not None:
+        lp, ent, top = exact(micro, lp, ent, top, cfg.rollout.temperature)
+    return lp, ent, top, values
 
 
 class _Scores:
@@ -118,7 +123,8 @@ class _Scores:
 
 
 @torch.no_grad()
-def score_pass(model, batch: TokenBatch, cfg: RunConfig, value_head=None, with_ref: bool = False) -> dict:
+def score_pass(model, batch: TokenBatch, cfg: RunConfig, value_head=None, with_ref: bool = False,
+               exact=None) -> dict:
     """The trainer's log-probs (and entropy, top-k, values) of the batch under the current policy, no gradient.
 
     With several optimizer steps per rollout batch this is pi_old: the policy that
@@ -132,7 +138,7 @@ def score_pass(model, batch: TokenBatch, cfg: RunConfig, value_head=None, with_r
     for start in range(0, len(batch), mb):
         rows = slice(start, start + mb)
         micro = batch.select(rows)
-        scores.put(rows, *_forward(model, micro, cfg, value_head))
+        scores.put(rows, *_forward(model, micro, cfg, value_head, exact))
         if with_ref:
             with model.disable_adapter():
                 lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
@@ -147,7 +153,7 @@ def score_pass(model, batch: TokenBatch, cfg: RunConfig, value_head=None, with_r
 def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg: RunConfig, backward,
                          old_logprobs: Optional[torch.Tensor] = None, value_head=None,
                          old_values: Optional[torch.Tensor] = None, returns: Optional[torch.Tensor] = None,
-                         dp: DataParallel = DataParallel()) -> dict:
+                         dp: DataParallel = DataParallel(), exact=None) -> dict:
     """Forward, loss and backward over micro-batches of ``batch``; returns metrics and the train log-probs.
 
     ``old_logprobs`` [S, C]: pi_old's log-probs (``score_pass``) when this is one of several
@@ -174,7 +180,7 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
         rows = slice(start, start + mb)
         micro = batch.select(rows)
         c = micro.targets.shape[1]
-        lp, ent, top, values = _forward(model, micro, cfg, value_head)
+        lp, ent, top, values = _forward(model, micro, cfg, value_head, exact)
         old = lp.detach() if old_logprobs is None else old_logprobs[rows, :c]
         ref_lp = None
         if use_ref:
@@ -226,7 +232,7 @@ def _param_groups(model, value_head) -> list:
 
 def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: RunConfig, step: int, backward,
                      update, value_head=None, old_values=None, returns=None,
-                     dp: DataParallel = DataParallel()) -> dict:
+                     dp: DataParallel = DataParallel(), exact=None) -> dict:
     """``epochs`` x ``mini_batches`` optimizer steps on one rollout batch, ratios against pi_old.
 
     ``backward(loss)`` per micro-batch and ``update()`` (clip, step, zero; returns the
@@ -246,7 +252,7 @@ def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: Ru
             critic = {} if value_head is None else {"value_head": value_head, "old_values": old_values[idx, :c],
                                                      "returns": returns[idx, :c]}
             out = policy_gradient_pass(model, sub, advantages[idx, :c], cfg, backward,
-                                       old_logprobs=old_logprobs[idx, :c], dp=dp, **critic)
+                                       old_logprobs=old_logprobs[idx, :c], dp=dp, exact=exact, **critic)
             out["metrics"]["train/grad_norm"] = update()
             for k, v in out["metrics"].items():
                 sums[k] = sums.get(k, 0.0) + v
@@ -367,6 +373,7 @@ class Run:
     logger: Optional[RunLogger] = None
     probe: Optional[Probe] = None
     ratio_limit: Optional[MaeRatioLimit] = None  # its baseline: the first mae measured (the probe before step 1)
+    exact: object = None  # trainer.models.exact.ExactLogprobs when precision.recipe is exact
     start_step: int = 0
     truncation: TruncationWatch = field(default_factory=TruncationWatch)
 
@@ -469,6 +476,10 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
     model = _load_policy(cfg, accelerator, model_dir)
+    if cfg.precision.recipe == "exact":  # before the engine starts: refuse what exact mode does not cover
+        from trainer.models.exact import check_exact
+
+        check_exact(model.config, stage=stage, world_size=dp.world)
     d = cfg.data
     dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
@@ -501,6 +512,10 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
         cfg, model_dir, max_model_len=d.max_prompt_tokens + cfg.rollout.max_new_tokens, dp=dp)
+    if cfg.precision.recipe == "exact":
+        from trainer.models.exact import ExactLogprobs
+
+        run.exact = run.probe.exact = ExactLogprobs(run.engine, policy, getattr(torch, cfg.model.dtype))
     # Always align the engine with the policy being trained (fresh adapter = base weights,
     # resumed adapter = its merge), so a reused engine never carries another run's weights.
     _sync(run)
@@ -629,7 +644,7 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor, m
     cfg, a = run.cfg, run.cfg.algorithm
     run.model.train()
     if run.value_head is not None:
-        scored = score_pass(run.model, batch, cfg, value_head=run.value_head, with_ref=True)
+        scored = score_pass(run.model, batch, cfg, value_head=run.value_head, with_ref=True, exact=run.exact)
         advantages, returns, critic_metrics = ppo_targets(scored, rewards, batch.mask, a.group_size, cfg,
                                                           run.kl_controller, all_sum=run.dp.all_sum)
         critic_metrics = run.dp.mean_metrics(critic_metrics)
@@ -639,10 +654,10 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor, m
     advantages = a.record.advantage(
         AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=a.group_size, all_sum=run.dp.all_sum), a.options)
     if _updates(cfg) == 1:
-        scored = policy_gradient_pass(run.model, batch, advantages, cfg, run.backward, dp=run.dp)
+        scored = policy_gradient_pass(run.model, batch, advantages, cfg, run.backward, dp=run.dp, exact=run.exact)
         m.update(scored["metrics"])
     else:
-        scored = score_pass(run.model, batch, cfg)  # pi_old, before any update
+        scored = score_pass(run.model, batch, cfg, exact=run.exact)  # pi_old, before any update
     return scored, advantages, None
 
 
@@ -695,7 +710,7 @@ def update_phase(run: Run, step: int, batch: TokenBatch, scored: dict, advantage
         critic = {} if run.value_head is None else {"value_head": run.value_head, "old_values": scored["values"],
                                                      "returns": returns}
         m.update(_several_updates(run.model, batch, advantages, scored["train_logprobs"], run.cfg, step, run.backward,
-                                  run.update, dp=run.dp, **critic))
+                                  run.update, dp=run.dp, exact=run.exact, **critic))
     run.scheduler.step()
 
 

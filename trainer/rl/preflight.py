@@ -25,6 +25,26 @@ def preflight(cfg: RunConfig, where: str) -> None:
     if columns is not None:
         check_reward_signatures(reward_fns, columns, where)
     check_lora_targets(cfg, where)
+    check_exact_architecture(cfg, where)
+
+
+def check_exact_architecture(cfg: RunConfig, where: str) -> None:
+    """precision.recipe exact: the model's config against what ``rollout.cpu_forward`` reproduces."""
+    if cfg.precision.recipe != "exact":
+        return
+    from transformers import AutoConfig
+
+    from rollout.cpu_forward import check_supported
+    from trainer.models.builtin import resolve_model_path
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    except (OSError, ValueError):  # a hub id without network: setup checks it again with the loaded model
+        return
+    try:
+        check_supported(config)
+    except ValueError as e:
+        raise RecipeError(f"{where}: precision.recipe = 'exact' with model.path = {cfg.model.path!r}: {e}") from None
 
 
 def check_run_dir(cfg: RunConfig, where: str) -> None:

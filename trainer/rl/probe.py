@@ -57,6 +57,7 @@ class Probe:
         self.prompt_ids, self.cfg, self.pad_id, self.device = prompt_ids, cfg, pad_id, device
         self.dp = dp or DataParallel()
         self.fixed: Optional[Rollouts] = None  # prompt + completion token ids, scored by every later probe
+        self.exact = None  # trainer.models.exact.ExactLogprobs when precision.recipe is exact
 
     def __call__(self, engine, model) -> dict[str, float]:
         """``probe/*`` parity metrics of ``engine`` vs ``model`` (empty without probe prompts).
@@ -105,6 +106,9 @@ class Probe:
             with torch.no_grad():
                 lp, _, *top = completion_logprobs(model, batch, temperature=temperature,
                                                   chunk_size=self.cfg.parity.chunk_size, topk_ids=batch.topk_ids)
+                if self.exact is not None:  # precision.recipe exact: the engine's numbers (trainer.models.exact)
+                    lp, _, top = self.exact(batch, lp, None, top[0] if top else None, temperature)
+                    top = [top] if top is not None else []
         finally:
             model.train(was_training)
         return self.dp.pooled_parity(lp, batch.rollout_logprobs, batch.mask,

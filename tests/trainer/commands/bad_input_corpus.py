@@ -76,6 +76,13 @@ CASES = [
          contains=("rollout.max_new_tokens = 100000", "context")),
     Case("fp16_without_float16", sets=("precision.recipe=fp16",), contains=("model.dtype", "float16")),
     Case("fp8_on_hf_engine", sets=("precision.recipe=fp8_rollout",), contains=("rollout.engine", "vllm")),
+    Case("exact_on_hf_engine", sets=("precision.recipe=exact",), contains=("rollout.engine = 'hf'", "exact")),
+    Case("exact_uncovered_architecture", sets=("precision.recipe=exact", "rollout.engine=vllm", "model.dtype=float32",
+                                               "model.path={tmp}/gemma"),
+         files={"gemma/config.json": '{"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], '
+                '"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, '
+                '"head_dim": 32, "intermediate_size": 128, "vocab_size": 256}'},
+         contains=("precision.recipe = 'exact'", "model_type 'gemma2'")),
     Case("mini_batches_not_divisor", sets=("algorithm.mini_batches=3",), contains=("algorithm.mini_batches = 3",)),
     Case("on_violation_value", sets=("parity.on_violation=halt",), contains=("parity.on_violation = 'halt'",)),
     Case("checkpoint_every_negative", sets=("checkpoint.every=-1",), contains=("checkpoint.every = -1",)),
@@ -135,6 +142,7 @@ CASES = [
 def materialise(case: Case, tmp: Path) -> list[str]:
     """Write the case's files under ``tmp``; the ``parityrl train`` arguments."""
     for name, text in case.files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_text(text)
     recipe = tmp / "recipe.yaml"
     if case.recipe != "<none>":
