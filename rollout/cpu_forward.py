@@ -41,7 +41,7 @@ def check_supported(config) -> None:
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} only (its ops are not re-implemented for {mt!r})")
     checks = [
         ("hidden_act", getattr(config, "hidden_act", "silu") == "silu", "the SiLU-and-mul MLP"),
-        ("sliding_window", not getattr(config, "use_sliding_window", False), "full attention (no sliding window)"),
+        ("sliding_window", not _sliding(config), "full attention (no sliding window)"),
         ("mlp_bias", not getattr(config, "mlp_bias", False), "MLP without biases"),
         ("attention_bias (o_proj)", not (mt == "llama" and getattr(config, "attention_bias", False)),
          "no o_proj bias"),
@@ -50,6 +50,13 @@ def check_supported(config) -> None:
     for key, ok, what in checks:
         if not ok:
             raise ValueError(f"{mt} config {key}: exact mode covers {what}; this op is not re-implemented")
+
+
+def _sliding(config) -> bool:
+    # Qwen2/3 carry a window size that applies only with use_sliding_window; Llama/Mistral apply theirs.
+    if hasattr(config, "use_sliding_window"):
+        return bool(config.use_sliding_window)
+    return getattr(config, "sliding_window", None) is not None
 
 
 def _plain_rope(config) -> bool:
@@ -153,14 +160,70 @@ class EngineForward:
         With ``topk_ids`` (per sequence a [len - start, k] id tensor) also their log-probs, and the
         entropy of each position's distribution: returns (logprobs, entropies, topk_logprobs).
         """
-        from vllm import _custom_ops as ops, ir
-
         if not self._prepared:
             raise RuntimeError("EngineForward: set_weights() first")
         lens = [len(s) for s in sequences]
         ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
         positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens])
-        n_tok = ids.numel()
+        meta = self._attention_metadata(lens)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+
+        h = torch.nn.functional.embedding(ids, self.embed)
+        residual = None
+        for i in range(self.config.num_hidden_layers):
+            p = f"layers.{i}."
+            if residual is None:
+                residual = h
+                h = self._norm(h, self.norms[p + "in"])
+            else:
+                h, residual = self._add_norm(h, residual, self.norms[p + "in"])
+            qkv = self._linear(p + "qkv_proj", h)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            if self.qk_norm:  # Qwen3: per-head RMSNorm before RoPE, as vllm/model_executor/models/qwen3.py
+                q = self._norm(q.reshape(-1, self.head_dim), self.norms[p + "q"]).view(q.shape)
+                k = self._norm(k.reshape(-1, self.head_dim), self.norms[p + "k"]).view(k.shape)
+            q, k = self._rope(positions, q, k)
+            h = self._linear(p + "o_proj", self._attention(q, k, v, meta))
+            h, residual = self._add_norm(h, residual, self.norms[p + "post"])
+            gu = self._linear(p + "gate_up_proj", h)
+            d = gu.shape[-1] // 2
+            h = self._linear(p + "down_proj", torch.nn.functional.silu(gu[..., :d]) * gu[..., d:])
+        h, _ = self._add_norm(h, residual, self.final_norm)
+
+        # Only the positions asked for reach the lm_head (the engine computes logits for those rows only).
+        rows = torch.cat([int(meta["qsl"][k]) - 1 + torch.arange(s, n, dtype=torch.long)
+                          for k, (s, n) in enumerate(zip(starts, lens))])
+        targets = torch.cat([torch.as_tensor(list(seq[s:]), dtype=torch.long) for seq, s in zip(sequences, starts)])
+        picked, lsm = self._head(h[rows], targets, temperature)
+        counts = [n - s for s, n in zip(starts, lens)]
+        lps = list(picked.split(counts))
+        if topk_ids is None:
+            return lps
+        ent = -(lsm.exp() * lsm).sum(-1)
+        top = lsm.gather(1, torch.cat(list(topk_ids)).long())
+        return lps, list(ent.split(counts)), list(top.split(counts))
+
+    # ---- the engine's ops (bench/exact_staircase.py swaps them for HF's, one piece at a time) ----
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        from vllm import ir
+
+        return ir.ops.rms_norm(x, w, self.eps, None)
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor):
+        from vllm import ir
+
+        return ir.ops.fused_add_rms_norm.maybe_inplace(x, residual, w, self.eps, None)
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return self._prepared[name](x)
+
+    def _rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return self.rotary(positions, q, k)
+
+    def _attention_metadata(self, lens: list[int]) -> dict:
+        """A paged KV cache laid out as the engine's, one run of blocks per sequence."""
+        from vllm import _custom_ops as ops
+
         qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -177,63 +240,33 @@ class EngineForward:
             num_reqs=len(lens), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             seq_lens=seq_lens, dtype=self.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
             isa=self.isa, enable_kv_split=self.split_kv, dynamic_causal=None, kv_cache_dtype="auto")
-        n_blocks = sum(blocks)
-        kv = torch.zeros((n_blocks, self.num_kv_heads, bs, 2 * self.head_dim), dtype=self.dtype)
-        kv_view = kv.view((n_blocks, self.num_kv_heads, bs * 2, -1))
-        key_cache, value_cache = kv_view.chunk(2, dim=2)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        kv = torch.zeros((sum(blocks), self.num_kv_heads, bs, 2 * self.head_dim), dtype=self.dtype)
+        key_cache, value_cache = kv.view((sum(blocks), self.num_kv_heads, bs * 2, -1)).chunk(2, dim=2)
+        return {"lens": lens, "qsl": qsl, "seq_lens": seq_lens, "block_table": block_table, "slot": slot,
+                "sched": sched, "key_cache": key_cache, "value_cache": value_cache}
 
-        h = torch.nn.functional.embedding(ids, self.embed)
-        residual = None
-        for i in range(self.config.num_hidden_layers):
-            p = f"layers.{i}."
-            if residual is None:
-                residual = h
-                h = ir.ops.rms_norm(h, self.norms[p + "in"], self.eps, None)
-            else:
-                h, residual = ir.ops.fused_add_rms_norm.maybe_inplace(h, residual, self.norms[p + "in"], self.eps,
-                                                                       None)
-            qkv = self._prepared[p + "qkv_proj"](h)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            if self.qk_norm:  # Qwen3: per-head RMSNorm before RoPE, as vllm/model_executor/models/qwen3.py
-                q = ir.ops.rms_norm(q.reshape(-1, self.head_dim), self.norms[p + "q"], self.eps, None).view(q.shape)
-                k = ir.ops.rms_norm(k.reshape(-1, self.head_dim), self.norms[p + "k"], self.eps, None).view(k.shape)
-            q, k = self.rotary(positions, q, k)
-            out = torch.empty((n_tok, q_size), dtype=self.dtype)
-            q3 = q.reshape(-1, self.num_heads, self.head_dim)
-            k3 = k.reshape(-1, self.num_kv_heads, self.head_dim)
-            v3 = v.reshape(-1, self.num_kv_heads, self.head_dim)
-            key_cache.zero_()
-            value_cache.zero_()
-            ops.cpu_attn_reshape_and_cache(k3, v3, key_cache, value_cache, slot, self.isa)
-            ops.cpu_attention_with_kv_cache(
-                query=q3, key_cache=key_cache, value_cache=value_cache, output=out.view(-1, self.num_heads,
-                                                                                         self.head_dim),
-                query_start_loc=qsl, seq_lens=seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
-                sliding_window=-1, block_table=block_table, softcap=0, scheduler_metadata=sched, s_aux=None)
-            h = self._prepared[p + "o_proj"](out)
-            h, residual = ir.ops.fused_add_rms_norm.maybe_inplace(h, residual, self.norms[p + "post"], self.eps, None)
-            gu = self._prepared[p + "gate_up_proj"](h)
-            d = gu.shape[-1] // 2
-            h = self._prepared[p + "down_proj"](torch.nn.functional.silu(gu[..., :d]) * gu[..., d:])
-        h, _ = ir.ops.fused_add_rms_norm.maybe_inplace(h, residual, self.final_norm, self.eps, None)
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: dict) -> torch.Tensor:
+        from vllm import _custom_ops as ops
 
-        # Only the positions asked for reach the lm_head (the engine computes logits for those rows only).
-        rows = torch.cat([int(qsl[k]) - 1 + torch.arange(s, n, dtype=torch.long)
-                          for k, (s, n) in enumerate(zip(starts, lens))])
-        logits = self._prepared["lm_head"](h[rows])[..., : self.vocab].to(torch.float32)
+        out = torch.empty((q.shape[0], self.num_heads * self.head_dim), dtype=self.dtype)
+        ops.cpu_attn_reshape_and_cache(k.reshape(-1, self.num_kv_heads, self.head_dim),
+                                       v.reshape(-1, self.num_kv_heads, self.head_dim),
+                                       meta["key_cache"], meta["value_cache"], meta["slot"], self.isa)
+        ops.cpu_attention_with_kv_cache(
+            query=q.reshape(-1, self.num_heads, self.head_dim), key_cache=meta["key_cache"],
+            value_cache=meta["value_cache"], output=out.view(-1, self.num_heads, self.head_dim),
+            query_start_loc=meta["qsl"], seq_lens=meta["seq_lens"], scale=self.scale, causal=True, alibi_slopes=None,
+            sliding_window=-1, block_table=meta["block_table"], softcap=0, scheduler_metadata=meta["sched"],
+            s_aux=None)
+        return out
+
+    def _head(self, h: torch.Tensor, targets: torch.Tensor, temperature: float):
+        """(log-probs of ``targets``, the full log-softmax) as vLLM's LogitsProcessor + Sampler compute them."""
+        logits = self._prepared["lm_head"](h)[..., : self.vocab].to(torch.float32)
         if temperature != 1.0:
             logits.div_(torch.full((logits.shape[0], 1), temperature, dtype=torch.float32))
         lsm = logits.log_softmax(dim=-1, dtype=torch.float32)
-        targets = torch.cat([torch.as_tensor(list(seq[s:]), dtype=torch.long) for seq, s in zip(sequences, starts)])
-        picked = lsm.gather(1, targets[:, None])[:, 0]
-        counts = [n - s for s, n in zip(starts, lens)]
-        lps = list(picked.split(counts))
-        if topk_ids is None:
-            return lps
-        ent = -(lsm.exp() * lsm).sum(-1)
-        top = lsm.gather(1, torch.cat(list(topk_ids)).long()) if len(topk_ids) else None
-        return lps, list(ent.split(counts)), list(top.split(counts))
+        return lsm.gather(1, targets[:, None])[:, 0], lsm
 
 
 def _engine_layout(model) -> dict:

@@ -81,6 +81,8 @@ def _check_settings(*, engine, temperature, top_p, top_k, max_new_tokens, n, dty
         (is_int(topk) and 0 <= topk <= 256, "topk", topk, "an integer in [0, 256] (0 = off)"),
         (dtype in DTYPES, "dtype", dtype, f"one of {sorted(DTYPES)}"),
         (precision in PRECISION_RECIPES, "precision", precision, f"one of {PRECISION_RECIPES}"),
+        (precision != "exact", "precision", precision, "not 'exact' here: compare scores with the trainer's HF "
+         "forward; exact mode's figures are the training run's parity/* (README \"Exact mode\")"),
         ((precision == "fp16") == (dtype == "float16"), "dtype", dtype,
          "float16 exactly when precision is fp16 (both phases in FP16)"),
         (not precision.startswith("fp8") or dtype == "bfloat16", "dtype", dtype,
