@@ -31,6 +31,7 @@ import torch
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # What this forward implements; anything else in a config is refused by ``check_supported``.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+HEAD_ROWS = 1024  # positions per lm_head + log_softmax chunk: 1024 x 152k vocab x 4 B = 0.6 GB at most
 
 
 def check_supported(config) -> None:
@@ -73,10 +74,13 @@ class _Linear:
     bias: torch.Tensor | None
     cpu_linear: Callable | None = None
 
+    def cpu_linear_fn(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.cpu_linear(rows, self.weight, self.bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from rollout.exact_quant import invariant_linear
 
-        return invariant_linear(lambda rows: self.cpu_linear(rows, self.weight, self.bias), x)
+        return invariant_linear(self.cpu_linear_fn, x)
 
 
 def _prepared(weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
@@ -194,14 +198,21 @@ class EngineForward:
         rows = torch.cat([int(meta["qsl"][k]) - 1 + torch.arange(s, n, dtype=torch.long)
                           for k, (s, n) in enumerate(zip(starts, lens))])
         targets = torch.cat([torch.as_tensor(list(seq[s:]), dtype=torch.long) for seq, s in zip(sequences, starts)])
-        picked, lsm = self._head(h[rows], targets, temperature)
         counts = [n - s for s, n in zip(starts, lens)]
-        lps = list(picked.split(counts))
-        if topk_ids is None:
+        tops = None if topk_ids is None else torch.cat(list(topk_ids)).long()
+        picked, ent, top = [], [], []
+        # [rows x vocab] float32 logits a chunk at a time (a row's log_softmax does not depend on the others')
+        for c in range(0, rows.numel(), HEAD_ROWS):
+            sl = slice(c, c + HEAD_ROWS)
+            p_c, lsm = self._head(h[rows[sl]], targets[sl], temperature)
+            picked.append(p_c)
+            if tops is not None:
+                ent.append(-(lsm.exp() * lsm).sum(-1))
+                top.append(lsm.gather(1, tops[sl]))
+        lps = list(torch.cat(picked).split(counts))
+        if tops is None:
             return lps
-        ent = -(lsm.exp() * lsm).sum(-1)
-        top = lsm.gather(1, torch.cat(list(topk_ids)).long())
-        return lps, list(ent.split(counts)), list(top.split(counts))
+        return lps, list(torch.cat(ent).split(counts)), list(torch.cat(top).split(counts))
 
     # ---- the engine's ops (bench/exact_staircase.py swaps them for HF's, one piece at a time) ----
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,9 @@ def kv_split(vllm_config) -> bool:
     vLLM does (``VLLM_CPU_ATTN_SPLIT_KV``, default on) when the batch leaves threads idle, and
     the split depends on the whole batch: measured, a sequence's decode log-probs changed
     (1.3e-5 on SmolLM2, float32) from the step at which a sibling finished. Exact mode turns it
-    off for its engine (``ExactCPUAttentionBuilder``); the rollout pays for it (decode 435 ->
-    283 tok/s on SmolLM2 on 2 cores, measured).
+    off for its engine (``ExactCPUAttentionBuilder``). Measured cost at 8 prompts x 4 x 32 tokens
+    on SmolLM2 (``bench/bench_exact.py``): none (rollout time 0.98x of the default's); it would
+    show where few long sequences leave threads idle.
     """
     from vllm import envs
 

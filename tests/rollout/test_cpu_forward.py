@@ -54,3 +54,57 @@ def test_uncovered_architectures_are_refused_naming_what_is_missing():
     with pytest.raises(ValueError, match="hidden_act"):
         check_supported(LlamaConfig(hidden_act="gelu"))
     check_supported(LlamaConfig())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_architecture_matrix_decode_is_reproduced_bit_for_bit(arch):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms, std-0.2 weights (trainer/models/zoo.py), exact engine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import rollout.exact_quant  # noqa: F401  (registers the exact engine's method)
+    from rollout.fp8_scheme import EXACT
+    from rollout.vllm_engine import VLLMEngine
+    from trainer.models.zoo import ensure_arch_model
+
+    model_dir = str(ensure_arch_model(arch, dtype="float32"))
+    config = AutoConfig.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with VLLMEngine(model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 * 1024**2,
+                    quantization=EXACT) as engine:
+        ef = EngineForward(engine, config)
+        ef.set_weights({k: v.detach() for k, v in hf.state_dict().items()})
+        r = engine.generate(PROMPTS, SamplingSpec(n=4, temperature=1.0, max_new_tokens=40, seed=3))
+        lps = ef.logprobs([p + c for p, c in zip(r.prompt_ids, r.completion_ids)], [len(p) for p in r.prompt_ids])
+    for k, lp in enumerate(lps):
+        assert torch.equal(lp, torch.tensor(r.rollout_logprobs[k], dtype=torch.float32)), k
+
+
+def test_mistral_with_a_sliding_window_is_refused_and_qwen2s_unused_window_is_not():
+    from transformers import MistralConfig, Qwen2Config
+
+    with pytest.raises(ValueError, match="sliding_window"):
+        check_supported(MistralConfig(sliding_window=4096))
+    check_supported(MistralConfig(sliding_window=None))
+    check_supported(Qwen2Config(use_sliding_window=False, sliding_window=4096))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_linear_gives_a_row_the_same_bits_alone_and_anywhere_in_any_batch(dtype):
+    """vLLM's CPU GEMM dispatch (oneDNN here) at SmolLM2's down_proj shape (K = 1536, where a lone row
+    reduced differently on the development CPU), through the function both sides call."""
+    from rollout.cpu_forward import _prepared
+    from rollout.exact_quant import invariant_linear
+
+    g = torch.Generator().manual_seed(0)
+    lin = _prepared((torch.randn(576, 1536, generator=g) * 0.05).to(dtype), None)
+    x = torch.randn(300, 1536, generator=g).to(dtype)
+    alone = [invariant_linear(lin.cpu_linear_fn, x[i:i + 1])[0] for i in (0, 5, 299)]
+    for m in (2, 7, 64, 300):
+        batch = invariant_linear(lin.cpu_linear_fn, x[:m])
+        assert torch.equal(batch[0], alone[0]), m
+        if m > 5:
+            assert torch.equal(batch[5], alone[1]), m
+    assert torch.equal(invariant_linear(lin.cpu_linear_fn, x)[299], alone[2])
+    # a 3-D input keeps its shape
+    assert invariant_linear(lin.cpu_linear_fn, x[:1].reshape(1, 1, 1536)).shape == (1, 1, 576)

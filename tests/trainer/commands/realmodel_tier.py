@@ -100,6 +100,27 @@ def test_grpo_steps_keep_parity_at_the_first_steps_level(tmp_path, fp32_engine):
     assert b_norm > 0  # the updates were real
 
 
+def test_exact_mode_keeps_engine_and_trainer_identical_over_synced_updates(tmp_path, smollm2_dir):
+    """precision.recipe exact on SmolLM2 (float32; its own exact engine): every parity figure exactly 0."""
+    from trainer.config import load_recipe
+    from trainer.rl.loop import train
+
+    (tmp_path / "length_reward.py").write_text(
+        "def chars(prompts, completions, **columns):\n    return [float(len(c)) for c in completions]\n")
+    cfg = load_recipe(REPO / "recipes" / "grpo_smollm2_cpu.yaml", [
+        f"reward.functions={{chars: {tmp_path / 'length_reward.py'}:chars}}", "name=ex", f"logging.run_dir={tmp_path / 'ex'}",
+        "logging.wandb.mode=disabled", "train.steps=3", "model.dtype=float32", "precision.recipe=exact",
+        "rollout.prompts_per_step=2", "algorithm.group_size=4", "rollout.max_new_tokens=16", "checkpoint.every=0"])
+    res = train(cfg)
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["probe/mae"] == 0.0 and rows[0]["probe/max_abs"] == 0.0
+    assert len(res.history) == 3
+    for h in res.history:
+        assert (h["parity/mae"], h["parity/max_abs"], h["parity/kl_k3"]) == (0.0, 0.0, 0.0), h["step"]
+        assert h["probe/mae"] == 0.0
+    assert sum(v.float().norm() for k, v in _adapter(res.run_dir).items() if "lora_B" in k) > 0
+
+
 def _adapter(run_dir: Path) -> dict:
     from peft.utils import load_peft_weights
 
