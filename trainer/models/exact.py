@@ -92,6 +92,8 @@ class ExactLogprobs:
         self.dtype = dtype
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._key = None
+        self._engine = engine
+        self._base = None  # the reference policy's forward (adapter off), built on first use
 
     def _refresh(self) -> None:
         from rollout.weight_export import effective_state
@@ -101,6 +103,19 @@ class ExactLogprobs:
         if key != self._key:
             self.forward.set_weights(effective_state(self.model, dtype=self.dtype))
             self._key = key
+
+    def reference(self, micro: TokenBatch, lp: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The base model's (adapter off) log-probs of the micro-batch in the engine's numerics: the reference
+        policy of KL-regularised losses, so that log pi - log pi_ref compares like with like. No gradient."""
+        from rollout.cpu_forward import EngineForward
+        from rollout.weight_export import effective_state
+
+        if self._base is None:  # frozen base weights: built once, held beside the policy's
+            self._base = EngineForward(self._engine, _hf_config(self.model))
+            with self.model.disable_adapter():
+                self._base.set_weights(effective_state(self.model, dtype=self.dtype))
+        seqs, starts, _ = sequences_of(micro)
+        return _pad(self._base.logprobs(seqs, starts, temperature), lp)
 
     def __call__(self, micro: TokenBatch, lp: torch.Tensor, ent: torch.Tensor | None, top: torch.Tensor | None,
                  temperature: float):

@@ -143,6 +143,8 @@ def score_pass(model, batch: TokenBatch, cfg: RunConfig, value_head=None, with_r
             with model.disable_adapter():
                 lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
                                             chunk_size=cfg.parity.chunk_size)
+            if exact is not None:
+                lp = exact.reference(micro, lp, cfg.rollout.temperature)
             ref[rows, :lp.shape[1]] = lp
     out = scores.as_dict()
     if with_ref:
@@ -189,6 +191,8 @@ def policy_gradient_pass(model, batch: TokenBatch, advantages: torch.Tensor, cfg
             with torch.no_grad(), model.disable_adapter():
                 ref_lp, _ = completion_logprobs(model, micro, temperature=cfg.rollout.temperature,
                                                 chunk_size=cfg.parity.chunk_size)
+            if exact is not None:
+                ref_lp = exact.reference(micro, ref_lp, cfg.rollout.temperature)
         # Rollout/trainer mismatch correction between pi_old (the trainer's view of the
         # behaviour policy) and the engine that sampled: weights are local to a token (tis,
         # mis) or a row (seq_mis), so computing them per micro-batch equals doing it once.

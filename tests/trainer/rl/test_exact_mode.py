@@ -28,9 +28,10 @@ def _run(tmp_path, name, *sets):
     # float32, top-k on: the engine's top-k log-probs too; prompt batches of 6 x 4
     ("float32", ("train.steps=3", "rollout.prompts_per_step=6", "algorithm.group_size=4", "parity.topk=4",
                  "train.micro_batch_size=10")),
-    # bfloat16, several updates per batch (pi_old scored before them, ratios after each step)
+    # bfloat16, several updates per batch (pi_old scored before them, ratios after each step), a KL penalty
+    # to the reference policy (the base model, also in the engine's numerics: trainer.models.exact.reference)
     ("bfloat16", ("train.steps=2", "rollout.prompts_per_step=3", "algorithm.group_size=8", "algorithm.epochs=2",
-                  "train.micro_batch_size=8")),
+                  "train.micro_batch_size=8", "algorithm.kl_coef=0.05")),
 ])
 def test_engine_and_trainer_logprobs_are_identical_at_every_step(tmp_path, dtype, sets):
     rows = _run(tmp_path, f"exact-{dtype}", f"model.dtype={dtype}", *sets)
@@ -46,3 +47,5 @@ def test_engine_and_trainer_logprobs_are_identical_at_every_step(tmp_path, dtype
     assert probes and all(r["probe/mae"] == 0.0 and r["probe/max_abs"] == 0.0 for r in probes)
     # the policy did move between the steps (the zeros are not those of an unchanged model)
     assert any(abs(r["train/grad_norm"]) > 0 for r in steps)
+    if dtype == "bfloat16":  # the penalty ran (means over the two epochs: the second one has moved)
+        assert all(0.0 < r["train/kl_ref"] < 1.0 for r in steps)
