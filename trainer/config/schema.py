@@ -138,6 +138,10 @@ class RolloutConfig:
     # off makes rollouts stale (off-policy); it exists so tests can show the parity
     # metrics catch exactly that.
     sync_weights: bool = True
+    # 1: one step off-policy (trainer/rl/async_rollout.py): the next step's batch is generated with the
+    # weights before this step's update while this step trains; in server mode the server generates in
+    # parallel with the trainer. 0: generate, then train (on-policy). staleness/* measures the lag.
+    max_staleness: int = 0
 
 
 @dataclass

@@ -111,6 +111,14 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
     need(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "a number of seconds > 0")
     need(r.server_connect_timeout_s > 0, "rollout.server_connect_timeout_s", r.server_connect_timeout_s,
          "a number of seconds > 0")
+    need(r.max_staleness in (0, 1), "rollout.max_staleness", r.max_staleness, "0 (on-policy) or 1 (one step off-policy)")
+    if r.max_staleness:
+        a = cfg.algorithm
+        need(not a.dynamic_sampling, "algorithm.dynamic_sampling", a.dynamic_sampling,
+             "false with rollout.max_staleness 1 (a prefetched batch is drawn once, not refilled)")
+        need(not a.record.critic, "algorithm.name", a.name,
+             "a critic-free algorithm with rollout.max_staleness 1 (the critic's values are not kept per behaviour policy)")
+        need(rec != "exact", "precision.recipe", rec, "not exact with rollout.max_staleness 1 (exact mode is on-policy)")
     need(not (rec.startswith("fp8") and r.engine == "hf"), "rollout.engine", r.engine,
          f"'vllm' with precision.recipe {rec} (the HF engine has no FP8 path)")
     # A server is a vLLM server started by `parityrl serve` from the BF16 model: it has neither

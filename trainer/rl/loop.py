@@ -24,7 +24,7 @@ from parity.guards import MaeRatioLimit, threshold_violations
 from rollout.base import RolloutEngine
 from rollout.server_engine import EngineUnavailable
 from trainer.algorithms import AdvantageInputs, LossInputs, kl_k3
-from trainer.config import RunConfig, correction_config, to_dict
+from trainer.config import RecipeError, RunConfig, correction_config, to_dict
 from trainer.distributed.data_parallel import DataParallel
 from trainer.io import checkpoint as ckpt
 from trainer.io.run_logger import RunLogger
@@ -38,6 +38,7 @@ from trainer.models.policy import (
     load_tokenizer,
     logprobs_from_hidden,
 )
+from trainer.rl.async_rollout import Prefetch, behaviour_weights, snapshot
 from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
 from trainer.rl.engines import make_engine, sampling_spec, sync_weights
@@ -380,6 +381,10 @@ class Run:
     exact: object = None  # trainer.models.exact.ExactLogprobs when precision.recipe is exact
     start_step: int = 0
     truncation: TruncationWatch = field(default_factory=TruncationWatch)
+    # rollout.max_staleness 1 (trainer/rl/async_rollout.py): the next step's batch, and the behaviour
+    # adapter of the batch this step trains on (None: the current weights generated it)
+    prefetch: Prefetch = field(default_factory=Prefetch)
+    behaviour: Optional[dict] = None
 
     @property
     def device(self):
@@ -480,6 +485,9 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
     model = _load_policy(cfg, accelerator, model_dir)
+    if cfg.rollout.max_staleness and dp.world > 1:
+        raise RecipeError(f"rollout.max_staleness = {cfg.rollout.max_staleness} with {dp.world} processes: expected "
+                          "one process (the prefetch of several ranks sharing a server is not synchronised yet)")
     if cfg.precision.recipe == "exact":  # before the engine starts: refuse what exact mode does not cover
         from trainer.models.exact import check_exact
 
@@ -575,6 +583,7 @@ def _restore(run: Run) -> int:
         run.kl_controller.load_state_dict(state["kl_controller"])
     run.batcher.load_state_dict(state["batcher"])
     run.probe.load_state_dict(state.get("probe"))
+    run.prefetch.load_state_dict(state.get("prefetch"))
     if run.is_main:
         print(f"resumed from {latest} (step {state['step']})", flush=True)
     return state["step"]
@@ -625,7 +634,12 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
     def draw(round_index: int) -> Drawn:
         return _draw_round(run.engine, run.batcher, run.tokenizer, run.reward_fns, cfg, step, round_index, run.dp)
 
-    if a.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
+    taken = run.prefetch.take(step)
+    run.behaviour = None
+    if taken is not None:  # generated during the previous step, by the adapter it was launched with
+        train_part, run.behaviour = taken
+        drawn = [train_part]
+    elif a.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
         train_part, drawn, ds_metrics = fill_with_signal(
             draw, share=cfg.rollout.prompts_per_step // run.dp.world, group_size=a.group_size,
             mini_batches=a.mini_batches, max_rounds=a.max_sampling_rounds, dp=run.dp)
@@ -634,6 +648,13 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
         train_part = draw(0)
         drawn = [train_part]
     m.update(_drawn_metrics(Drawn.concat(drawn), run.dp))
+    if cfg.rollout.max_staleness:
+        # The engine still holds theta_{step-1}: the next batch is launched with it now, and trained on
+        # after this step's update. Server mode overlaps it with this step (a thread; another process).
+        # Also after the last step: the final checkpoint then holds it, so the run can be extended exactly.
+        run.prefetch.launch(step + 1, lambda: _draw_round(run.engine, run.batcher, run.tokenizer, run.reward_fns, cfg,
+                                                          step + 1, 0, run.dp),
+                            snapshot(run.policy), threaded=cfg.rollout.mode == "server")
     return train_part, m
 
 
@@ -657,11 +678,22 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor, m
         return scored, advantages, returns
     advantages = a.record.advantage(
         AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=a.group_size, all_sum=run.dp.all_sum), a.options)
+    if run.behaviour is not None:
+        # An off-policy batch: pi_old is its behaviour adapter (parity/* = engine vs it: numerics only);
+        # staleness/* = behaviour vs the current adapter (policy lag only). Ratios against pi_old.
+        with behaviour_weights(run.policy, run.behaviour):
+            scored = score_pass(run.model, batch, cfg, exact=run.exact)
+        current = score_pass(run.model, batch, cfg, exact=run.exact)
+        m.update(run.dp.pooled_parity(current["train_logprobs"], scored["train_logprobs"], batch.mask,
+                                      prefix="staleness/"))
+        return scored, advantages, None
     if _updates(cfg) == 1:
         scored = policy_gradient_pass(run.model, batch, advantages, cfg, run.backward, dp=run.dp, exact=run.exact)
         m.update(scored["metrics"])
     else:
         scored = score_pass(run.model, batch, cfg, exact=run.exact)  # pi_old, before any update
+    # on-policy: the behaviour policy is the current one, by construction no lag
+    m.update(run.dp.pooled_parity(scored["train_logprobs"], scored["train_logprobs"], batch.mask, prefix="staleness/"))
     return scored, advantages, None
 
 
@@ -708,7 +740,7 @@ def samples_phase(run: Run, step: int, drawn: Drawn, batch: TokenBatch, scored: 
 def update_phase(run: Run, step: int, batch: TokenBatch, scored: dict, advantages, returns, m: dict) -> None:
     """The optimizer step(s) of this batch, then the LR schedule."""
     m["train/lr"] = run.scheduler.get_last_lr()[0]
-    if _updates(run.cfg) == 1 and run.value_head is None:
+    if _updates(run.cfg) == 1 and run.value_head is None and run.behaviour is None:
         m["train/grad_norm"] = run.update()  # the gradient is already there (score_phase)
     else:
         critic = {} if run.value_head is None else {"value_head": run.value_head, "old_values": scored["values"],
@@ -721,6 +753,8 @@ def update_phase(run: Run, step: int, batch: TokenBatch, scored: dict, advantage
 def sync_phase(run: Run, step: int, m: dict) -> None:
     """Push the updated weights into the engine, then probe it."""
     t = time.perf_counter()
+    run.prefetch.wait()  # the next batch must come from the weights it was launched with
+    m["perf/prefetch_wait_s"] = time.perf_counter() - t
     if run.cfg.rollout.sync_weights:
         m.update(_sync(run))
     m["perf/sync_s"] = time.perf_counter() - t
@@ -760,6 +794,7 @@ def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:
 def _run_state(run: Run) -> dict:
     """What a checkpoint keeps besides weights, optimizer, scheduler and RNG."""
     return {"batcher": run.batcher.state_dict(), "name": run.cfg.name, "probe": run.probe.state_dict(),
+            "prefetch": run.prefetch.state_dict(),
             **({"kl_controller": run.kl_controller.state_dict()} if run.kl_controller else {})}
 
 
