@@ -237,7 +237,7 @@ def _param_groups(model, value_head) -> list:
 
 def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: RunConfig, step: int, backward,
                      update, value_head=None, old_values=None, returns=None,
-                     dp: DataParallel = DataParallel(), exact=None) -> dict:
+                     dp: DataParallel = DataParallel(), exact=None, current: Optional[dict] = None) -> dict:
     """``epochs`` x ``mini_batches`` optimizer steps on one rollout batch, ratios against pi_old.
 
     ``backward(loss)`` per micro-batch and ``update()`` (clip, step, zero; returns the
@@ -262,6 +262,8 @@ def _several_updates(model, batch: TokenBatch, advantages, old_logprobs, cfg: Ru
             for k, v in out["metrics"].items():
                 sums[k] = sums.get(k, 0.0) + v
     n = a.epochs * a.mini_batches
+    if current is not None and n == 1:  # the one update's log-probs: pi_theta before its step, every row
+        current["train_logprobs"] = out["train_logprobs"]
     metrics = {k: v / n for k, v in sums.items()}
     # tokens were sampled from pi_old: k3 with log r = log(pi_theta / pi_old) estimates KL(pi_old || pi_theta)
     k3 = kl_k3(old_logprobs[idx, :c] * sub.mask, out["train_logprobs"] * sub.mask) * sub.mask
@@ -683,9 +685,10 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor, m
         # staleness/* = behaviour vs the current adapter (policy lag only). Ratios against pi_old.
         with behaviour_weights(run.policy, run.behaviour):
             scored = score_pass(run.model, batch, cfg, exact=run.exact)
-        current = score_pass(run.model, batch, cfg, exact=run.exact)
-        m.update(run.dp.pooled_parity(current["train_logprobs"], scored["train_logprobs"], batch.mask,
-                                      prefix="staleness/"))
+        if _updates(cfg) > 1:  # one update: its own forward gives pi_theta (update_phase), no extra pass
+            current = score_pass(run.model, batch, cfg, exact=run.exact)
+            m.update(run.dp.pooled_parity(current["train_logprobs"], scored["train_logprobs"], batch.mask,
+                                          prefix="staleness/"))
         return scored, advantages, None
     if _updates(cfg) == 1:
         scored = policy_gradient_pass(run.model, batch, advantages, cfg, run.backward, dp=run.dp, exact=run.exact)
@@ -745,8 +748,13 @@ def update_phase(run: Run, step: int, batch: TokenBatch, scored: dict, advantage
     else:
         critic = {} if run.value_head is None else {"value_head": run.value_head, "old_values": scored["values"],
                                                      "returns": returns}
+        current: dict = {}
         m.update(_several_updates(run.model, batch, advantages, scored["train_logprobs"], run.cfg, step, run.backward,
-                                  run.update, dp=run.dp, exact=run.exact, **critic))
+                                  run.update, dp=run.dp, exact=run.exact, current=current, **critic))
+        if run.behaviour is not None and "train_logprobs" in current:  # off-policy batch, one update
+            c = current["train_logprobs"].shape[1]
+            m.update(run.dp.pooled_parity(current["train_logprobs"], scored["train_logprobs"][:, :c],
+                                          batch.mask[:, :c], prefix="staleness/"))
     run.scheduler.step()
 
 
