@@ -72,8 +72,10 @@ def main() -> None:
             sets = ["rollout.mode=server", f"rollout.server_url={url}", f"rollout.max_staleness={staleness}",
                     f"train.steps={args.steps}", f"logging.run_dir={run_dir}", "logging.wandb.mode=disabled",
                     "checkpoint.every=0", f"name=bench-async-{staleness}", *args.overrides]
+            # as many torch threads as the trainer's cores (more would oversubscribe them)
             subprocess.run(_pin(trainer_cores) + [sys.executable, "-m", "trainer.cli", "train", args.recipe]
-                           + [a for s in sets for a in ("--set", s)], check=True, env=env, stdout=subprocess.DEVNULL)
+                           + [a for s in sets for a in ("--set", s)], check=True, stdout=subprocess.DEVNULL,
+                           env={**env, "OMP_NUM_THREADS": str(max(n - 1, 1))})
             hist[staleness] = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                                if "perf/step_s" in r]
     finally:

@@ -27,10 +27,35 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="path to a YAML recipe (see recipes/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key, e.g. --set train.steps=5 (repeatable; values parsed as YAML)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved recipe (defaults included, overrides applied) as YAML and exit")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("parityrl")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH without an install
+        return "unknown (not installed)"
+
+
+def print_config(cfg) -> int:
+    """The resolved recipe as YAML (what the run records as recipe.yaml), for any of the recipe commands."""
+    import json
+
+    import yaml
+
+    from trainer.config import to_dict
+
+    data = json.loads(json.dumps(to_dict(cfg), default=str))  # paths and the like as strings
+    print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False), end="")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parityrl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"parityrl {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="RL training (GRPO, PPO, PMD-mean, ...) with vLLM rollouts and per-step parity metrics")
     _add_recipe_args(t)
@@ -126,6 +151,11 @@ def run_train(argv: list[str] | None = None, prog: str = "parityrl train") -> in
 def _train(args) -> int:
     from trainer.commands.train import run_train_command
 
+    if getattr(args, "print_config", False):
+        from trainer.config import load_recipe
+
+        return _printed(lambda: load_recipe(args.recipe, args.overrides))
+
     return run_train_command(args.recipe, args.overrides, resume=args.resume, debug=args.debug)
 
 
@@ -133,6 +163,8 @@ def _sft(args) -> int:
     from trainer.commands.sft import run_sft
     from trainer.sft.recipe import load_sft_recipe
 
+    if args.print_config:
+        return _printed(lambda: load_sft_recipe(args.recipe, args.overrides))
     try:
         cfg = load_sft_recipe(args.recipe, args.overrides)
         out = run_sft(cfg, overwrite=args.overwrite)
@@ -149,6 +181,8 @@ def _sft(args) -> int:
 def _train_rm(args) -> int:
     from trainer.commands.train_rm import load_rm_recipe, run_train_rm
 
+    if args.print_config:
+        return _printed(lambda: load_rm_recipe(args.recipe, args.overrides))
     try:
         cfg = load_rm_recipe(args.recipe, args.overrides)
         out = run_train_rm(cfg)
@@ -160,6 +194,14 @@ def _train_rm(args) -> int:
         return 2
     print(f"reward model written to {out}")
     return 0
+
+
+def _printed(load) -> int:
+    try:
+        return print_config(load())
+    except RecipeError as e:
+        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        return 2
 
 
 def _merge(args) -> int:

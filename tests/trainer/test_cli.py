@@ -100,3 +100,30 @@ def test_fp16_compare_through_cli(tmp_path, tiny_model_dir):
     assert summary["settings"]["precision"] == "fp16"
     # FP16 keeps 3 more mantissa bits than BF16: measured mae ~1e-4 (BF16 ~1e-3) on the tiny model
     assert summary["metrics"]["parity/mae"] < 1e-3
+
+
+def test_version_and_print_config(tmp_path, capsys):
+    """--version; --print-config prints the resolved recipe (defaults, overrides, the chosen algorithm's
+    defaults) as YAML that loads back to the same configuration, and starts nothing."""
+    import yaml
+
+    from trainer.cli import main
+    from trainer.config import load_recipe, to_dict
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("parityrl ")
+    sets = ["--set", "algorithm.name=gspo", "--set", "train.steps=7", "--set", f"logging.run_dir={tmp_path}/run"]
+    assert main(["train", str(REPO / "recipes/grpo_tiny.yaml"), *sets, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    data = yaml.safe_load(printed)
+    assert data["train"]["steps"] == 7 and data["algorithm"]["clip_eps_low"] == 3e-4  # GSPO's own default
+    assert not (tmp_path / "run").exists()  # nothing started
+    (tmp_path / "printed.yaml").write_text(printed)
+    again = load_recipe(tmp_path / "printed.yaml")
+    assert json.dumps(to_dict(again), default=str) == json.dumps(to_dict(
+        load_recipe(REPO / "recipes/grpo_tiny.yaml", [s for s in sets if s != "--set"])), default=str)
+    for command, recipe in (("sft", "sft_tiny.yaml"), ("train-rm", "rm_tiny.yaml")):
+        assert main([command, str(REPO / "recipes" / recipe), "--print-config"]) == 0
+        assert yaml.safe_load(capsys.readouterr().out)["name"] == recipe.removesuffix(".yaml")
+    assert main(["train", str(REPO / "recipes/grpo_tiny.yaml"), "--set", "train.steps=0", "--print-config"]) == 2
