@@ -54,10 +54,27 @@ def _finite_or_none(v: Any) -> Any:
     return v
 
 
+WANDB_ID_FILE = "wandb_run_id"
+PACKAGES = ("parityrl", "vllm", "torch", "transformers", "peft", "accelerate", "deepspeed")
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of the packages a run's numbers depend on (into the wandb config)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            out[p] = "not installed"
+    return out
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, *, config: dict, wandb_mode: str = "auto", project: str = "parityrl",
                  entity: Optional[str] = None, name: str = "run", total_steps: int = 0, print_every: int = 1,
-                 enabled: bool = True):
+                 enabled: bool = True, resume: bool = False, tags: tuple[str, ...] = ()):
         self.run_dir = Path(run_dir)
         self.enabled = enabled  # False on non-main processes
         self.total_steps = total_steps
@@ -73,21 +90,37 @@ class RunLogger:
         self._file = open(self.metrics_path, "a", buffering=1)
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
-            self.wandb_run, self.wandb_mode = self._start_wandb(mode, project, entity, name, config)
+            self.wandb_run, self.wandb_mode = self._start_wandb(mode, project, entity, name,
+                                                                {**config, "packages": package_versions()},
+                                                                resume=resume, tags=tags)
 
-    def _start_wandb(self, mode: str, project: str, entity: Optional[str], name: str, config: dict):
+    def _run_id(self, resume: bool) -> str:
+        """The wandb run id of this run directory: kept in ``wandb_run_id`` so that ``--resume`` continues the
+        same wandb run (its charts join) instead of starting a second one."""
+        import secrets
+
+        path = self.run_dir / WANDB_ID_FILE
+        if resume and path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        run_id = secrets.token_hex(4)  # wandb's ids are short lowercase alphanumerics
+        path.write_text(run_id + "\n")
+        return run_id
+
+    def _start_wandb(self, mode: str, project: str, entity: Optional[str], name: str, config: dict, *,
+                     resume: bool = False, tags: tuple[str, ...] = ()):
         try:
             import wandb
         except ImportError:
             warnings.warn("wandb is not installed; metrics go to metrics.jsonl only", stacklevel=3)
             return None, "disabled"
         wdir = self.run_dir
+        run_id = self._run_id(resume)
         for attempt in ([mode, "offline"] if mode == "online" else [mode]):
             wait = ONLINE_INIT_TIMEOUT_S if attempt == "online" else OFFLINE_INIT_TIMEOUT_S
             try:
                 run = wandb.init(project=project, entity=entity, name=name, config=config, dir=str(wdir), mode=attempt,
                                  settings=wandb.Settings(init_timeout=wait, console="off", silent=True),
-                                 reinit="finish_previous")
+                                 reinit="finish_previous", id=run_id, resume="allow", tags=list(tags) or None)
                 return run, attempt
             except Exception as e:  # noqa: BLE001 - any wandb failure must not end training
                 warnings.warn(f"wandb {attempt} start failed ({type(e).__name__}: {e}); "

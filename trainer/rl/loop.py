@@ -535,8 +535,15 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     _sync(run)
     run.logger = RunLogger(cfg.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode,
                            project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity, name=cfg.name,
-                           total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main)
+                           total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main,
+                           resume=resume, tags=run_tags(cfg))
     return run
+
+
+def run_tags(cfg: RunConfig) -> tuple[str, ...]:
+    """wandb tags, so that runs of one model compare side by side by algorithm and precision recipe."""
+    return (f"algorithm:{cfg.algorithm.name}", f"precision:{cfg.precision.recipe}", f"model:{cfg.model.path}"[:64],
+            f"dtype:{cfg.model.dtype}") + (("off-policy",) if cfg.rollout.max_staleness else ())
 
 
 def _load_policy(cfg: RunConfig, accelerator, model_dir: str):

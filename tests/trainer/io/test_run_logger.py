@@ -60,3 +60,26 @@ def test_an_online_start_that_cannot_connect_gives_up_within_10_s_and_goes_offli
         logger = RunLogger(tmp_path, config={}, wandb_mode="online")
     assert calls[0] == ("online", 10.0) and calls[1][0] == "offline"
     assert logger.wandb_mode == "offline"
+
+
+def test_resume_continues_the_same_wandb_run_with_tags_and_package_versions(tmp_path, monkeypatch):
+    """Offline: a resumed logger writes into the wandb run of the first (same id, resume='allow'); read back from
+    the offline run directories wandb leaves in the run directory."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    first = RunLogger(tmp_path, config={"a": 1}, wandb_mode="offline", tags=("algorithm:grpo", "precision:bf16"))
+    run_id = first.wandb_run.id
+    assert tuple(first.wandb_run.tags) == ("algorithm:grpo", "precision:bf16")
+    assert first.wandb_run.config["packages"]["torch"] and first.wandb_run.config["a"] == 1
+    first.log(1, {"reward/mean": 0.5}, echo=False)
+    first.close()
+    second = RunLogger(tmp_path, config={"a": 1}, wandb_mode="offline", resume=True)
+    assert second.wandb_run.id == run_id
+    second.log(2, {"reward/mean": 0.6}, echo=False)
+    second.close()
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)
+    assert all((r / f"run-{run_id}.wandb").is_file() for r in runs)
+    # a new (not resumed) logger in a fresh directory gets another id
+    third = RunLogger(tmp_path / "other", config={}, wandb_mode="offline")
+    assert third.wandb_run.id != run_id
+    third.close()
