@@ -21,6 +21,8 @@ by the engine, so the k1/k2/k3 estimators estimate KL(pi_rollout || pi_train)
 | parity/pearson_prob                 | Pearson of exp(lp_t), exp(lp_r) (verl rollout_actor_probs_pearson_corr) |
 | parity/token_mult_prob_error        | mean exp(|d|)               (NeMo-RL's; 1.0 is ideal)         |
 | parity/frac_rho_outside_0.9_1.1     | share of tokens with rho < 0.9 or rho > 1.1                   |
+| parity/chi2                         | mean(rho^2) - 1             (chi^2(pi_train || pi_rollout) estimate; verl rollout_corr) |
+| parity/rho_min, parity/rho_max      | min / max of rho over the tokens                              |
 | parity/seq_log_ratio_mean           | mean over sequences of S = sum_t d (log sequence IS ratio)    |
 | parity/seq_log_ratio_abs_max        | max over sequences of |S|                                     |
 | parity/seq_log_ratio_norm_mean      | mean over sequences of S / L (log geometric-mean token ratio) |
@@ -201,6 +203,10 @@ def sufficient_stats(
         "sum_k3": ((torch.expm1(d) - d) * m).sum(),
         "sum_exp_abs_d": (torch.exp(ad) * m).sum(),
         "n_rho_out": (((d < math.log(RHO_LOW)) | (d > math.log(RHO_HIGH))) & mask).double().sum(),
+        "sum_rho2": (torch.exp(2 * d) * m).sum(),
+        # max over valid tokens of d and of -d (both max-reducible): rho_max, rho_min
+        "d_max": torch.where(mask, d, -math.inf).max() if mask.any() else zero,
+        "neg_d_max": torch.where(mask, -d, -math.inf).max() if mask.any() else zero,
         "abs_d_max": ad.max() if ad.numel() else zero,
         "abs_d_hist": _abs_hist(ad[mask]),
         "sum_t": t.sum(),
@@ -277,6 +283,9 @@ def finalize(stats: Stats) -> Dict[str, float]:
         ),
         "parity/token_mult_prob_error": s["sum_exp_abs_d"] / n,
         "parity/frac_rho_outside_0.9_1.1": s["n_rho_out"] / n,
+        "parity/chi2": s["sum_rho2"] / n - 1.0,
+        "parity/rho_min": math.exp(-s["neg_d_max"]),
+        "parity/rho_max": math.exp(s["d_max"]),
         "parity/seq_log_ratio_mean": s["sum_seq"] / s["n_seq"],
         "parity/seq_log_ratio_abs_max": s["seq_abs_max"],
         "parity/seq_log_ratio_norm_mean": s["sum_seq_norm"] / s["n_seq"],

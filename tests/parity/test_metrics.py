@@ -61,6 +61,12 @@ def test_every_key_hand_computed():
         "parity/token_mult_prob_error": (2 * math.exp(0.1) + math.exp(0.2) + 1 + math.exp(0.3)) / 5,
         # rho = 1.105 (out), 0.819 (out), 1 (in), 1.350 (out), 0.905 (in) -> 3/5
         "parity/frac_rho_outside_0.9_1.1": 0.6,
+        # rho^2 = e^.2 + e^-.4 + 1 + e^.6 + e^-.2 = 1.221403 + .670320 + 1 + 1.822119 + .818731 = 5.532573
+        # -> /5 - 1 = .1065146
+        "parity/chi2": (math.exp(0.2) + math.exp(-0.4) + 1 + math.exp(0.6) + math.exp(-0.2)) / 5 - 1,
+        # min d = -0.2, max d = 0.3
+        "parity/rho_min": math.exp(-0.2),
+        "parity/rho_max": math.exp(0.3),
         # S = [0.1 - 0.2 + 0, 0.3 - 0.1] = [-0.1, 0.2]; mean .05; max|S| .2
         "parity/seq_log_ratio_mean": 0.05,
         "parity/seq_log_ratio_abs_max": 0.2,
@@ -146,7 +152,7 @@ def test_merge_with_an_empty_shard():
 
 def test_reduction_rule():
     stats = sufficient_stats(TRAIN, ROLL, MASK)
-    assert {k for k in stats if M.reduction(k) == "max"} == {"abs_d_max", "seq_abs_max", "seq_norm_abs_max"}
+    assert {k for k in stats if M.reduction(k) == "max"} == {"abs_d_max", "seq_abs_max", "seq_norm_abs_max", "d_max", "neg_d_max"}
 
 
 def test_pearson_zero_variance():

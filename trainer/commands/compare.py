@@ -51,7 +51,7 @@ SELF_CHECK_EXPECTED = {
     "parity/kl_k1": 0.0, "parity/kl_k2": 0.0, "parity/kl_k3": 0.0, "parity/prob_mae": 0.0,
     "parity/pearson_prob": 1.0, "parity/token_mult_prob_error": 1.0, "parity/frac_rho_outside_0.9_1.1": 0.0,
     "parity/seq_log_ratio_mean": 0.0, "parity/seq_log_ratio_abs_max": 0.0, "parity/seq_log_ratio_norm_mean": 0.0,
-    "parity/seq_log_ratio_norm_abs_max": 0.0,
+    "parity/seq_log_ratio_norm_abs_max": 0.0, "parity/chi2": 0.0, "parity/rho_min": 1.0, "parity/rho_max": 1.0,
 }
 
 
