@@ -114,12 +114,16 @@ class DataParallel:
         """Average each value over the ranks (every rank must pass the same keys)."""
         return self._reduce_dict(metrics, mean=True)
 
-    def _reduce_dict(self, metrics: dict[str, float], mean: bool) -> dict[str, float]:
+    def max_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The largest value of each key over the ranks (a minimum: pass its negation)."""
+        return self._reduce_dict(metrics, mean=False, op=torch.distributed.ReduceOp.MAX if self.active else None)
+
+    def _reduce_dict(self, metrics: dict[str, float], mean: bool, op=None) -> dict[str, float]:
         if not self.active or not metrics:
             return dict(metrics)
         keys = sorted(metrics)
         t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-        self._all_reduce(t)
+        self._all_reduce(t, op)
         if mean:
             t /= self.world
         return dict(zip(keys, t.tolist()))

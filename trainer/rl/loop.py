@@ -348,7 +348,25 @@ def _drawn_metrics(drawn: Drawn, dp: DataParallel) -> dict[str, float]:
                               "rollout/frac_truncated": _mean([float(f == "length") for f in r.finish_reasons])}))
     m.update(dp.mean_metrics({"reward/mean": _mean(drawn.rewards),
                               **{f"reward/{name}": _mean(vals) for name, vals in drawn.per_fn.items()}}))
+    m.update(_spread_metrics(drawn, dp))
     return m
+
+
+def _spread_metrics(drawn: Drawn, dp: DataParallel) -> dict[str, float]:
+    """reward/std and the share of groups whose rewards are all equal (no GRPO signal: zero advantage),
+    completion length min/max: pooled over every rank exactly (sums, max)."""
+    rewards = torch.tensor(drawn.rewards, dtype=torch.float64)
+    g = drawn.rollouts.group_size
+    groups = rewards.view(-1, g) if rewards.numel() else rewards.view(0, g)
+    lengths = [len(c) for c in drawn.rollouts.completion_ids] or [0]
+    s = dp.sum_metrics({"n": float(rewards.numel()), "sum": float(rewards.sum()), "sum2": float((rewards ** 2).sum()),
+                        "groups": float(groups.shape[0]),
+                        "flat": float((groups.max(1).values == groups.min(1).values).sum()) if groups.numel() else 0.0})
+    x = dp.max_metrics({"max_len": float(max(lengths)), "neg_min_len": -float(min(lengths))})
+    n = max(s["n"], 1.0)
+    var = max(s["sum2"] / n - (s["sum"] / n) ** 2, 0.0)
+    return {"reward/std": var ** 0.5, "reward/frac_zero_std_groups": s["flat"] / max(s["groups"], 1.0),
+            "rollout/max_length": x["max_len"], "rollout/min_length": -x["neg_min_len"]}
 
 
 @dataclass
@@ -721,12 +739,15 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: dict, m: dict) 
     m.update(run.dp.pooled_parity(scored["train_logprobs"], batch.rollout_logprobs, batch.mask,
                                   train_topk_logprobs=scored["train_topk_logprobs"],
                                   rollout_topk_logprobs=batch.topk_logprobs))
+    if "train/entropy" not in m:  # the trainer's entropy of the sampled positions (PPO's loss logs its own)
+        e = run.dp.sum_metrics({"s": float((scored["entropy"] * batch.mask).sum()), "n": float(batch.mask.sum())})
+        m["train/entropy"] = e["s"] / max(e["n"], 1.0)
     _enforce_parity_limits(cfg, step, m, ratio=run.ratio_limit)
     if run.is_main:
         breakdown = step_breakdown(scored["train_logprobs"], batch.rollout_logprobs, batch.mask, batch.targets,
                                    run.tokenizer, entropy=scored["entropy"])
         append_breakdown(cfg.run_dir, step, breakdown)
-        if run.logger.wandb_run is not None and step % cfg.logging.breakdown_every == 0:
+        if run.logger.wandb_run is not None and (step % cfg.logging.breakdown_every == 0 or step == cfg.train.steps):
             run.logger.wandb_run.log(wandb_tables(breakdown), step=step)
 
 
