@@ -144,6 +144,14 @@ class DataParallel:
         if self.active:
             torch.distributed.barrier()
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` in rank order, on every rank (picklable objects); [obj] without data parallel."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def broadcast_object(self, obj, src: int = 0):
         """``obj`` as rank ``src`` holds it, on every rank (picklable objects)."""
         if not self.active:

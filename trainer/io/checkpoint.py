@@ -57,13 +57,24 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's generators: Python, NumPy, torch CPU and, with CUDA, every device's
+    (``torch.cuda.get_rng_state_all``; written for GPU runs, not run here: no GPU)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(saved: dict[str, Any], rank: int = 0) -> None:
+    """Restore this rank's generators from ``rng.pt``: ``{"ranks": [one state per rank]}`` (older checkpoints: one
+    state, rank 0's, which every rank then takes as before)."""
+    ranks = saved.get("ranks", [saved])
+    state = ranks[rank] if rank < len(ranks) else ranks[0]
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"  # engine.save_checkpoint(<ckpt>/deepspeed, tag="state")
@@ -82,10 +93,11 @@ def _fresh_dir(tmp: Path) -> None:
 
 
 def _finish(tmp: Path, final: Path, run_dir: Path, step: int, *, scheduler, state: dict, keep_last: int,
-            modules: Optional[dict]) -> Path:
+            modules: Optional[dict], rng_states: Optional[list] = None) -> Path:
     """Write the process-wide files, mark ``tmp`` complete, move it into place, prune old checkpoints."""
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
+    # every rank's generators (gathered by the caller), so each rank resumes its own streams
+    torch.save({"ranks": rng_states or [rng_state()]}, tmp / "rng.pt")
     for name, module in (modules or {}).items():
         torch.save(module.state_dict(), tmp / f"{name}.pt")
     _write_synced(tmp / _STATE, json.dumps({"step": step, **state}, indent=2))
@@ -170,7 +182,7 @@ def remove_partial_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, scheduler, state: dict, keep_last: int,
-                    modules: Optional[dict] = None) -> Path:
+                    modules: Optional[dict] = None, rng_states: Optional[list] = None) -> Path:
     """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``.
 
     ``modules``: extra trainable modules outside the adapter (e.g. PPO's value head), saved
@@ -182,7 +194,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, scheduler, st
         model.save_pretrained(tmp / "adapter")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         return _finish(tmp, final, run_dir, step, scheduler=scheduler, state=state, keep_last=keep_last,
-                       modules=modules)
+                       modules=modules, rng_states=rng_states)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"note: checkpoint {step} was not written; removed its partial folder {tmp}", flush=True)
@@ -190,7 +202,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, scheduler, st
 
 
 def save_deepspeed_checkpoint(run_dir: Path, step: int, *, engine, policy, scheduler, state: dict, keep_last: int,
-                              is_main: bool, barrier) -> Path:
+                              is_main: bool, barrier, rng_states: Optional[list] = None) -> Path:
     """The DeepSpeed form of ``save_checkpoint``; COLLECTIVE: every rank calls it.
 
     Every rank writes its ZeRO shard of the optimizer state (and, ZeRO-3, of the
@@ -215,7 +227,8 @@ def save_deepspeed_checkpoint(run_dir: Path, step: int, *, engine, policy, sched
             policy.save_pretrained(tmp / "adapter")
     barrier()
     if is_main:
-        _finish(tmp, final, run_dir, step, scheduler=scheduler, state=state, keep_last=keep_last, modules=None)
+        _finish(tmp, final, run_dir, step, scheduler=scheduler, state=state, keep_last=keep_last, modules=None,
+                rng_states=rng_states)
     barrier()
     return final
 
@@ -227,7 +240,7 @@ def _read_state(path: Path) -> dict:
     return json.loads((path / _STATE).read_text())
 
 
-def load_checkpoint(path: Path, *, model, optimizer, scheduler, modules: Optional[dict] = None) -> dict:
+def load_checkpoint(path: Path, *, model, optimizer, scheduler, modules: Optional[dict] = None, rank: int = 0) -> dict:
     """Restore weights, optimizer, scheduler, RNG (and ``modules``, see ``save_checkpoint``) from ``path``;
     return its state.json."""
     from peft import set_peft_model_state_dict
@@ -250,11 +263,11 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, modules: Optiona
         module.load_state_dict(torch.load(path / f"{name}.pt", weights_only=True))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False), rank)
     return state
 
 
-def load_deepspeed_checkpoint(path: Path, *, engine, scheduler, world_size: int) -> dict:
+def load_deepspeed_checkpoint(path: Path, *, engine, scheduler, world_size: int, rank: int = 0) -> dict:
     """Restore a ``save_deepspeed_checkpoint`` into a prepared DeepSpeed ``engine``; return its state.json.
 
     ``engine.load_checkpoint`` restores the adapters (``load_module_strict=False``: the
@@ -278,5 +291,5 @@ def load_deepspeed_checkpoint(path: Path, *, engine, scheduler, world_size: int)
     if load_path is None:
         raise RuntimeError(f"{tag_dir}: DeepSpeed could not load this checkpoint (see its log above)")
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False), rank)
     return state

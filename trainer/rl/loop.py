@@ -602,10 +602,10 @@ def _restore(run: Run) -> int:
     latest = choose_checkpoint(run_dir, verbose=run.is_main)
     if run.stage:
         state = ckpt.load_deepspeed_checkpoint(latest, engine=run.model, scheduler=run.scheduler,
-                                               world_size=run.accelerator.num_processes)
+                                               world_size=run.accelerator.num_processes, rank=run.dp.rank)
     else:
         state = ckpt.load_checkpoint(latest, model=run.policy, optimizer=run.optimizer, scheduler=run.scheduler,
-                                     modules=run.modules)
+                                     modules=run.modules, rank=run.dp.rank)
     if run.kl_controller is not None:
         run.kl_controller.load_state_dict(state["kl_controller"])
     run.batcher.load_state_dict(state["batcher"])
@@ -838,14 +838,16 @@ def save_step(run: Run, step: int, result: TrainResult, state: Optional[dict] = 
     """The checkpoint of ``step``; ``state``: ``_run_state`` as it was after that step (default: now)."""
     cfg = run.cfg
     state = _run_state(run) if state is None else state
+    rngs = run.dp.gather_objects(ckpt.rng_state())  # collective: every rank's generators into rng.pt
     if run.stage:  # every rank writes its ZeRO shard
         result.final_checkpoint = ckpt.save_deepspeed_checkpoint(
             cfg.run_dir, step, engine=run.model, policy=run.policy, scheduler=run.scheduler, state=state,
-            keep_last=cfg.checkpoint.keep_last, is_main=run.is_main, barrier=run.accelerator.wait_for_everyone)
+            keep_last=cfg.checkpoint.keep_last, is_main=run.is_main, barrier=run.accelerator.wait_for_everyone,
+            rng_states=rngs)
     elif run.is_main:
         result.final_checkpoint = ckpt.save_checkpoint(
             cfg.run_dir, step, model=run.policy, optimizer=run.optimizer, scheduler=run.scheduler, state=state,
-            keep_last=cfg.checkpoint.keep_last, modules=run.modules)
+            keep_last=cfg.checkpoint.keep_last, modules=run.modules, rng_states=rngs)
     run.accelerator.wait_for_everyone()
     return result.final_checkpoint
 
