@@ -1,0 +1,93 @@
+"""Every recipe key the schema defines, and which of them README's "Recipe keys" table documents.
+
+    python -m trainer.config.reference            # the keys, their type and default; undocumented ones marked
+
+The schema (``trainer/config/schema.py``, the algorithms' option dataclasses) is the one source of
+keys; ``tests/trainer/config/test_reference.py`` fails when a key is missing from the README table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import typing
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+SECTION = "### Recipe keys"
+
+
+def recipe_keys() -> dict[str, tuple[str, object]]:
+    """{dotted key: (type, default)} of every recipe key: the sections' fields and every algorithm's options."""
+    from trainer.algorithms.registry import ALGORITHMS
+    from trainer.config.schema import AlgorithmConfig, RunConfig
+
+    out: dict[str, tuple[str, object]] = {}
+
+    def walk(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints.get(f.name, f.type)
+            key = f"{prefix}{f.name}"
+            if cls is AlgorithmConfig and f.name == "options":
+                continue
+            if dataclasses.is_dataclass(tp):
+                walk(tp, key + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            out[key] = (getattr(tp, "__name__", str(tp)).replace("typing.", ""), default)
+
+    walk(RunConfig, "")
+    for name in ALGORITHMS.names():
+        options = ALGORITHMS.get(name).options
+        for f in dataclasses.fields(options):
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            out.setdefault(f"algorithm.{f.name}", (str(f.type), default))
+    return out
+
+
+def documented_keys(readme: str | None = None) -> set[str]:
+    """The keys named in the first cell of each row of README's recipe-key table.
+
+    A cell lists keys in backticks, comma-separated; a key without a dot takes the section of the
+    cell's first key (`parity.probe_first`, `probe_every`), and ``a.{x,y}`` / ``a.b_{x,y}`` expand.
+    """
+    text = README.read_text() if readme is None else readme
+    lines = text.split(SECTION, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| key |"))
+    keys: set[str] = set()
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cell = line.split("|")[1]
+        prefix = ""
+        for token in re.findall(r"`([^`]+)`", cell):
+            for key in _expand(token):
+                if "." in key:
+                    prefix = key.rsplit(".", 1)[0] + "."
+                    keys.add(key)
+                else:  # a leaf of the cell's section, or a top-level key (`name`)
+                    keys.add(prefix + key)
+    return keys
+
+
+def _expand(token: str) -> list[str]:
+    m = re.match(r"^(.*)\{([^}]*)\}(.*)$", token)
+    if not m:
+        return [token]
+    head, alts, tail = m.groups()
+    return [f"{head}{a.strip()}{tail}" for a in alts.split(",")]
+
+
+def main() -> int:
+    docs = documented_keys()
+    keys = recipe_keys()
+    for key, (tp, default) in sorted(keys.items()):
+        print(f"{key:<44} {tp:<24} {default!r:<30} {'' if key in docs else 'UNDOCUMENTED'}")
+    return 0 if set(keys) <= docs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
