@@ -433,6 +433,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     boundary = StepBoundary()
     boundary.begin(run.start_step + 1, _run_state(run))
     preemption = Preemption(announce=run.is_main).install()
+    unlogged = None  # (step, metrics) of a step whose update is applied but whose record is not written yet
     try:
         probe_before_training(run)
         for step in range(run.start_step + 1, cfg.train.steps + 1):
@@ -448,10 +449,12 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             samples_phase(run, step, drawn, batch, scored)
             update_phase(run, step, batch, scored, advantages, returns, m)
             boundary.update_applied()
+            unlogged = (step, m)
             m["perf/train_s"] = time.perf_counter() - t
             sync_phase(run, step, m)
             m["perf/step_s"] = time.perf_counter() - t_step
             run.logger.log(step, m)
+            unlogged = None
             _warn_truncation(run, step, m)
             result.history.append({"step": step, **m})
             # After logging (the step's record keeps the probe values), before the checkpoint.
@@ -462,6 +465,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         result.wandb = run.logger.wandb_location
         _print_summary(result, run.logger)
     except (RunStopped, EngineUnavailable) as e:
+        if unlogged is not None and boundary.applied:  # the stop checkpoints this step: its record goes with it
+            run.logger.log(*unlogged, echo=False)
         e.checkpoint_note = checkpoint_on_stop(cfg.run_dir, boundary, lambda s, state: save_step(run, s, result, state))
         raise
     finally:

@@ -1,18 +1,22 @@
-"""precision.recipe exact end to end on the tiny model (slow tier): the engine's and the trainer's
-log-probs equal bit for bit at step 0 (the probe) and after every synced update.
+"""Exact mode with engines of its own (run in a pytest process of its own by test_exact_tier.py).
 
-Each run starts its own exact-mode engine (rollout.exact_quant), as a user's run does.
+Each test starts and closes its own exact-mode vLLM engine (rollout.exact_quant), as a user's run does;
+closing an in-process engine tears down vLLM's process-global state that the test session's shared
+engine uses, so this module never runs inside the main session.
 """
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from rollout.cpu_forward import EngineForward
+from rollout.types import SamplingSpec
 from trainer.config import load_recipe
 from trainer.rl.loop import train
 
 REPO = Path(__file__).resolve().parents[3]
-pytestmark = pytest.mark.slow
+ARCH_PROMPTS = [[1, 5, 9, 13, 20, 30], [2, 7, 8], [3, 4, 11, 12, 14, 15, 16, 17, 18, 19, 21]]
 ZERO_KEYS = ("parity/mae", "parity/max_abs", "parity/kl_k3", "parity/rmse")
 
 
@@ -49,3 +53,28 @@ def test_engine_and_trainer_logprobs_are_identical_at_every_step(tmp_path, dtype
     assert any(abs(r["train/grad_norm"]) > 0 for r in steps)
     if dtype == "bfloat16":  # the penalty ran (means over the two epochs: the second one has moved)
         assert all(0.0 < r["train/kl_ref"] < 1.0 for r in steps)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_architecture_matrix_decode_is_reproduced_bit_for_bit(arch):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms, std-0.2 weights (trainer/models/zoo.py), exact engine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import rollout.exact_quant  # noqa: F401  (registers the exact engine's method)
+    from rollout.fp8_scheme import EXACT
+    from rollout.vllm_engine import VLLMEngine
+    from trainer.models.zoo import ensure_arch_model
+
+    model_dir = str(ensure_arch_model(arch, dtype="float32"))
+    config = AutoConfig.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with VLLMEngine(model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 * 1024**2,
+                    quantization=EXACT) as engine:
+        ef = EngineForward(engine, config)
+        ef.set_weights({k: v.detach() for k, v in hf.state_dict().items()})
+        r = engine.generate(ARCH_PROMPTS, SamplingSpec(n=4, temperature=1.0, max_new_tokens=40, seed=3))
+        lps = ef.logprobs([p + c for p, c in zip(r.prompt_ids, r.completion_ids)], [len(p) for p in r.prompt_ids])
+    for k, lp in enumerate(lps):
+        assert torch.equal(lp, torch.tensor(r.rollout_logprobs[k], dtype=torch.float32)), k
+
+
