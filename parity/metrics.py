@@ -166,6 +166,26 @@ def _hist_quantile(hist: torch.Tensor, q: float, cap: float) -> float:
     return min(upper, cap)
 
 
+def log10_abs_histogram(hist: torch.Tensor, per_decade: int = 10) -> tuple[list[float], list[float]]:
+    """The pooled |d| histogram (``stats["abs_d_hist"]``) as (counts, edges) over log10 |d|, for wandb.
+
+    The p99 histogram's 100 bins per decade are summed into ``per_decade`` (which must divide
+    100); the bin of |d| < 1e-7 (exact zeros included) becomes [-8, -7), the overflow bin
+    (|d| >= 1e3) [3, 4). Empty bins before the first and after the last count are dropped, so
+    the chart spans the data (one bin [-8, -7) when there is no count at all).
+    """
+    if _HIST_PER_DECADE % per_decade:
+        raise ValueError(f"per_decade={per_decade}: must divide {_HIST_PER_DECADE}")
+    h = hist.double().cpu()
+    inner = h[1:-1].reshape(-1, _HIST_PER_DECADE // per_decade).sum(1)
+    counts = [float(h[0]), *inner.tolist(), float(h[-1])]
+    lo = math.log10(_HIST_LO)
+    edges = [lo - 1.0, *[lo + k / per_decade for k in range(len(inner) + 1)], lo + _HIST_DECADES + 1.0]
+    nz = [i for i, c in enumerate(counts) if c > 0]
+    first, last = (nz[0], nz[-1]) if nz else (0, 0)
+    return counts[first:last + 1], [round(e, 6) for e in edges[first:last + 2]]
+
+
 def sufficient_stats(
     train_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,

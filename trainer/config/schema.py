@@ -153,6 +153,8 @@ class TrainConfig:
     micro_batch_size: int = 32  # samples per forward/backward; the rest is gradient accumulation
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # instead of warmup_steps: ceil(ratio x steps) (TrainingArguments' rule)
+    # transformers.get_scheduler (trainer/models/optim.py): constant(_with_warmup), linear, cosine
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     seed: int = 0
 

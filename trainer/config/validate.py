@@ -139,6 +139,9 @@ def _check_train(cfg: RunConfig, need: Need) -> None:
     need(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "an integer >= 1")
     need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
     need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
+    need(0 <= t.warmup_ratio < 1, "train.warmup_ratio", t.warmup_ratio, "a number in [0, 1)")
+    need(not (t.warmup_steps and t.warmup_ratio), "train.warmup_ratio", t.warmup_ratio,
+         f"0 when train.warmup_steps is set ({t.warmup_steps}): one of the two")
 
 
 def _check_model(cfg: RunConfig, need: Need) -> None:

@@ -128,16 +128,22 @@ class DataParallel:
             t /= self.world
         return dict(zip(keys, t.tolist()))
 
-    def pooled_parity(self, train_logprobs, rollout_logprobs, mask, *, train_topk_logprobs=None,
-                      rollout_topk_logprobs=None, prefix: str = "parity/") -> dict[str, float]:
-        """``parity.metrics.compare`` over the union of every rank's tokens (exact pooling)."""
+    def pooled_stats(self, train_logprobs, rollout_logprobs, mask, *, train_topk_logprobs=None,
+                     rollout_topk_logprobs=None) -> dict:
+        """``parity.metrics.sufficient_stats`` summed (maxed) over every rank's tokens."""
         stats = sufficient_stats(train_logprobs, rollout_logprobs, mask > 0, train_topk_logprobs=train_topk_logprobs,
                                  rollout_topk_logprobs=rollout_topk_logprobs)
         if self.active:
             for key in sorted(stats):
                 op = torch.distributed.ReduceOp.MAX if reduction(key) == "max" else torch.distributed.ReduceOp.SUM
                 stats[key] = self._all_reduce(stats[key].double().clone(), op)
-        out = finalize(stats)
+        return stats
+
+    def pooled_parity(self, train_logprobs, rollout_logprobs, mask, *, train_topk_logprobs=None,
+                      rollout_topk_logprobs=None, prefix: str = "parity/") -> dict[str, float]:
+        """``parity.metrics.compare`` over the union of every rank's tokens (exact pooling)."""
+        out = finalize(self.pooled_stats(train_logprobs, rollout_logprobs, mask, train_topk_logprobs=train_topk_logprobs,
+                                         rollout_topk_logprobs=rollout_topk_logprobs))
         return out if prefix == "parity/" else {prefix + k.split("/", 1)[1]: v for k, v in out.items()}
 
     def barrier(self) -> None:

@@ -71,6 +71,23 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+STEP_METRIC = "train/global_step"  # HF's WandbCallback name for the x-axis, so TRL users find it
+
+
+def _define_metrics(run) -> None:
+    """Charts against the training step (every metric, also tables and histograms logged between rows),
+    ``train/tokens_seen`` available as an x-axis, and the worst mismatch of the run as the summary."""
+    try:
+        run.define_metric(STEP_METRIC)
+        run.define_metric("train/tokens_seen")
+        run.define_metric("*", step_metric=STEP_METRIC, step_sync=True)
+        for key in ("parity/mae", "parity/max_abs", "parity/kl_k3", "probe/mae", "probe/max_abs"):
+            run.define_metric(key, summary="max")
+    except Exception as e:  # noqa: BLE001 - chart settings must not cost the run its logging
+        warnings.warn(f"wandb define_metric failed ({type(e).__name__}: {e}); charts use wandb's own step",
+                      stacklevel=4)
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, *, config: dict, wandb_mode: str = "auto", project: str = "parityrl",
                  entity: Optional[str] = None, name: str = "run", total_steps: int = 0, print_every: int = 1,
@@ -121,6 +138,7 @@ class RunLogger:
                 run = wandb.init(project=project, entity=entity, name=name, config=config, dir=str(wdir), mode=attempt,
                                  settings=wandb.Settings(init_timeout=wait, console="off", silent=True),
                                  reinit="finish_previous", id=run_id, resume="allow", tags=list(tags) or None)
+                _define_metrics(run)
                 return run, attempt
             except Exception as e:  # noqa: BLE001 - any wandb failure must not end training
                 warnings.warn(f"wandb {attempt} start failed ({type(e).__name__}: {e}); "
@@ -145,7 +163,7 @@ class RunLogger:
         row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
+            self.wandb_run.log({**metrics, STEP_METRIC: step}, step=step)
 
     def _print(self, step: int, m: dict[str, Any]) -> None:
         done = step - (self._first_step or step) + 1
@@ -160,6 +178,16 @@ class RunLogger:
               f"parity mae {f('parity/mae', '.2e')} kl_k3 {f('parity/kl_k3', '.1e')}  "
               f"loss {f('train/loss', '+.4f')}  rollout {f('perf/rollout_tokens_per_s', '.0f')} tok/s  "
               f"step {f('perf/step_s', '.1f')}s  ETA {eta:.0f}s", flush=True, file=sys.stdout)
+
+    def log_histogram(self, step: int, key: str, counts: list[float], edges: list[float]) -> None:
+        """A ``wandb.Histogram`` of pre-binned counts (wandb only: metrics.jsonl keeps scalars)."""
+        if not self.enabled or self.wandb_run is None:
+            return
+        import numpy as np
+        import wandb
+
+        self.wandb_run.log({key: wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges))),
+                            STEP_METRIC: step}, step=step)
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.enabled and self.wandb_run is not None:

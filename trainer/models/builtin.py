@@ -15,12 +15,17 @@ Any other ``model.path`` (local directory or hub id) is returned unchanged.
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 from pathlib import Path
 
 from trainer.models.pretrained import SMOLLM2_NAME, ensure_smollm2
 from trainer.models.tiny import BUILTIN_MODELS, default_cache_dir, ensure_tiny_base, file_lock, tiny_base_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Part of the cache key: a change to how the warm start trains (not only to its recipe) must rebuild it.
+# 2: transformers.Trainer's loop and schedule (trainer.sft.hf_trainer).
+WARM_START_CODE_VERSION = b"2"
 WARM_START_RECIPE = REPO_ROOT / "recipes" / "sft_tiny.yaml"
 
 
@@ -28,7 +33,8 @@ def warm_start_dir() -> Path:
     if not WARM_START_RECIPE.is_file():
         raise FileNotFoundError(f"{WARM_START_RECIPE}: the warm-start recipe of builtin:tiny is missing "
                                 "(parityrl must be run from its source checkout / an editable install)")
-    key = hashlib.sha256(WARM_START_RECIPE.read_bytes() + str(tiny_base_dir()).encode()).hexdigest()[:12]
+    key = hashlib.sha256(WARM_START_RECIPE.read_bytes() + str(tiny_base_dir()).encode()
+                         + WARM_START_CODE_VERSION).hexdigest()[:12]
     return default_cache_dir() / f"tiny-sft-{key}"
 
 
@@ -45,9 +51,15 @@ def ensure_warm_started_tiny() -> Path:
         if (out / "config.json").is_file():  # another process finished it while we waited
             return out
         print(f"building the default model (once): warm start {WARM_START_RECIPE.name} -> {out}", flush=True)
-        cfg = load_sft_recipe(WARM_START_RECIPE, [f"output_dir={out}"])
-        # our cache, under the lock: a leftover without config.json is replaced (fit_sft writes atomically)
-        fit_sft(cfg, resolve_model_path(cfg.model.path))
+        # the stage's run directory (metrics.jsonl) is a scratch folder of the cache, no wandb run
+        run_dir = out.parent / f".{out.name}.run-{os.getpid()}"
+        cfg = load_sft_recipe(WARM_START_RECIPE, [f"output_dir={out}", f"logging.run_dir={run_dir}",
+                                                  "logging.wandb.mode=disabled"])
+        try:
+            # our cache, under the lock: a leftover without config.json is replaced (fit_sft writes atomically)
+            fit_sft(cfg, resolve_model_path(cfg.model.path))
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
 

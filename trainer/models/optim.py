@@ -1,22 +1,18 @@
-"""The learning-rate schedule both the RL loop and SFT train with."""
+"""The learning-rate schedule of every stage: ``transformers.get_scheduler``.
+
+The recipes' ``lr_schedule`` names (constant, linear, cosine) map to transformers' schedules
+(``constant_with_warmup``, ``linear``, ``cosine``), so the RL loop trains with the schedules
+the supervised stages get from ``transformers.Trainer`` and users know from HF: a linear
+warm-up from 0 (the first step's factor is 0 / warmup, HF's convention), then constant,
+linear decay to 0, or half a cosine to 0 over the remaining steps.
+"""
 from __future__ import annotations
 
-import math
-
-import torch
+from trainer.sft.recipe import HF_SCHEDULES
 
 
 def make_scheduler(optimizer, schedule: str, warmup: int, total: int):
-    """LambdaLR: linear warm-up over ``warmup`` steps, then constant / linear decay / cosine decay to 0."""
+    """``transformers.get_scheduler`` for a recipe's ``lr_schedule`` (a LambdaLR: checkpoints hold its step)."""
+    from transformers import get_scheduler
 
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return get_scheduler(HF_SCHEDULES[schedule], optimizer, num_warmup_steps=warmup, num_training_steps=total)

@@ -21,6 +21,7 @@ import torch
 
 from parity.correction import importance_weights
 from parity.guards import MaeRatioLimit, threshold_violations
+from parity.metrics import finalize, log10_abs_histogram
 from rollout.base import RolloutEngine
 from rollout.server_engine import EngineUnavailable
 from trainer.algorithms import AdvantageInputs, LossInputs, kl_k3
@@ -57,6 +58,7 @@ from trainer.rl.stops import (
 )
 from trainer.rl.truncation import TruncationWatch
 from trainer.rl.value_head import ValueHead
+from trainer.sft.recipe import warmup_steps
 
 
 @dataclass
@@ -400,6 +402,7 @@ class Run:
     ratio_limit: Optional[MaeRatioLimit] = None  # its baseline: the first mae measured (the probe before step 1)
     exact: object = None  # trainer.models.exact.ExactLogprobs when precision.recipe is exact
     start_step: int = 0
+    tokens_seen: float = 0.0  # completion tokens trained on so far (checkpointed)
     truncation: TruncationWatch = field(default_factory=TruncationWatch)
     # rollout.max_staleness 1 (trainer/rl/async_rollout.py): the next step's batch, and the behaviour
     # adapter of the batch this step trains on (None: the current weights generated it)
@@ -448,6 +451,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             parity_phase(run, step, batch, scored, m)
             samples_phase(run, step, drawn, batch, scored)
             update_phase(run, step, batch, scored, advantages, returns, m)
+            run.tokens_seen += run.dp.sum_metrics({"n": float(batch.mask.sum())})["n"]
+            m["train/tokens_seen"] = run.tokens_seen  # completion tokens trained on, all ranks (a wandb x-axis)
             boundary.update_applied()
             unlogged = (step, m)
             m["perf/train_s"] = time.perf_counter() - t
@@ -533,7 +538,8 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
                                                                     list(value_head.parameters()))
     optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(cfg.train.adam_betas),
                                   weight_decay=cfg.train.weight_decay)
-    scheduler = make_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+    t = cfg.train
+    scheduler = make_scheduler(optimizer, t.lr_schedule, warmup_steps(t.warmup_steps, t.warmup_ratio, t.steps), t.steps)
     model, optimizer, policy = _prepare(cfg, accelerator, stage, model, optimizer, value_head)
     run = Run(cfg=cfg, accelerator=accelerator, stage=stage, dp=dp, model_dir=model_dir, tokenizer=tokenizer,
               model=model, policy=policy, value_head=value_head, optimizer=optimizer, scheduler=scheduler,
@@ -616,6 +622,7 @@ def _restore(run: Run) -> int:
     run.batcher.load_state_dict(state["batcher"])
     run.probe.load_state_dict(state.get("probe"))
     run.prefetch.load_state_dict(state.get("prefetch"))
+    run.tokens_seen = float(state.get("tokens_seen", 0.0))  # older checkpoints: counted from the resume
     if run.is_main:
         print(f"resumed from {latest} (step {state['step']})", flush=True)
     return state["step"]
@@ -741,9 +748,12 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: dict, m: dict) 
     (if the previous sync worked): this is what the metrics measure.
     """
     cfg = run.cfg
-    m.update(run.dp.pooled_parity(scored["train_logprobs"], batch.rollout_logprobs, batch.mask,
-                                  train_topk_logprobs=scored["train_topk_logprobs"],
-                                  rollout_topk_logprobs=batch.topk_logprobs))
+    stats = run.dp.pooled_stats(scored["train_logprobs"], batch.rollout_logprobs, batch.mask,
+                                train_topk_logprobs=scored["train_topk_logprobs"],
+                                rollout_topk_logprobs=batch.topk_logprobs)
+    m.update(finalize(stats))
+    if run.is_main:  # the shape of the mismatch: the pooled |d| histogram the p99 was read from, no extra pass
+        run.logger.log_histogram(step, "parity/log10_abs_d", *log10_abs_histogram(stats["abs_d_hist"]))
     if "train/entropy" not in m:  # the trainer's entropy of the sampled positions (PPO's loss logs its own)
         e = run.dp.sum_metrics({"s": float((scored["entropy"] * batch.mask).sum()), "n": float(batch.mask.sum())})
         m["train/entropy"] = e["s"] / max(e["n"], 1.0)
@@ -835,7 +845,7 @@ def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:
 def _run_state(run: Run) -> dict:
     """What a checkpoint keeps besides weights, optimizer, scheduler and RNG."""
     return {"batcher": run.batcher.state_dict(), "name": run.cfg.name, "probe": run.probe.state_dict(),
-            "prefetch": run.prefetch.state_dict(),
+            "prefetch": run.prefetch.state_dict(), "tokens_seen": run.tokens_seen,
             **({"kl_controller": run.kl_controller.state_dict()} if run.kl_controller else {})}
 
 

@@ -118,77 +118,102 @@ def _packed_blocks(cfg: SFTConfig, prompt_ids: list[list[int]], completion_ids: 
     return blocks
 
 
-def fit_sft(cfg: SFTConfig, model_dir: str) -> Path:
-    """Train the model in ``model_dir`` (already resolved: a local HF directory) and write it to ``cfg.out_path``."""
-    from trainer.models.batch import build_token_batch
-    from trainer.models.optim import make_scheduler
-    from trainer.models.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
+def fit_sft(cfg: SFTConfig, model_dir: str, *, resume: bool = False) -> Path:
+    """Train the model in ``model_dir`` (already resolved: a local HF directory) and write it to ``cfg.out_path``.
 
+    The loop is ``transformers.Trainer``'s (trainer.sft.hf_trainer): accumulation over
+    ``train.micro_batch_size``, checkpoints every ``train.save_every`` steps under the run
+    directory, ``resume`` from the newest of them, metrics to the run's metrics.jsonl and wandb.
+    """
+    from trainer.sft.hf_trainer import claim_stage_run_dir
+
+    lock, checkpoint = claim_stage_run_dir(cfg.run_dir, resume=resume)  # before anything loads
+    try:
+        return _fit(cfg, model_dir, checkpoint, resume)
+    finally:
+        lock.release()
+
+
+def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool) -> Path:
+    from trainer.models.batch import build_token_batch
+    from trainer.models.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
+    from trainer.sft.hf_trainer import StageLogger, item_labels, make_trainer, open_run_logger, training_arguments
+
+    run_dir = cfg.run_dir
     torch.manual_seed(cfg.train.seed)
-    rng = random.Random(cfg.train.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = training_arguments(cfg.train, run_dir, print_every=cfg.print_every)
     tokenizer = load_tokenizer(model_dir)
-    model = load_base_model(model_dir, cfg.model.dtype, device)
+    model = load_base_model(model_dir, cfg.model.dtype, "cpu")
     if cfg.model.lora.enabled:
         model = add_lora(model, cfg.model.lora)
     prompt_ids, completion_ids = _pairs(cfg, tokenizer)
     if cfg.data.packing:
         blocks = _packed_blocks(cfg, prompt_ids, completion_ids, tokenizer.eos_token_id)
         num_rows = len(blocks)
-        make_batch = lambda idx: packed_batch([blocks[i] for i in idx], device)
+        make_batch = lambda idx: packed_batch([blocks[i] for i in idx])
         print(f"sft packing: {len(prompt_ids)} examples -> {len(blocks)} blocks of {cfg.data.block_size} tokens",
               flush=True)
     else:
         num_rows = len(prompt_ids)
         make_batch = lambda idx: build_token_batch([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
-                                                   tokenizer.pad_token_id, device=device)
-    params = [p for p in model.parameters() if p.requires_grad]
+                                                   tokenizer.pad_token_id)
+    if num_rows < args.per_device_train_batch_size:
+        raise RecipeError(f"train.batch_size = {cfg.train.batch_size}: the data has only {num_rows} rows; "
+                          "use more examples or a smaller batch")
     # Full fine-tuning keeps master weights in the model dtype; for bf16 that means
     # small updates round away, so the warm start trains a float32 copy when lora is off.
     if not cfg.model.lora.enabled and cfg.model.dtype == "bfloat16":
         model = model.float()
-        params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
-    sched = make_scheduler(opt, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
-    order: list[int] = []
-    t0 = time.time()
-    history = []
-    real_tokens = target_tokens = 0  # throughput: tokens attended to (not padding) and tokens with a loss
-    for step in range(1, cfg.train.steps + 1):
-        idx = []
-        while len(idx) < cfg.train.batch_size:
-            if not order:
-                order = list(range(num_rows))
-                rng.shuffle(order)
-            idx.append(order.pop())
-        batch = make_batch(idx)
-        real_tokens += int(batch.attention_mask.sum())
-        target_tokens += int(batch.mask.sum())
+
+    def collate(idx: list[int]) -> dict:
+        b = make_batch(idx)
+        return {"input_ids": b.input_ids, "attention_mask": b.attention_mask, "position_ids": b.position_ids,
+                "targets": b.targets, "mask": b.mask, "prompt_len": torch.tensor(b.prompt_len),
+                "labels": item_labels(b.mask), "shift_labels": item_labels(b.mask)}
+
+    def loss_fn(model, x: dict):
+        from trainer.models.batch import TokenBatch
+
+        batch = TokenBatch(input_ids=x["input_ids"], attention_mask=x["attention_mask"],
+                           position_ids=x["position_ids"], targets=x["targets"], mask=x["mask"],
+                           rollout_logprobs=torch.zeros_like(x["mask"]), prompt_len=int(x["prompt_len"]))
         lp, _ = completion_logprobs(model, batch, temperature=1.0)
-        loss = -(lp * batch.mask).sum() / batch.mask.sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        history.append(loss.item())
-        if step % cfg.print_every == 0 or step == cfg.train.steps:
-            dt = max(time.time() - t0, 1e-9)
-            print(f"sft step {step:>4}/{cfg.train.steps}  loss {loss.item():.4f}  "
-                  f"{real_tokens / dt:,.0f} tokens/s  ({dt:.0f}s)", flush=True)
+        # throughput: tokens attended to (not padding) and tokens with a loss
+        return -(lp * batch.mask).sum(), {"tokens": float(batch.attention_mask.sum()),
+                                          "target_tokens": float(batch.mask.sum())}
+
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    logger = open_run_logger(cfg, run_dir, resume=resume, enabled=is_main,
+                             tags=("sft", cfg.model.path, cfg.model.dtype, "lora" if cfg.model.lora.enabled else "full"))
+    trainer = None
+
+    def throughput(row: dict) -> str:
+        return f"{trainer.counters.get('tokens', 0.0) / max(row['perf/elapsed_s'], 1e-9):,.0f} tokens/s  "
+
+    stage = StageLogger(logger, "sft", cfg.print_every, throughput)
+    trainer = make_trainer(model, args, num_rows=num_rows, collate=collate, loss_fn=loss_fn, callbacks=[stage])
+    t0 = time.time()
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    finally:
+        logger.close()
     elapsed = max(time.time() - t0, 1e-9)
-    if cfg.output_format == "merged":
-        if cfg.model.lora.enabled:
-            model = model.merge_and_unload()
-        model = model.to(dtype=getattr(torch, cfg.model.dtype))
-    # (output_format adapter: PEFT's save_pretrained writes the adapter and its config,
-    # which records the base directory; the adapter weights stay float32.)
+    history = [r["train/loss"] for r in stage.history]
+    model = trainer.model
     out = cfg.out_path
-    save_model_dir(model, tokenizer, out, extra={
-        "sft_loss_first": history[0], "sft_loss_last": history[-1], "sft_steps": cfg.train.steps,
-        "base_model": model_dir, "packing": cfg.data.packing, "output_format": cfg.output_format,
-        "tokens_per_s": real_tokens / elapsed, "target_tokens_per_s": target_tokens / elapsed,
-        "train_seconds": elapsed})
+    if is_main:
+        if cfg.output_format == "merged":
+            if cfg.model.lora.enabled:
+                model = model.merge_and_unload()
+            model = model.to(dtype=getattr(torch, cfg.model.dtype))
+        # (output_format adapter: PEFT's save_pretrained writes the adapter and its config,
+        # which records the base directory; the adapter weights stay float32.)
+        save_model_dir(model, tokenizer, out, extra={
+            "sft_loss_first": history[0] if history else None, "sft_loss_last": history[-1] if history else None,
+            "sft_steps": cfg.train.steps, "base_model": model_dir, "packing": cfg.data.packing,
+            "output_format": cfg.output_format, "resumed_from": checkpoint,
+            "tokens_per_s": trainer.counters.get("tokens", 0.0) / elapsed,
+            "target_tokens_per_s": trainer.counters.get("target_tokens", 0.0) / elapsed, "train_seconds": elapsed})
     return out
 
 

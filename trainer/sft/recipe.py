@@ -1,11 +1,48 @@
 """The `parityrl sft` recipe: schema, loading and validation (the stage itself: trainer.sft.fit)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from trainer.config import ModelConfig, RecipeError, build_config, check_model_path, load_recipe_dict
+from trainer.config import ModelConfig, RecipeError, WandbConfig, build_config, check_model_path, load_recipe_dict
+
+# transformers.get_scheduler's names for the recipes' lr_schedule values (both supervised stages and RL)
+HF_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def warmup_steps(warmup: int, ratio: float, total: int) -> int:
+    """The warm-up length: ``warmup`` steps, or ``ceil(ratio x total)`` (``TrainingArguments``' rule for a ratio)."""
+    return int(warmup) if warmup else math.ceil(ratio * total)
+
+
+@dataclass
+class SupervisedLoggingConfig:
+    """``logging:`` of `parityrl sft` and `train-rm`: the run directory and its wandb run."""
+
+    # metrics.jsonl, the wandb run (its id kept for --resume) and checkpoints/ live here
+    run_dir: str = "runs/{name}"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def validate_supervised_train(t, need) -> None:
+    """The ``train:`` keys SFT and the RM share (trainer.sft.hf_trainer); ``need(ok, key, value, expected)`` raises."""
+    need(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
+    need(t.batch_size >= 1, "train.batch_size", t.batch_size, "an integer >= 1")
+    need(t.micro_batch_size is None or (t.micro_batch_size >= 1 and t.batch_size % t.micro_batch_size == 0),
+         "train.micro_batch_size", t.micro_batch_size,
+         f"null or an integer >= 1 that divides train.batch_size ({t.batch_size})")
+    need(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "a number > 0")
+    need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "a number >= 0")
+    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
+    need(0 <= t.warmup_ratio < 1, "train.warmup_ratio", t.warmup_ratio, "a number in [0, 1)")
+    need(not (t.warmup_steps and t.warmup_ratio), "train.warmup_ratio", t.warmup_ratio,
+         f"0 when train.warmup_steps is set ({t.warmup_steps}): one of the two")
+    need(t.lr_schedule in HF_SCHEDULES, "train.lr_schedule", t.lr_schedule, "one of constant, linear, cosine")
+    need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
+    need(t.save_every >= 0, "train.save_every", t.save_every, "an integer >= 0 (0: no checkpoints)")
+    need(t.keep_last >= 1, "train.keep_last", t.keep_last, "an integer >= 1")
 
 
 @dataclass
@@ -30,13 +67,18 @@ class SFTDataConfig:
 @dataclass
 class SFTTrainConfig:
     steps: int = 200
-    batch_size: int = 32  # rows per step: pairs (padded) or blocks (packed)
+    batch_size: int = 32  # rows per optimizer step: pairs (padded) or blocks (packed)
+    # rows per forward/backward; batch_size / micro_batch_size micro-batches are accumulated (null: one)
+    micro_batch_size: Optional[int] = None
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    lr_schedule: str = "cosine"
+    warmup_ratio: float = 0.0  # instead of warmup_steps: ceil(ratio x steps)
+    lr_schedule: str = "cosine"  # transformers.get_scheduler: constant(_with_warmup), linear, cosine
     max_grad_norm: float = 1.0
     seed: int = 0
+    save_every: int = 0  # a Trainer checkpoint every N steps under logging.run_dir/checkpoints (--resume); 0 = none
+    keep_last: int = 2
 
 
 @dataclass
@@ -49,6 +91,11 @@ class SFTConfig:
     # merged: a plain HF model (LoRA folded in); adapter: the LoRA adapter only (for `parityrl merge`)
     output_format: Literal["merged", "adapter"] = "merged"
     print_every: int = 20
+    logging: SupervisedLoggingConfig = field(default_factory=SupervisedLoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir.format(name=self.name))
 
     @property
     def out_path(self) -> Path:
@@ -74,12 +121,8 @@ def validate_sft(cfg: SFTConfig, where: str, *, check_paths: bool = True) -> Non
          d.completion_fn, "'module:function'")
     need(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "an integer >= 1")
     need(d.max_completion_tokens >= 1, "data.max_completion_tokens", d.max_completion_tokens, "an integer >= 1")
-    need(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
-    need(t.batch_size >= 1, "train.batch_size", t.batch_size, "an integer >= 1")
-    need(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "a number > 0")
-    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
-    need(t.lr_schedule in ("constant", "linear", "cosine"), "train.lr_schedule", t.lr_schedule, "one of constant, linear, cosine")
-    need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
+    validate_supervised_train(t, need)
+    need(cfg.print_every >= 1, "print_every", cfg.print_every, "an integer >= 1")
     need(d.block_size >= 2, "data.block_size", d.block_size, "an integer >= 2 (a block predicts its tokens after the first)")
     need(cfg.output_format == "merged" or cfg.model.lora.enabled, "output_format", cfg.output_format,
          "'merged' when model.lora.enabled is false (there is no adapter to save)")

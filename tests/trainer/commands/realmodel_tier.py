@@ -137,7 +137,7 @@ def test_sft_lora_then_merge(tmp_path, smollm2_dir):
     from trainer.sft.recipe import load_sft_recipe
 
     cfg = load_sft_recipe(REPO / "recipes" / "sft_lora_tiny.yaml", [
-        "model.path=builtin:smollm2-135m", f"output_dir={tmp_path / 'adapter'}", "data.num_examples=16",
+        "model.path=builtin:smollm2-135m", f"output_dir={tmp_path / 'adapter'}", f"logging.run_dir={tmp_path / 'run'}", "data.num_examples=16",
         "train.steps=2", "train.batch_size=4", "train.warmup_steps=0", "data.system_prompt=''"])
     adapter = run_sft(cfg)
     merged = merge_adapter("builtin:smollm2-135m", str(adapter), str(tmp_path / "merged"))

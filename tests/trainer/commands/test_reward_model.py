@@ -304,7 +304,7 @@ def test_lora_seq_cls_trains_the_new_score_head_and_merge_keeps_it(causal_dir, t
 def test_train_rm_few_steps_writes_a_loadable_reward_model(tmp_path, tiny_model_dir):
     out = tmp_path / "rm"
     cfg = load_rm_recipe(REPO / "recipes" / "rm_tiny.yaml",
-                         [f"output_dir={out}", "train.steps=4", "train.batch_size=4", "train.eval_every=2",
+                         [f"output_dir={out}", f"logging.run_dir={tmp_path / 'run'}", "train.steps=4", "train.batch_size=4", "train.eval_every=2",
                           "data.num_examples=64", "data.num_eval_examples=16"])
     assert run_train_rm(cfg) == out
     assert {"config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", RM_INFO_FILE} <= {

@@ -23,7 +23,7 @@ def test_sft_merge_rm_ppo_end_to_end(tmp_path, tiny_model_dir, vllm_engine, caps
 
     # 1. SFT: LoRA on packed blocks, saved as an adapter
     adapter = run_sft(load_sft_recipe(REPO / "recipes" / "sft_lora_tiny.yaml",
-                                      [f"output_dir={tmp_path / 'adapter'}", "data.packing=true", "train.steps=3",
+                                      [f"output_dir={tmp_path / 'adapter'}", f"logging.run_dir={tmp_path / 'sft_run'}", "data.packing=true", "train.steps=3",
                                        "train.batch_size=4",
                                        "data.num_examples=128"]))
     assert (adapter / "adapter_config.json").is_file()
@@ -34,7 +34,7 @@ def test_sft_merge_rm_ppo_end_to_end(tmp_path, tiny_model_dir, vllm_engine, caps
 
     # 3. reward model from the merged SFT model
     rm_cfg = load_rm_recipe(REPO / "recipes" / "rm_tiny.yaml",
-                            [f"model.path={merged}", f"output_dir={tmp_path / 'rm'}", "train.steps=6",
+                            [f"model.path={merged}", f"output_dir={tmp_path / 'rm'}", f"logging.run_dir={tmp_path / 'rm_run'}", "train.steps=6",
                              "train.batch_size=8", "train.eval_every=3", "data.num_examples=128",
                              "data.num_eval_examples=64"])
     rm_dir = run_train_rm(rm_cfg)

@@ -67,7 +67,7 @@ def test_recipe_checks(tmp_path):
 def test_packed_lora_sft_lowers_the_loss_and_saves_an_adapter(tmp_path, tiny_model_dir):
     out = tmp_path / "adapter"
     cfg = load_sft_recipe(REPO / "recipes" / "sft_lora_tiny.yaml",
-                          ["model.path=builtin:tiny-base", f"output_dir={out}", "data.packing=true", "train.steps=12",
+                          ["model.path=builtin:tiny-base", f"output_dir={out}", f"logging.run_dir={tmp_path / 'run'}", "data.packing=true", "train.steps=12",
                            "train.batch_size=8", "train.learning_rate=1e-2", "train.lr_schedule=constant",
                            "data.num_examples=256"])
     assert cfg.data.packing and cfg.model.lora.enabled and cfg.output_format == "adapter"

@@ -51,7 +51,7 @@ def test_an_online_start_that_cannot_connect_gives_up_within_10_s_and_goes_offli
         calls.append((kw["mode"], kw["settings"].init_timeout))
         if kw["mode"] == "online":
             raise TimeoutError("Run initialization has timed out")  # what wandb raises after init_timeout
-        return types.SimpleNamespace(finish=lambda **k: None)
+        return types.SimpleNamespace(finish=lambda **k: None, define_metric=lambda *a, **k: None)
 
     fake = types.SimpleNamespace(init=init, Settings=lambda **kw: types.SimpleNamespace(**kw))
     monkeypatch.setitem(sys.modules, "wandb", fake)
@@ -83,3 +83,28 @@ def test_resume_continues_the_same_wandb_run_with_tags_and_package_versions(tmp_
     third = RunLogger(tmp_path / "other", config={}, wandb_mode="offline")
     assert third.wandb_run.id != run_id
     third.close()
+
+
+def test_wandb_charts_use_the_training_step_and_get_the_mismatch_histogram(tmp_path, monkeypatch):
+    """Read back from the offline run: define_metric (step axis, tokens axis, max summaries), the step on every
+    row, and a histogram logged as wandb's histogram type with the given bins."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    from wandb_records import history, metric_definitions
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    log = RunLogger(tmp_path, config={}, wandb_mode="offline")
+    log.log_histogram(3, "parity/log10_abs_d", [2.0, 5.0], [-7.0, -6.9, -6.8])
+    log.log(3, {"parity/mae": 0.25, "train/tokens_seen": 96.0}, echo=False)
+    run_id = log.wandb_run.id
+    log.close()
+    (path,) = (tmp_path / "wandb").glob(f"offline-run-*/run-{run_id}.wandb")
+    defs = {(d.name or d.glob_name): d for d in metric_definitions(path)}
+    assert defs["*"].step_metric == "train/global_step" and defs["*"].options.step_sync
+    assert {"train/global_step", "train/tokens_seen"} <= set(defs) and defs["parity/mae"].summary.max
+    rows = history(path)
+    merged = {k: v for row in rows for k, v in row.items()}
+    assert merged["parity/log10_abs_d._type"] == '"histogram"'
+    assert merged["parity/log10_abs_d.values"] == "[2,5]" and merged["parity/log10_abs_d.bins"] == "[-7,-6.9,-6.8]"
+    assert merged["parity/mae"] == "0.25" and merged["train/global_step"] == "3" and merged["_step"] == "3"
