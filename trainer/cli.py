@@ -173,7 +173,7 @@ def _sft(args) -> int:
         cfg = load_sft_recipe(args.recipe, args.overrides)
         out = run_sft(cfg, overwrite=args.overwrite, resume=args.resume)
     except RecipeError as e:  # the recipe, or data that does not fit it (e.g. fewer tokens than one packed block)
-        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        print(e.lines("parityrl: invalid recipe: "), file=sys.stderr)
         return 2
     except FileExistsError as e:
         print(f"parityrl sft: {e}" + ("" if "--resume" in str(e) else " (or pass --overwrite)"), file=sys.stderr)
@@ -194,7 +194,7 @@ def _train_rm(args) -> int:
         cfg = load_rm_recipe(args.recipe, args.overrides)
         out = run_train_rm(cfg, resume=args.resume)
     except RecipeError as e:
-        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        print(e.lines("parityrl: invalid recipe: "), file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError) as e:
         print(f"parityrl train-rm: {e}", file=sys.stderr)
@@ -207,7 +207,7 @@ def _printed(load) -> int:
     try:
         return print_config(load())
     except RecipeError as e:
-        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        print(e.lines("parityrl: invalid recipe: "), file=sys.stderr)
         return 2
 
 
@@ -232,7 +232,7 @@ def _serve(args) -> int:
         return run_serve(cfg, tensor_parallel_size=args.tensor_parallel_size, transfer_backend=args.transfer_backend,
                          dry_run=args.dry_run)
     except RecipeError as e:
-        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        print(e.lines("parityrl: invalid recipe: "), file=sys.stderr)
         return 2
 
 

@@ -32,7 +32,8 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         cfg = load_recipe(recipe, overrides)
         preflight(cfg, str(recipe))
     except RecipeError as e:
-        _say(f"invalid recipe: {e}")
+        if os.environ.get("RANK", "0") == "0":  # one line per problem, from rank 0 only
+            print(e.lines("parityrl: invalid recipe: "), file=sys.stderr, flush=True)
         return 2
     from rollout.server_engine import EngineUnavailable
     from trainer.rl.loop import train
@@ -41,7 +42,7 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
     try:
         train(cfg, resume=resume)
     except RecipeError as e:  # found once data or model is loaded: over-long prompts, an architecture the recipe cannot run on
-        print(f"parityrl: invalid recipe: {e}", file=sys.stderr)
+        print(e.lines("parityrl: invalid recipe: "), file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError) as e:  # run-directory state: a user decision, not a crash
         _say(str(e))

@@ -146,16 +146,21 @@ def _build(cls: type, data: dict, prefix: str, where: str):
 def _build_plain(cls: type, data: dict, prefix: str, where: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for k, v in data.items():
+    kwargs, errors = {}, []
+    for k, v in data.items():  # every key's problem is collected: the user sees them all at once
         key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names and key in UNREPRODUCIBLE_SAMPLING:
-            raise RecipeError(f"{where}: {key} = {v!r}: not supported: {UNREPRODUCIBLE_SAMPLING[key]}, so the trainer "
-                              "could not score the sampled tokens under the distribution they were drawn from "
-                              "(parity metrics and importance ratios would measure the sampler). Remove the key.")
-        if k not in names:
-            raise RecipeError(f"{where}: unknown key {key!r}; valid keys here: {', '.join(names)}")
-        kwargs[k] = _convert(v, hints[k], key, where)
+        try:
+            if k not in names and key in UNREPRODUCIBLE_SAMPLING:
+                raise RecipeError(f"{where}: {key} = {v!r}: not supported: {UNREPRODUCIBLE_SAMPLING[key]}, so the "
+                                  "trainer could not score the sampled tokens under the distribution they were drawn "
+                                  "from (parity metrics and importance ratios would measure the sampler). Remove the key.")
+            if k not in names:
+                raise RecipeError(f"{where}: unknown key {key!r}; valid keys here: {', '.join(names)}")
+            kwargs[k] = _convert(v, hints[k], key, where)
+        except RecipeError as e:
+            errors.append(e)
+    if errors:
+        raise RecipeError.several(errors)
     return cls(**kwargs)
 
 
@@ -167,19 +172,31 @@ def _build_algorithm(data: dict, prefix: str, where: str) -> AlgorithmConfig:
     record = ALGORITHMS.get(name)
     shared = [f.name for f in dataclasses.fields(AlgorithmConfig) if f.name != "options"]
     own = record.option_names()
+    errors: list[RecipeError] = []
     for k, v in data.items():
         if k in shared or k in own:
             continue
         owners = [r.name for r in ALGORITHMS.values() if k in r.option_names()]
         if owners:
-            raise RecipeError(f"{where}: {prefix}.{k} = {v!r}: not an option of {name}; it belongs to "
-                              f"{', '.join(owners)} (options of {name}: {', '.join(own) or 'none'})")
-        raise RecipeError(f"{where}: unknown key '{prefix}.{k}'; valid keys here: {', '.join(shared + own)}")
-    section = _build_plain(AlgorithmConfig, {k: v for k, v in data.items() if k in shared}, prefix, where)
+            errors.append(RecipeError(f"{where}: {prefix}.{k} = {v!r}: not an option of {name}; it belongs to "
+                                      f"{', '.join(owners)} (options of {name}: {', '.join(own) or 'none'})"))
+        else:
+            errors.append(RecipeError(f"{where}: unknown key '{prefix}.{k}'; valid keys here: "
+                                      f"{', '.join(shared + own)}"))
+    section = options = None
     try:
-        section.options = _build_plain(record.options, {k: v for k, v in data.items() if k in own}, prefix, where)
+        section = _build_plain(AlgorithmConfig, {k: v for k, v in data.items() if k in shared}, prefix, where)
+    except RecipeError as e:
+        errors.append(e)
+    try:
+        options = _build_plain(record.options, {k: v for k, v in data.items() if k in own}, prefix, where)
     except OptionError as e:
-        raise RecipeError(f"{where}: {prefix}.{e.key} = {e.value!r}: expected {e.expected} ({name})") from None
+        errors.append(RecipeError(f"{where}: {prefix}.{e.key} = {e.value!r}: expected {e.expected} ({name})"))
+    except RecipeError as e:
+        errors.append(e)
+    if errors:
+        raise RecipeError.several(errors)
+    section.options = options
     return section
 
 

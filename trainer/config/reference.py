@@ -1,9 +1,10 @@
 """Every recipe key the schema defines, and which of them README's "Recipe keys" table documents.
 
-    python -m trainer.config.reference            # the keys, their type and default; undocumented ones marked
+    python -m trainer.config.reference [train|sft|train-rm]   # keys, type, default; undocumented ones marked
 
 The schema (``trainer/config/schema.py``, the algorithms' option dataclasses) is the one source of
-keys; ``tests/trainer/config/test_reference.py`` fails when a key is missing from the README table.
+keys; ``tests/trainer/config/test_reference.py`` fails when a key is missing from README's table of its
+command ("Recipe keys", "SFT recipe keys", "Reward-model recipe keys").
 """
 from __future__ import annotations
 
@@ -17,11 +18,24 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 SECTION = "### Recipe keys"
 
 
-def recipe_keys() -> dict[str, tuple[str, object]]:
-    """{dotted key: (type, default)} of every recipe key: the sections' fields and every algorithm's options."""
-    from trainer.algorithms.registry import ALGORITHMS
-    from trainer.config.schema import AlgorithmConfig, RunConfig
+# command -> (README heading of its key table, "module:class" of its recipe's schema)
+TABLES = {
+    "train": (SECTION, "trainer.config.schema:RunConfig"),
+    "sft": ("### SFT recipe keys", "trainer.sft.recipe:SFTConfig"),
+    "train-rm": ("### Reward-model recipe keys", "trainer.commands.train_rm:RMConfig"),
+}
 
+
+def recipe_keys(command: str = "train") -> dict[str, tuple[str, object]]:
+    """{dotted key: (type, default)} of every key of ``command``'s recipe: the sections' fields (and, for
+    ``train``, every algorithm's options)."""
+    import importlib
+
+    from trainer.algorithms.registry import ALGORITHMS
+    from trainer.config.schema import AlgorithmConfig
+
+    module, name = TABLES[command][1].split(":")
+    root = getattr(importlib.import_module(module), name)
     out: dict[str, tuple[str, object]] = {}
 
     def walk(cls, prefix: str) -> None:
@@ -38,7 +52,9 @@ def recipe_keys() -> dict[str, tuple[str, object]]:
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             out[key] = (getattr(tp, "__name__", str(tp)).replace("typing.", ""), default)
 
-    walk(RunConfig, "")
+    walk(root, "")
+    if command != "train":
+        return out
     for name in ALGORITHMS.names():
         options = ALGORITHMS.get(name).options
         for f in dataclasses.fields(options):
@@ -48,14 +64,14 @@ def recipe_keys() -> dict[str, tuple[str, object]]:
     return out
 
 
-def documented_keys(readme: str | None = None) -> set[str]:
+def documented_keys(readme: str | None = None, section: str = SECTION) -> set[str]:
     """The keys named in the first cell of each row of README's recipe-key table.
 
     A cell lists keys in backticks, comma-separated; a key without a dot takes the section of the
     cell's first key (`parity.probe_first`, `probe_every`), and ``a.{x,y}`` / ``a.b_{x,y}`` expand.
     """
     text = README.read_text() if readme is None else readme
-    lines = text.split(SECTION, 1)[1].splitlines()
+    lines = text.split(section + "\n", 1)[1].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| key |"))
     keys: set[str] = set()
     for line in lines[start + 2:]:
@@ -81,9 +97,14 @@ def _expand(token: str) -> list[str]:
     return [f"{head}{a.strip()}{tail}" for a in alts.split(",")]
 
 
-def main() -> int:
-    docs = documented_keys()
-    keys = recipe_keys()
+def main(argv: list[str] | None = None) -> int:
+    """``[train|sft|train-rm]``: that recipe's keys (default train), undocumented ones marked; exit 1 if any."""
+    command = (argv if argv is not None else sys.argv[1:] or ["train"])[0]
+    if command not in TABLES:
+        print(f"usage: python -m trainer.config.reference [{'|'.join(TABLES)}]", file=sys.stderr)
+        return 2
+    docs = documented_keys(section=TABLES[command][0])
+    keys = recipe_keys(command)
     for key, (tp, default) in sorted(keys.items()):
         print(f"{key:<44} {tp:<24} {default!r:<30} {'' if key in docs else 'UNDOCUMENTED'}")
     return 0 if set(keys) <= docs else 1

@@ -9,7 +9,27 @@ from trainer.algorithms import ALGORITHMS
 
 
 class RecipeError(ValueError):
-    """A recipe that cannot run. The message names file, key, value and expectation."""
+    """A recipe that cannot run. The message names file, key, value and expectation.
+
+    ``problems``: one line per problem (a recipe's loader reports every problem it finds at once,
+    each line in the one-line format; the message is the lines joined).
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.problems = [message]
+
+    @classmethod
+    def several(cls, errors: list["RecipeError"]) -> "RecipeError":
+        """One error holding every line of ``errors`` (each possibly several already), in order."""
+        lines = [line for e in errors for line in getattr(e, "problems", [str(e)])]
+        out = errors[0] if len(lines) == 1 else cls("\n".join(lines))
+        out.problems = lines
+        return out
+
+    def lines(self, prefix: str = "") -> str:
+        """Each problem on its own line after ``prefix`` (what the CLI prints)."""
+        return "\n".join(prefix + " ".join(line.split()) for line in self.problems)
 
 
 # --------------------------------------------------------------------------- sections

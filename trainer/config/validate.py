@@ -36,27 +36,44 @@ Need = Callable[[bool, str, Any, str], None]
 
 
 def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = True) -> None:
-    """Value ranges and cross-field rules, one function per section. Raises RecipeError on the first problem."""
+    """Value ranges and cross-field rules, one function per section.
+
+    Raises one RecipeError naming every section's first problem (a section stops at its first:
+    its later rules may assume the earlier values are sound).
+    """
 
     def need(ok: bool, key: str, value: Any, expected: str) -> None:
         if not ok:
             raise RecipeError(f"{where}: {key} = {value!r}: expected {expected}")
 
-    for check in (_check_name, _check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
-                  _check_parity, _check_precision, _check_checkpoint_and_logging):
-        check(cfg, need)
-    try:
-        correction_config(cfg)
-    except ValueError as e:
-        raise RecipeError(f"{where}: parity.correction.{e}") from None
-    if cfg.rollout.mode == "server":  # the same parser the engine and `parityrl serve` use
-        from rollout.server_engine import parse_server_url
-
+    def correction(cfg: RunConfig, need: Need) -> None:
         try:
-            parse_server_url(cfg.rollout.server_url)
+            correction_config(cfg)
         except ValueError as e:
-            raise RecipeError(f"{where}: {e}") from None
-    if check_paths:
+            raise RecipeError(f"{where}: parity.correction.{e}") from None
+
+    def server_url(cfg: RunConfig, need: Need) -> None:
+        if cfg.rollout.mode == "server":  # the same parser the engine and `parityrl serve` use
+            from rollout.server_engine import parse_server_url
+
+            try:
+                parse_server_url(cfg.rollout.server_url)
+            except ValueError as e:
+                raise RecipeError(f"{where}: {e}") from None
+
+    errors: list[RecipeError] = []
+    for check in (_check_name, _check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
+                  _check_parity, _check_precision, _check_checkpoint_and_logging, correction, server_url):
+        try:
+            check(cfg, need)
+        except RecipeError as e:
+            errors.append(e)
+        except Exception:  # a rule tripping over a value already reported as wrong
+            if not errors:
+                raise
+    if errors:
+        raise RecipeError.several(errors)
+    if check_paths:  # files only once the values are sound
         _check_paths(cfg, where)
 
 

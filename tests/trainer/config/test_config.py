@@ -149,3 +149,32 @@ def test_override_into_a_scalar_is_refused(tmp_path):
     p = write(tmp_path, "name: x\n")
     with pytest.raises(RecipeError, match="holds a value"):
         load_recipe(p, ["name.sub=3"])
+
+
+def test_every_problem_of_a_recipe_at_once(tmp_path, capsys):
+    """Type errors of every key (nested sections and the algorithm's options too) in one report; then the
+    rules, each section's first problem; the CLI prints one line per problem and exits 2."""
+    from trainer.cli import main
+
+    p = tmp_path / "r.yaml"
+    p.write_text("train: {steps: many, learning_rate: -1, seed: 0.5}\nrollout: {temperature: hot}\n"
+                 "algorithm: {name: gspo, clip_eps_low: x, tau: 0.1}\nlogging: {wandb: {mode: loud}}\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p, check_paths=False)
+    expected = [f"{p}: train.steps = 'many': expected an integer", f"{p}: train.seed = 0.5: expected an integer",
+                f"{p}: rollout.temperature = 'hot': expected a number",
+                f"{p}: algorithm.tau = 0.1: not an option of gspo; it belongs to pmd_mean",
+                f"{p}: algorithm.clip_eps_low = 'x': expected a number",
+                f"{p}: logging.wandb.mode = 'loud': expected one of 'auto', 'online', 'offline', 'disabled'"]
+    assert len(e.value.problems) == len(expected)
+    for line, needle in zip(e.value.problems, expected):
+        assert line.startswith(needle), (line, needle)
+    # types sound, rules broken in two sections: both reported (each section's first)
+    p.write_text("train: {steps: 0, learning_rate: -1}\nrollout: {temperature: 0}\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p, check_paths=False)
+    assert [line.split(": ", 1)[1].split(" =")[0] for line in e.value.problems] == ["rollout.temperature",
+                                                                                     "train.steps"]
+    assert main(["train", str(p)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith(f"parityrl: invalid recipe: {p}: ") for line in err)
