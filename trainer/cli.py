@@ -181,7 +181,8 @@ def _sft(args) -> int:
     except FileNotFoundError as e:  # --resume without a checkpoint
         print(f"parityrl sft: {e}", file=sys.stderr)
         return 2
-    print(f"sft {'adapter' if cfg.output_format == 'adapter' else 'model'} written to {out}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun / accelerate launch, rank 0 wrote it
+        print(f"sft {'adapter' if cfg.output_format == 'adapter' else 'model'} written to {out}")
     return 0
 
 
@@ -199,7 +200,8 @@ def _train_rm(args) -> int:
     except (FileExistsError, FileNotFoundError) as e:
         print(f"parityrl train-rm: {e}", file=sys.stderr)
         return 2
-    print(f"reward model written to {out}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"reward model written to {out}")
     return 0
 
 

@@ -521,7 +521,7 @@ def _train_rm(cfg: RMConfig, checkpoint: Optional[str], resume: bool) -> Path:
 
     is_main = int(os.environ.get("RANK", "0")) == 0
     logger = open_run_logger(cfg, run_dir, resume=resume, enabled=is_main,
-                             tags=("train-rm", cfg.model.path, cfg.model.dtype,
+                             tags=("train-rm", f"model:{cfg.model.path}", f"dtype:{cfg.model.dtype}",
                                    "lora" if cfg.model.lora.enabled else "full"))
     eval_log = run_dir / "eval.jsonl"
     t0 = time.time()
@@ -554,11 +554,11 @@ def _train_rm(cfg: RMConfig, checkpoint: Optional[str], resume: bool) -> Path:
 
         def on_train_begin(self, args, state, control, model=None, **kw):
             if is_main and state.global_step == 0:
-                self.evaluate(0, model)
+                self.evaluate(0, model.model)  # LossModule(the reward model)
 
         def on_step_end(self, args, state, control, model=None, **kw):
             if is_main and (state.global_step % t.eval_every == 0 or state.global_step == state.max_steps):
-                self.evaluate(state.global_step, model)
+                self.evaluate(state.global_step, model.model)
 
     held_out = HeldOut()
     stage = StageLogger(logger, "train-rm", cfg.print_every)
@@ -573,7 +573,7 @@ def _train_rm(cfg: RMConfig, checkpoint: Optional[str], resume: bool) -> Path:
     with atomic_output_dir(out, "output_dir") as tmp:
         rows = [json.loads(line) for line in eval_log.read_text().splitlines() if line.strip()]
         (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        final = trainer.model.merge_and_unload() if cfg.model.lora.enabled else trainer.model
+        final = trainer.model.model.merge_and_unload() if cfg.model.lora.enabled else trainer.model.model
         final = final.to(dtype=getattr(torch, cfg.model.dtype))
         final.config.pad_token_id = pad
         final.save_pretrained(tmp)

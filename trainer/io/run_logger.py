@@ -71,6 +71,18 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+MAX_TAG = 64  # wandb refuses a longer tag, and with it the whole run (pydantic ValidationError in wandb.init)
+
+
+def fit_tag(tag: str) -> str:
+    """``tag`` cut to wandb's 64 characters keeping its ``kind:`` and its END (the informative part of a
+    model path: ``model:/very/long/.../merged`` -> ``model:…/merged``)."""
+    if len(tag) <= MAX_TAG:
+        return tag
+    head = tag[:tag.index(":") + 1] if ":" in tag[:20] else ""
+    return head + "…" + tag[len(tag) - (MAX_TAG - len(head) - 1):]
+
+
 STEP_METRIC = "train/global_step"  # HF's WandbCallback name for the x-axis, so TRL users find it
 
 
@@ -137,7 +149,8 @@ class RunLogger:
             try:
                 run = wandb.init(project=project, entity=entity, name=name, config=config, dir=str(wdir), mode=attempt,
                                  settings=wandb.Settings(init_timeout=wait, console="off", silent=True),
-                                 reinit="finish_previous", id=run_id, resume="allow", tags=list(tags) or None)
+                                 reinit="finish_previous", id=run_id, resume="allow",
+                                 tags=[fit_tag(t) for t in tags] or None)
                 _define_metrics(run)
                 return run, attempt
             except Exception as e:  # noqa: BLE001 - any wandb failure must not end training

@@ -571,7 +571,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
 
 def run_tags(cfg: RunConfig) -> tuple[str, ...]:
     """wandb tags, so that runs of one model compare side by side by algorithm and precision recipe."""
-    return (f"algorithm:{cfg.algorithm.name}", f"precision:{cfg.precision.recipe}", f"model:{cfg.model.path}"[:64],
+    return (f"algorithm:{cfg.algorithm.name}", f"precision:{cfg.precision.recipe}", f"model:{cfg.model.path}",
             f"dtype:{cfg.model.dtype}") + (("off-policy",) if cfg.rollout.max_staleness else ())
 
 

@@ -184,7 +184,8 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
 
     is_main = int(os.environ.get("RANK", "0")) == 0
     logger = open_run_logger(cfg, run_dir, resume=resume, enabled=is_main,
-                             tags=("sft", cfg.model.path, cfg.model.dtype, "lora" if cfg.model.lora.enabled else "full"))
+                             tags=("sft", f"model:{cfg.model.path}", f"dtype:{cfg.model.dtype}",
+                                   "lora" if cfg.model.lora.enabled else "full"))
     trainer = None
 
     def throughput(row: dict) -> str:
@@ -199,7 +200,7 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
         logger.close()
     elapsed = max(time.time() - t0, 1e-9)
     history = [r["train/loss"] for r in stage.history]
-    model = trainer.model
+    model = trainer.model.model  # LossModule(model): the trained model itself
     out = cfg.out_path
     if is_main:
         if cfg.output_format == "merged":

@@ -98,13 +98,50 @@ def item_labels(mask: torch.Tensor) -> torch.Tensor:
 LossFn = Callable[[Any, dict], tuple[torch.Tensor, dict[str, float]]]
 
 
+class LossModule(torch.nn.Module):
+    """The stage's model behind a ``forward`` that returns the loss terms, so that what the Trainer wraps
+    (DDP, DeepSpeed) is the module that runs the loss: our losses call the backbone and the lm_head (or
+    score head) separately (the fused log-prob kernel never builds full logits), which a DDP wrapper
+    around the HF model itself would not see -- no gradient sync. Checkpoints hold the trainable
+    parameters only (the LoRA adapter, or every weight in full fine-tuning), under the model's own names.
+    """
+
+    def __init__(self, model, loss_fn: "LossFn"):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        # what the Trainer's DeepSpeed integration reads (hidden_size for bucket sizes "auto")
+        self.config = getattr(model, "config", None)
+
+    def forward(self, **inputs):
+        return self.loss_fn(self.model, inputs)
+
+    def _trainable(self) -> set[str]:
+        return {n for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def state_dict(self, *args, **kwargs):
+        keep = self._trainable()
+        return {k: v for k, v in self.model.state_dict(*args, **kwargs).items() if k in keep}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = self.model.load_state_dict(state_dict, strict=False, assign=assign)
+        missing = sorted(self._trainable() - set(state_dict))
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"checkpoint: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+        return torch.nn.modules.module._IncompatibleKeys(missing, result.unexpected_keys)
+
+
 def make_trainer(model, args, *, num_rows: int, collate, loss_fn: LossFn, callbacks=()):
-    """A ``transformers.Trainer`` whose loss is ``loss_fn``'s item sum / the step's item count (module docstring)."""
+    """A ``transformers.Trainer`` whose loss is ``loss_fn``'s item sum / the step's item count (module docstring).
+
+    The Trainer trains ``LossModule(model)``; ``trainer.model.model`` is ``model`` (trained in place).
+    """
+
     class SupervisedTrainer(Trainer):
         loss_is_scaled_for_ga = True  # divided by the whole step's item count below
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            total, counters = loss_fn(model, inputs)
+            total, counters = model(**inputs)  # through DDP / DeepSpeed when they wrap it
             for k, v in counters.items():
                 self.counters[k] = self.counters.get(k, 0.0) + v
             n = num_items_in_batch if num_items_in_batch is not None else (inputs["shift_labels"] != -100).sum()
@@ -114,8 +151,8 @@ def make_trainer(model, args, *, num_rows: int, collate, loss_fn: LossFn, callba
                 loss = loss * self.accelerator.num_processes
             return (loss, None) if return_outputs else loss
 
-    trainer = SupervisedTrainer(model=model, args=args, train_dataset=IndexDataset(num_rows), data_collator=collate,
-                                callbacks=list(callbacks))
+    trainer = SupervisedTrainer(model=LossModule(model, loss_fn), args=args, train_dataset=IndexDataset(num_rows),
+                                data_collator=collate, callbacks=list(callbacks))
     trainer.counters = {}
     # num_items_in_batch is computed for models whose forward takes **kwargs; ours never sees the
     # batch's labels, and the loss above is normalised by it, so it is always wanted.
@@ -134,7 +171,7 @@ class StageLogger(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kw):
         logs = logs or {}
-        if "loss" not in logs:  # the Trainer's end-of-training summary (runtime etc.)
+        if "loss" not in logs or not state.is_world_process_zero:  # the end-of-training summary; other ranks
             return
         row = {f"train/{k}": float(v) for k, v in logs.items() if isinstance(v, (int, float))}
         row["perf/elapsed_s"] = round(time.time() - self.t0, 3)

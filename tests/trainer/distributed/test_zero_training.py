@@ -196,8 +196,9 @@ def test_zero3_several_updates_with_a_kl_term_match_data_parallel(tmp_path):
     assert z["reward/mean"] == d["reward/mean"]
     assert z["parity/mae"] == pytest.approx(d["parity/mae"], rel=1e-3)  # pi_old, before any update
     # Measured: grad norm (mean of the 4 updates) 3e-6 relative, approx_kl_last 0.3%, loss 0.8%: the
-    # bf16 ZeRO-3 gradient-sum order (bench/zero_cpu_check.py) compounds over the updates.
-    assert z["train/grad_norm"] == pytest.approx(d["train/grad_norm"], rel=BF16_REL)
+    # bf16 ZeRO-3 gradient-sum order (bench/zero_cpu_check.py) compounds over the updates. On the warm start
+    # built by transformers.Trainer (a sharper policy), 2.9e-3 with native BF16: 5e-3 on every host.
+    assert z["train/grad_norm"] == pytest.approx(d["train/grad_norm"], rel=5e-3)
     assert z["train/approx_kl_last"] == pytest.approx(d["train/approx_kl_last"], rel=3e-2)
     assert z["train/loss"] == pytest.approx(d["train/loss"], rel=5e-2)
 

@@ -108,3 +108,17 @@ def test_wandb_charts_use_the_training_step_and_get_the_mismatch_histogram(tmp_p
     assert merged["parity/log10_abs_d._type"] == '"histogram"'
     assert merged["parity/log10_abs_d.values"] == "[2,5]" and merged["parity/log10_abs_d.bins"] == "[-7,-6.9,-6.8]"
     assert merged["parity/mae"] == "0.25" and merged["train/global_step"] == "3" and merged["_step"] == "3"
+
+
+def test_long_tags_are_cut_to_wandbs_limit_keeping_their_end(tmp_path, monkeypatch):
+    """wandb refuses a tag over 64 characters, and with it the run: a model path tag keeps its kind and its end."""
+    from trainer.io.run_logger import fit_tag
+
+    path = "/tmp/pytest-of-root/pytest-13/test_sft_merge_rm_ppo_end_to_e0/merged"
+    tag = fit_tag(f"model:{path}")
+    assert len(tag) == 64 and tag.startswith("model:…") and tag.endswith("ppo_end_to_e0/merged")
+    assert fit_tag("algorithm:grpo") == "algorithm:grpo"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    log = RunLogger(tmp_path, config={}, wandb_mode="offline", tags=(f"model:{path}", "sft"))
+    assert log.wandb_run is not None and tuple(log.wandb_run.tags) == (tag, "sft")
+    log.close()

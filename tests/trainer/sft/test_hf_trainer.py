@@ -1,7 +1,10 @@
 """The supervised stages on transformers.Trainer (trainer/sft/hf_trainer.py): accumulation, resume, wandb, schedule."""
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,12 +20,15 @@ from trainer.sft.recipe import load_sft_recipe, warmup_steps
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _cfg(tmp_path: Path, name: str, *extra: str):
+def _sets(tmp_path: Path, name: str, *extra: str) -> list[str]:
     """LoRA SFT of the tiny base in float32 on 64 padded examples (cheap, and rounding does not hide differences)."""
-    return load_sft_recipe(REPO / "recipes" / "sft_lora_tiny.yaml", [
-        "model.path=builtin:tiny-base", "model.dtype=float32", f"output_dir={tmp_path / name / 'adapter'}",
-        f"logging.run_dir={tmp_path / name / 'run'}", "data.num_examples=64", "train.batch_size=8",
-        "train.learning_rate=1e-2", "train.warmup_steps=0", *extra])
+    return ["model.path=builtin:tiny-base", "model.dtype=float32", f"output_dir={tmp_path / name / 'adapter'}",
+            f"logging.run_dir={tmp_path / name / 'run'}", "data.num_examples=64", "train.batch_size=8",
+            "train.learning_rate=1e-2", "train.warmup_steps=0", *extra]
+
+
+def _cfg(tmp_path: Path, name: str, *extra: str):
+    return load_sft_recipe(REPO / "recipes" / "sft_lora_tiny.yaml", _sets(tmp_path, name, *extra))
 
 
 def _adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -114,3 +120,28 @@ def test_resume_continues_exactly_and_keeps_the_wandb_run(tmp_path):
     # --resume without a checkpoint is refused by name
     with pytest.raises(FileNotFoundError, match="--resume: no checkpoint in"):
         run_sft(_cfg(tmp_path, "fresh", *common), resume=True)
+
+
+ZERO2 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+         "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(REPO / "recipes" / "accelerate" / "supervised" / "zero2.json")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["ddp", "zero2"])
+def test_two_processes_train_as_one(tmp_path, launch):
+    """torchrun, 2 processes (gloo on CPU), 4 rows each per step vs one process with the 8 rows: the same losses
+    and adapter -- the Trainer shards the same shuffled order, the loss is divided by both ranks' tokens, and
+    the module DDP / DeepSpeed wrap is the one that runs the loss (trainer.sft.hf_trainer.LossModule)."""
+    sets = _sets(tmp_path, "two", "train.steps=2", "train.micro_batch_size=4", "logging.wandb.mode=disabled")
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", **(ZERO2 if launch == "zero2" else {})}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "trainer.cli", "sft", str(REPO / "recipes" / "sft_lora_tiny.yaml"),
+                           *[x for s in sets for x in ("--set", s)]],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("sft step    2/2") == 1 and proc.stdout.count("written to") == 1  # rank 0 prints
+    run_sft(_cfg(tmp_path, "one", "train.steps=2"))
+    assert _losses(tmp_path / "two" / "run") == pytest.approx(_losses(tmp_path / "one" / "run"), rel=1e-5)
+    a, b = _adapter(tmp_path / "one" / "adapter"), _adapter(tmp_path / "two" / "adapter")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-5)
