@@ -1,8 +1,9 @@
 """`parityrl` command line: train, sft, train-rm, merge, compare, serve.
 
     parityrl train recipes/grpo_tiny.yaml [--set train.steps=5 ...] [--resume]
-    parityrl sft recipes/sft_tiny.yaml [--set ...]
-    parityrl train-rm recipes/rm_tiny.yaml [--set ...]
+    parityrl sft recipes/sft_tiny.yaml [--set ...] [--resume] [--overwrite]
+    parityrl train-rm recipes/rm_tiny.yaml [--set ...] [--resume]
+    torchrun --nproc_per_node 2 -m trainer.cli sft recipes/sft_lora_tiny.yaml   (DDP; transformers.Trainer)
     parityrl merge <base_dir> <adapter_dir> --out <dir> [--dtype auto]
     parityrl compare builtin:tiny prompts.txt --out reports/cmp [--engine hf] [--self-check]
     parityrl serve recipes/grpo_tiny.yaml [--tensor-parallel-size 2] [--dry-run]   (rollout.mode: server)

@@ -462,14 +462,16 @@ def run_train_rm(cfg: RMConfig, *, resume: bool = False) -> Path:
     run keeps the earlier rows) and copied into the output as ``metrics.jsonl``.
     """
     from trainer.io.outputs import refuse_existing_output
-    from trainer.sft.hf_trainer import claim_stage_run_dir
+    from trainer.sft.hf_trainer import claim_stage_run_dir, finish_processes
 
     refuse_existing_output(cfg.out_path, "output_dir")  # before any loading: fail in seconds, not after training
     lock, checkpoint = claim_stage_run_dir(cfg.run_dir, resume=resume)
     try:
-        return _train_rm(cfg, checkpoint, resume)
+        out = _train_rm(cfg, checkpoint, resume)
     finally:
         lock.release()
+    finish_processes()  # success on every rank: wait for rank 0's save, leave the process group
+    return out
 
 
 def _train_rm(cfg: RMConfig, checkpoint: Optional[str], resume: bool) -> Path:
@@ -482,7 +484,7 @@ def _train_rm(cfg: RMConfig, checkpoint: Optional[str], resume: bool) -> Path:
 
     out, run_dir = cfg.out_path, cfg.run_dir
     torch.manual_seed(cfg.train.seed)
-    args = training_arguments(cfg.train, run_dir, print_every=cfg.print_every)
+    args = training_arguments(cfg.train, run_dir)
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
     try:  # bad data is bad input (exit status 2 in the CLI), found before any training

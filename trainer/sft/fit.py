@@ -125,13 +125,15 @@ def fit_sft(cfg: SFTConfig, model_dir: str, *, resume: bool = False) -> Path:
     ``train.micro_batch_size``, checkpoints every ``train.save_every`` steps under the run
     directory, ``resume`` from the newest of them, metrics to the run's metrics.jsonl and wandb.
     """
-    from trainer.sft.hf_trainer import claim_stage_run_dir
+    from trainer.sft.hf_trainer import claim_stage_run_dir, finish_processes
 
     lock, checkpoint = claim_stage_run_dir(cfg.run_dir, resume=resume)  # before anything loads
     try:
-        return _fit(cfg, model_dir, checkpoint, resume)
+        out = _fit(cfg, model_dir, checkpoint, resume)
     finally:
         lock.release()
+    finish_processes()  # success on every rank: wait for rank 0's save, leave the process group
+    return out
 
 
 def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool) -> Path:
@@ -141,7 +143,7 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
 
     run_dir = cfg.run_dir
     torch.manual_seed(cfg.train.seed)
-    args = training_arguments(cfg.train, run_dir, print_every=cfg.print_every)
+    args = training_arguments(cfg.train, run_dir)
     tokenizer = load_tokenizer(model_dir)
     model = load_base_model(model_dir, cfg.model.dtype, "cpu")
     if cfg.model.lora.enabled:

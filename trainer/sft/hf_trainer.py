@@ -48,7 +48,7 @@ def accumulation(t, world: int) -> tuple[int, int]:
     return micro, per_step // world
 
 
-def training_arguments(t, run_dir: Path, *, print_every: int):
+def training_arguments(t, run_dir: Path):
     """``TrainingArguments`` from a supervised ``train:`` section (checkpoints under ``run_dir/checkpoints``)."""
     micro, accum = accumulation(t, int(os.environ.get("WORLD_SIZE", "1")))
     return TrainingArguments(
@@ -72,6 +72,7 @@ def training_arguments(t, run_dir: Path, *, print_every: int):
         remove_unused_columns=False,  # the collators build their own tensors
         dataloader_drop_last=True,  # every step sees train.batch_size rows
         use_cpu=not torch.cuda.is_available(),
+        ddp_find_unused_parameters=False,  # every trainable parameter is in the loss (LoRA, or all of them)
         log_level="warning",
     )
 
@@ -211,3 +212,11 @@ def claim_stage_run_dir(run_dir: Path, *, resume: bool):
         raise FileExistsError(f"logging.run_dir = {str(run_dir)!r} holds checkpoints ({Path(last).name}); pass "
                               "--resume to continue that run, or choose a new name (nothing was overwritten)")
     return claim(run_dir), last
+
+
+def finish_processes() -> None:
+    """Every rank waits for rank 0's save, then leaves the process group: a rank that exits while gloo's
+    threads still run aborts ("terminate called without an active exception", seen in CI on 2 CPU ranks)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
