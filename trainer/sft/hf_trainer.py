@@ -216,7 +216,9 @@ def claim_stage_run_dir(run_dir: Path, *, resume: bool):
 
 def finish_processes() -> None:
     """Every rank waits for rank 0's save, then leaves the process group: a rank that exits while gloo's
-    threads still run aborts ("terminate called without an active exception", seen in CI on 2 CPU ranks)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    threads still run aborts ("terminate called without an active exception", seen in CI on 2 CPU ranks).
+    Only under a multi-process launch: in one process the default group may be a colocated vLLM engine's
+    (a test session's shared engine), which must outlive the stage."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
