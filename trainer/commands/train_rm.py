@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -462,16 +461,10 @@ def run_train_rm(cfg: RMConfig, *, resume: bool = False) -> Path:
     run keeps the earlier rows) and copied into the output as ``metrics.jsonl``.
     """
     from trainer.io.outputs import refuse_existing_output
-    from trainer.sft.hf_trainer import claim_stage_run_dir, finish_processes
+    from trainer.sft.hf_trainer import run_stage
 
     refuse_existing_output(cfg.out_path, "output_dir")  # before any loading: fail in seconds, not after training
-    lock, checkpoint = claim_stage_run_dir(cfg.run_dir, resume=resume)
-    try:
-        out = _train_rm(cfg, checkpoint, resume)
-    finally:
-        lock.release()
-    finish_processes()  # success on every rank: wait for rank 0's save, leave the process group
-    return out
+    return run_stage(cfg.run_dir, resume=resume, body=lambda checkpoint: _train_rm(cfg, checkpoint, resume))
 
 
 def _train_rm(cfg: RMConfig, checkpoint: Optional[str], resume: bool) -> Path:
@@ -480,7 +473,7 @@ def _train_rm(cfg: RMConfig, checkpoint: Optional[str], resume: bool) -> Path:
     from trainer.io.outputs import atomic_output_dir
     from trainer.models.builtin import resolve_model_path
     from trainer.models.policy import load_tokenizer
-    from trainer.sft.hf_trainer import StageLogger, make_trainer, open_run_logger, training_arguments
+    from trainer.sft.hf_trainer import StageLogger, is_main_process, make_trainer, open_run_logger, training_arguments
 
     out, run_dir = cfg.out_path, cfg.run_dir
     torch.manual_seed(cfg.train.seed)
@@ -517,14 +510,12 @@ def _train_rm(cfg: RMConfig, checkpoint: Optional[str], resume: bool) -> Path:
         n = r.shape[0] // 2
         rc, rr = r[:n], r[n:]
         m = pair_metrics(rc.detach(), rr.detach())
-        return -torch.nn.functional.logsigmoid(rc - rr).sum(), {
+        return pairwise_loss(rc, rr) * n, {
             "pairs": float(n), "accuracy_sum": m["accuracy"] * n, "margin_sum": m["margin"] * n,
             "loss_sum": m["loss"] * n}
 
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    logger = open_run_logger(cfg, run_dir, resume=resume, enabled=is_main,
-                             tags=("train-rm", f"model:{cfg.model.path}", f"dtype:{cfg.model.dtype}",
-                                   "lora" if cfg.model.lora.enabled else "full"))
+    is_main = is_main_process()
+    logger = open_run_logger(cfg, "train-rm", resume=resume)
     eval_log = run_dir / "eval.jsonl"
     t0 = time.time()
 

@@ -58,7 +58,6 @@ from trainer.rl.stops import (
 )
 from trainer.rl.truncation import TruncationWatch
 from trainer.rl.value_head import ValueHead
-from trainer.sft.recipe import warmup_steps
 
 
 @dataclass
@@ -451,8 +450,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             parity_phase(run, step, batch, scored, m)
             samples_phase(run, step, drawn, batch, scored)
             update_phase(run, step, batch, scored, advantages, returns, m)
-            run.tokens_seen += run.dp.sum_metrics({"n": float(batch.mask.sum())})["n"]
-            m["train/tokens_seen"] = run.tokens_seen  # completion tokens trained on, all ranks (a wandb x-axis)
+            run.tokens_seen += m["parity/num_tokens"]  # the batch's completion tokens, pooled over ranks
+            m["train/tokens_seen"] = run.tokens_seen  # a wandb x-axis
             boundary.update_applied()
             unlogged = (step, m)
             m["perf/train_s"] = time.perf_counter() - t
@@ -539,7 +538,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(cfg.train.adam_betas),
                                   weight_decay=cfg.train.weight_decay)
     t = cfg.train
-    scheduler = make_scheduler(optimizer, t.lr_schedule, warmup_steps(t.warmup_steps, t.warmup_ratio, t.steps), t.steps)
+    scheduler = make_scheduler(optimizer, t.lr_schedule, t.warmup_steps, t.steps, t.warmup_ratio)
     model, optimizer, policy = _prepare(cfg, accelerator, stage, model, optimizer, value_head)
     run = Run(cfg=cfg, accelerator=accelerator, stage=stage, dp=dp, model_dir=model_dir, tokenizer=tokenizer,
               model=model, policy=policy, value_head=value_head, optimizer=optimizer, scheduler=scheduler,

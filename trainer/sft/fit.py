@@ -125,21 +125,22 @@ def fit_sft(cfg: SFTConfig, model_dir: str, *, resume: bool = False) -> Path:
     ``train.micro_batch_size``, checkpoints every ``train.save_every`` steps under the run
     directory, ``resume`` from the newest of them, metrics to the run's metrics.jsonl and wandb.
     """
-    from trainer.sft.hf_trainer import claim_stage_run_dir, finish_processes
+    from trainer.sft.hf_trainer import run_stage
 
-    lock, checkpoint = claim_stage_run_dir(cfg.run_dir, resume=resume)  # before anything loads
-    try:
-        out = _fit(cfg, model_dir, checkpoint, resume)
-    finally:
-        lock.release()
-    finish_processes()  # success on every rank: wait for rank 0's save, leave the process group
-    return out
+    return run_stage(cfg.run_dir, resume=resume, body=lambda checkpoint: _fit(cfg, model_dir, checkpoint, resume))
 
 
 def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool) -> Path:
-    from trainer.models.batch import build_token_batch
+    from trainer.models.batch import TokenBatch, build_token_batch
     from trainer.models.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
-    from trainer.sft.hf_trainer import StageLogger, item_labels, make_trainer, open_run_logger, training_arguments
+    from trainer.sft.hf_trainer import (
+        StageLogger,
+        is_main_process,
+        item_labels,
+        make_trainer,
+        open_run_logger,
+        training_arguments,
+    )
 
     run_dir = cfg.run_dir
     torch.manual_seed(cfg.train.seed)
@@ -167,27 +168,23 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
     if not cfg.model.lora.enabled and cfg.model.dtype == "bfloat16":
         model = model.float()
 
+    tensors = ("input_ids", "attention_mask", "position_ids", "targets", "mask", "rollout_logprobs")
+
     def collate(idx: list[int]) -> dict:
+        # the Trainer moves a dict of tensors to the device; the batch is rebuilt from it in loss_fn
         b = make_batch(idx)
-        return {"input_ids": b.input_ids, "attention_mask": b.attention_mask, "position_ids": b.position_ids,
-                "targets": b.targets, "mask": b.mask, "prompt_len": torch.tensor(b.prompt_len),
-                "labels": item_labels(b.mask), "shift_labels": item_labels(b.mask)}
+        labels = item_labels(b.mask)
+        return {**{k: getattr(b, k) for k in tensors}, "prompt_len": torch.tensor(b.prompt_len), "labels": labels,
+                "shift_labels": labels}
 
     def loss_fn(model, x: dict):
-        from trainer.models.batch import TokenBatch
-
-        batch = TokenBatch(input_ids=x["input_ids"], attention_mask=x["attention_mask"],
-                           position_ids=x["position_ids"], targets=x["targets"], mask=x["mask"],
-                           rollout_logprobs=torch.zeros_like(x["mask"]), prompt_len=int(x["prompt_len"]))
+        batch = TokenBatch(**{k: x[k] for k in tensors}, prompt_len=int(x["prompt_len"]))
         lp, _ = completion_logprobs(model, batch, temperature=1.0)
         # throughput: tokens attended to (not padding) and tokens with a loss
         return -(lp * batch.mask).sum(), {"tokens": float(batch.attention_mask.sum()),
                                           "target_tokens": float(batch.mask.sum())}
 
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    logger = open_run_logger(cfg, run_dir, resume=resume, enabled=is_main,
-                             tags=("sft", f"model:{cfg.model.path}", f"dtype:{cfg.model.dtype}",
-                                   "lora" if cfg.model.lora.enabled else "full"))
+    logger = open_run_logger(cfg, "sft", resume=resume)
     trainer = None
 
     def throughput(row: dict) -> str:
@@ -204,7 +201,7 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
     history = [r["train/loss"] for r in stage.history]
     model = trainer.model.model  # LossModule(model): the trained model itself
     out = cfg.out_path
-    if is_main:
+    if is_main_process():
         if cfg.output_format == "merged":
             if cfg.model.lora.enabled:
                 model = model.merge_and_unload()

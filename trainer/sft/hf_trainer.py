@@ -26,14 +26,14 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from trainer.sft.recipe import HF_SCHEDULES, warmup_steps
+from trainer.models.optim import HF_SCHEDULES, warmup_steps
 
 CHECKPOINTS = "checkpoints"
 
@@ -184,15 +184,34 @@ class StageLogger(TrainerCallback):
                   flush=True)
 
 
-def open_run_logger(cfg, run_dir: Path, *, resume: bool, tags: tuple[str, ...], enabled: bool):
-    """The stage's ``RunLogger`` (metrics.jsonl + wandb, the id kept for ``--resume``); wandb from ``cfg.logging``."""
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def open_run_logger(cfg, stage: str, *, resume: bool):
+    """The stage's ``RunLogger`` (metrics.jsonl + wandb, the id kept for ``--resume``; rank 0 writes), wandb from
+    ``cfg.logging``, tagged with the stage, model, dtype and LoRA or full fine-tuning."""
     from trainer.config import to_dict
     from trainer.io.run_logger import RunLogger
 
+    tags = (stage, f"model:{cfg.model.path}", f"dtype:{cfg.model.dtype}", "lora" if cfg.model.lora.enabled else "full")
+    enabled, run_dir = is_main_process(), cfg.run_dir
     w = cfg.logging.wandb
     return RunLogger(run_dir, config=json.loads(json.dumps(to_dict(cfg), default=str)), wandb_mode=w.mode,
                      project=w.project, entity=w.entity, name=cfg.name, total_steps=cfg.train.steps,
                      enabled=enabled, resume=resume, tags=tags)
+
+
+def run_stage(run_dir: Path, *, resume: bool, body: Callable[[Optional[str]], Path]) -> Path:
+    """``body(checkpoint)`` under the run directory's lock (``claim_stage_run_dir``), then, on success on every
+    rank, ``finish_processes``: what `parityrl sft` and `train-rm` share around their training."""
+    lock, checkpoint = claim_stage_run_dir(run_dir, resume=resume)  # before anything loads
+    try:
+        out = body(checkpoint)
+    finally:
+        lock.release()
+    finish_processes()
+    return out
 
 
 def claim_stage_run_dir(run_dir: Path, *, resume: bool):

@@ -1,20 +1,12 @@
 """The `parityrl sft` recipe: schema, loading and validation (the stage itself: trainer.sft.fit)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 from trainer.config import ModelConfig, RecipeError, WandbConfig, build_config, check_model_path, load_recipe_dict
-
-# transformers.get_scheduler's names for the recipes' lr_schedule values (both supervised stages and RL)
-HF_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-
-
-def warmup_steps(warmup: int, ratio: float, total: int) -> int:
-    """The warm-up length: ``warmup`` steps, or ``ceil(ratio x total)`` (``TrainingArguments``' rule for a ratio)."""
-    return int(warmup) if warmup else math.ceil(ratio * total)
+from trainer.models.optim import HF_SCHEDULES
 
 
 @dataclass

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from trainer.commands.sft import run_sft
 from trainer.config import RecipeError
-from trainer.models.optim import make_scheduler
+from trainer.models.optim import make_scheduler, warmup_steps
 from trainer.sft.hf_trainer import accumulation
-from trainer.sft.recipe import load_sft_recipe, warmup_steps
+from trainer.sft.recipe import load_sft_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 
