@@ -43,7 +43,9 @@ def accumulation(t, world: int) -> tuple[int, int]:
     micro = t.micro_batch_size or t.batch_size
     per_step = t.batch_size // micro
     if per_step % world:
-        raise ValueError(f"train.batch_size = {t.batch_size}: {per_step} micro-batches of {micro} per step do not "
+        from trainer.config import RecipeError  # bad input: exit 2 from the CLI, before any model loads
+
+        raise RecipeError(f"train.batch_size = {t.batch_size}: {per_step} micro-batches of {micro} per step do not "
                          f"split over {world} processes; choose train.micro_batch_size so that they do")
     return micro, per_step // world
 
