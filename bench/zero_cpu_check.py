@@ -418,6 +418,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from trainer.distributed.teardown import leave_process_group
     from trainer.models.builtin import resolve_model_path
 
     model_dir = resolve_model_path("builtin:tiny")
@@ -433,6 +434,7 @@ def main() -> int:
             args.report.write_text(json.dumps(report))
         ok[0] = int(report["ok"])
     dist.broadcast(ok, src=0)
+    leave_process_group()
     return 0 if int(ok) else 1
 
 

@@ -59,4 +59,7 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         _say(f"error: {type(e).__name__}: {e} (an unexpected failure: run with --debug or PARITYRL_DEBUG=1 for "
              "the traceback)")
         return 1
+    from trainer.distributed.teardown import leave_process_group
+
+    leave_process_group()
     return 0

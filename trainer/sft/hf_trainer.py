@@ -33,6 +33,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from trainer.distributed.teardown import leave_process_group
 from trainer.models.optim import HF_SCHEDULES, warmup_steps
 
 CHECKPOINTS = "checkpoints"
@@ -206,13 +207,13 @@ def open_run_logger(cfg, stage: str, *, resume: bool):
 
 def run_stage(run_dir: Path, *, resume: bool, body: Callable[[Optional[str]], Path]) -> Path:
     """``body(checkpoint)`` under the run directory's lock (``claim_stage_run_dir``), then, on success on every
-    rank, ``finish_processes``: what `parityrl sft` and `train-rm` share around their training."""
+    rank, ``leave_process_group``: what `parityrl sft` and `train-rm` share around their training."""
     lock, checkpoint = claim_stage_run_dir(run_dir, resume=resume)  # before anything loads
     try:
         out = body(checkpoint)
     finally:
         lock.release()
-    finish_processes()
+    leave_process_group()
     return out
 
 
@@ -233,13 +234,3 @@ def claim_stage_run_dir(run_dir: Path, *, resume: bool):
         raise FileExistsError(f"logging.run_dir = {str(run_dir)!r} holds checkpoints ({Path(last).name}); pass "
                               "--resume to continue that run, or choose a new name (nothing was overwritten)")
     return claim(run_dir), last
-
-
-def finish_processes() -> None:
-    """Every rank waits for rank 0's save, then leaves the process group: a rank that exits while gloo's
-    threads still run aborts ("terminate called without an active exception", seen in CI on 2 CPU ranks).
-    Only under a multi-process launch: in one process the default group may be a colocated vLLM engine's
-    (a test session's shared engine), which must outlive the stage."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
