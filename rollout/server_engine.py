@@ -72,6 +72,7 @@ from rollout.weight_export import payload_bytes
 
 _RESTART_HINT = ("the server process may have died or never started; start it with `parityrl serve <recipe>` "
                  "and continue the run with `parityrl train <recipe> --resume`")
+_ENGINE_DEAD = "EngineCore encountered an issue"  # vLLM EngineDeadError's message, in its HTTP 500 body
 _CLAMPED = -9999.0  # the route's floor for -inf / NaN log-probs (serving.py: _clamp_logprob)
 
 
@@ -118,6 +119,12 @@ class _Http:
         return EngineUnavailable(f"vLLM server at {self.url} {what} during {action} ({method} {path}); {_RESTART_HINT}")
 
     def error(self, action: str, method: str, path: str, status: int, text: str) -> ServerEngineError:
+        if status >= 500 and _ENGINE_DEAD in text:
+            # The API server still answers but its engine core is gone (killed, OOM): vLLM's EngineDeadError,
+            # "Unrecoverable" (vllm/v1/engine/exceptions.py). As unusable as a dead server: the run stops with the
+            # same status and the same way back (seen when a kill reached the engine core before the front end).
+            return EngineUnavailable(f"vLLM server at {self.url}: its engine core died (HTTP {status} during "
+                                     f"{action}, {method} {path}: vLLM's EngineDeadError); {_RESTART_HINT}")
         if status == 404:
             text += (" -- route missing: the server must run with VLLM_SERVER_DEV_MODE=1 and --enable-scale-out, "
                      "which `parityrl serve` sets")

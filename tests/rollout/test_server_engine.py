@@ -603,6 +603,49 @@ def test_dead_server_stops_the_run_and_the_checkpoint_resumes(server, tmp_path, 
     assert res.history[0]["parity/mae"] < PARITY_MAE_BOUND
 
 
+def test_a_dead_engine_core_behind_a_live_front_end_is_an_unavailable_server():
+    """vLLM's API server answers HTTP 500 with EngineDeadError's message once its engine core died (CI: a kill
+    reached the core before the front end): that stops the run as a dead server does; another 500 stays an error."""
+    import http.server
+
+    from rollout.server_engine import _Http
+
+    bodies = iter([
+        b'{"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the root cause.",'
+        b'"type":"InternalServerError","param":null,"code":500}}',
+        b'{"error":{"message":"something else broke","type":"InternalServerError","code":500}}',
+    ])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            body = next(bodies)
+            self.send_response(500)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    client = _Http(url, 10)
+    try:
+        with pytest.raises(EngineUnavailable) as dead:
+            client.call("POST", "/inference/v1/generate", "generate (2 requests)", json={})
+        with pytest.raises(ServerEngineError) as other:
+            client.call("POST", "/inference/v1/generate", "generate (2 requests)", json={})
+    finally:
+        client.close()
+        httpd.shutdown()
+    msg = str(dead.value)
+    assert url in msg and "engine core died" in msg and "generate (2 requests)" in msg and "--resume" in msg, msg
+    assert not isinstance(other.value, EngineUnavailable) and "something else broke" in str(other.value)
+
+
 def test_nothing_listening_fails_after_the_connect_timeout_not_the_startup_wait(tmp_path):
     from trainer.config import load_recipe
     from trainer.rl.engines import make_engine
