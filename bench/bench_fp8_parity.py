@@ -3,6 +3,8 @@
     .venv/bin/python bench/bench_fp8_parity.py                       # builtin:tiny, FP8 engine
     .venv/bin/python bench/bench_fp8_parity.py --engine bf16         # the BF16 engine, for the baseline
     .venv/bin/python bench/bench_fp8_parity.py --hidden-size 512     # a wider random tiny base (built once)
+    .venv/bin/python bench/bench_fp8_parity.py --no-reload --prompts 16 --n 4 --new-tokens 24 --temperature 1 \
+        --adapters runs/x/checkpoints/step_00000{1,5}/adapter     # at the weights a run went through
 
 One engine per process (``--engine fp8``: vLLM with ``rollout.fp8_quant``'s
 emulated block-FP8 linear layers; ``--engine bf16``: plain BF16). It samples
@@ -20,6 +22,11 @@ Then (unless ``--no-reload``) a LoRA adapter with random B is merged and pushed
 with ``load_weights`` (vLLM's in-place ``reload_weights``), new completions are
 sampled, and both pairs are measured again, plus ``stale``: the new FP8 trainer
 against the pre-sync completions, which shows the sync changed the engine.
+
+``--adapters DIR ...`` (PEFT adapter directories, e.g. a run's
+``checkpoints/step_N/adapter``): each is pushed in turn the same way and both pairs are
+measured at exactly those weights -- how the recipes compare at the weights a real run went
+through, which their own runs' train-step figures cannot show (each run takes its own path).
 Prints one JSON object (figures only, no assertions; tests/rollout/test_fp8_quant.py asserts).
 """
 from __future__ import annotations
@@ -54,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora-b-std", type=float, default=0.05, help="std of the random LoRA B pushed by the reload check")
     p.add_argument("--no-reload", action="store_true")
+    p.add_argument("--adapters", nargs="+", default=[], metavar="DIR",
+                   help="PEFT adapter dirs (a run's checkpoints/step_N/adapter) to push and measure in turn")
     p.add_argument("--json-out", default=None, help="also write the result to this file (stdout carries vLLM's logs)")
     return p.parse_args(argv)
 
@@ -156,6 +165,18 @@ def main(argv=None) -> dict:
     if args.engine == "fp8":  # the engine holds exactly the trainer's quantized weights
         out["initial"]["weight_mismatches"] = engine_weight_mismatches(engine, fp8)
 
+    def push_and_measure(policy, seed: int) -> tuple[dict, object, list]:
+        """Sync ``policy`` (merged LoRA, the loop's arithmetic) into the engine, sample, score both pairs."""
+        policy.eval()
+        policy_fp8 = copy.deepcopy(policy)
+        convert_to_fp8(policy_fp8)
+        engine.load_weights(merged_lora_weights(policy, dtype=torch.bfloat16))
+        rollouts = engine.generate(prompts, SamplingSpec(**{**spec.__dict__, "seed": seed}))
+        result = pairs(args.engine, policy_fp8, policy, rollouts, tok.pad_token_id, args.temperature)
+        if args.engine == "fp8":
+            result["weight_mismatches"] = engine_weight_mismatches(engine, policy_fp8)
+        return result, policy_fp8 if args.engine == "fp8" else policy, rollouts
+
     if not args.no_reload:
         torch.manual_seed(args.seed)
         policy = add_lora(copy.deepcopy(bf16), LoraConfig(r=8, alpha=16.0, dropout=0.0))
@@ -164,16 +185,15 @@ def main(argv=None) -> dict:
             for n, p in policy.named_parameters():
                 if "lora_B" in n:  # PEFT starts B at 0: a trained adapter is not
                     p.copy_(torch.randn(p.shape, generator=g) * args.lora_b_std)
-        policy.eval()
-        policy_fp8 = copy.deepcopy(policy)
-        convert_to_fp8(policy_fp8)
-        engine.load_weights(merged_lora_weights(policy, dtype=torch.bfloat16))
-        after = engine.generate(prompts, SamplingSpec(**{**spec.__dict__, "seed": args.seed + 1}))
-        out["after_reload"] = pairs(args.engine, policy_fp8, policy, after, tok.pad_token_id, args.temperature)
-        stale_trainer = policy_fp8 if args.engine == "fp8" else policy
+        out["after_reload"], stale_trainer, _ = push_and_measure(policy, args.seed + 1)
         out["after_reload"]["stale"] = parity(stale_trainer, before, tok.pad_token_id, args.temperature)
-        if args.engine == "fp8":
-            out["after_reload"]["weight_mismatches"] = engine_weight_mismatches(engine, policy_fp8)
+    if args.adapters:
+        from peft import PeftModel
+
+        out["adapters"] = {}
+        for i, adapter in enumerate(args.adapters):
+            policy = PeftModel.from_pretrained(copy.deepcopy(bf16), adapter)
+            out["adapters"][adapter], _, _ = push_and_measure(policy, args.seed + 2 + i)
     engine.close()
     print(json.dumps(out, indent=1))
     if args.json_out:

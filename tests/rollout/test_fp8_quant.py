@@ -207,10 +207,23 @@ def test_fused_engine_weight_equals_per_module_trainer_weights():
 # ---- slow: the quantized engine, in a subprocess ---------------------------------------------------
 @pytest.mark.slow
 def test_quantized_engine_matches_the_quantized_trainer(tmp_path, tiny_model_dir):
+    from trainer.config import LoraConfig
+    from trainer.models.policy import add_lora, load_base_model
+
+    # A saved adapter (as a run's checkpoints/step_N/adapter), unlike the bench's own random one.
+    adapter = tmp_path / "adapter"
+    policy = add_lora(load_base_model(tiny_model_dir, "bfloat16"), LoraConfig(r=4, alpha=8.0, dropout=0.0))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    policy.save_pretrained(adapter)
     out = tmp_path / "fp8.json"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_fp8_parity.py"), "--model", tiny_model_dir,
-                           "--json-out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+                           "--json-out", str(out), "--adapters", str(adapter)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     print(json.dumps({k: r[k] for k in ("initial", "after_reload", "engine_methods")}, indent=1))
@@ -230,3 +243,7 @@ def test_quantized_engine_matches_the_quantized_trainer(tmp_path, tiny_model_dir
     assert pooled("fp8_rollout") > 1.05 * pooled("fp8_unified")
     # The sync reached the engine: scored against the pre-sync samples the new trainer is far off.
     assert r["after_reload"]["stale"]["mae"] > 5 * r["after_reload"]["fp8_unified"]["mae"]
+    # A saved adapter pushed after that: the engine holds its weights bitwise (the previous ones would mismatch).
+    at_adapter = r["adapters"][str(adapter)]
+    assert at_adapter["weight_mismatches"] == []
+    assert at_adapter["fp8_unified"]["mae"] < UNIFIED_BOUND
