@@ -5,7 +5,7 @@ from typing import Iterable, Protocol
 
 import torch
 
-from rollout.types import Rollouts, SamplingSpec
+from rollout.types import Rollouts, SamplingSpec, Scored
 
 
 class RolloutEngine(Protocol):
@@ -17,12 +17,14 @@ class RolloutEngine(Protocol):
         ``model.layers.0.self_attn.q_proj.weight``) in place. Names not given keep
         their current values."""
 
+    def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
+        """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each given sequence, from one
+        prefill (no decoding), with the top-k per position if asked; the parity probe compares
+        engine and trainer on fixed sequences with it (trainer.rl.probe)."""
+
     def close(self) -> None:
         """Release the engine's memory."""
 
-    # Optional: ``score(sequences) -> list[list[float]]`` -- log p(x_t | x_<t) at temperature 1 of
-    # every token t >= 1 of each given sequence, from one prefill (no decoding); the parity probe
-    # uses it to compare engine and trainer on fixed sequences (trainer.rl.probe).
     # Optional: ``load_weight_chunks(chunks)`` -- the engine takes an update as an iterable of
     # chunks (whole decoder layers, ``rollout.weight_export.layer_chunks``), each taken before
     # the next is made; ``trainer.rl.engines.sync_weights`` then streams the merge into it.

@@ -23,6 +23,11 @@ processes and devices, tensor parallel size >= 1. This client implements the
   exactly equal log-probs (frequent in BF16) torch.topk(k + 1) may keep another id
   than torch.topk(k) (measured: 40 of 644 positions, identical values). The route's
   ``-9999.0`` floor for ``-inf`` is mapped back to ``-inf``.
+- ``score`` (the parity probe): the same route with ``prompt_logprobs`` and one sampled
+  token, as ``VLLMEngine.score`` -- one prefill per sequence, no decoding. Prompt log-probs
+  are log_softmax of the raw logits whatever ``--logprobs-mode`` (vLLM skips the sampling
+  processors for prompt tokens), i.e. at temperature 1; each position is a dict
+  ``{token id: {logprob, rank}}`` of the actual token and the top ``prompt_logprobs`` by rank.
 - Every response carries the weight version it was generated with (vLLM's
   ``weight_versions`` spans); each push sets a new version, and a sample generated
   with any other version is refused (a stale or shared server).
@@ -58,7 +63,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from rollout.types import Rollouts, SamplingSpec
+from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.vllm_engine import (
     DEFAULT_PACKED_MODULES,
     check_update,
@@ -67,6 +72,7 @@ from rollout.vllm_engine import (
     eos_token_ids,
     sample_seed,
     validate_request,
+    validate_score_request,
 )
 from rollout.weight_export import payload_bytes
 
@@ -74,6 +80,13 @@ _RESTART_HINT = ("the server process may have died or never started; start it wi
                  "and continue the run with `parityrl train <recipe> --resume`")
 _ENGINE_DEAD = "EngineCore encountered an issue"  # vLLM EngineDeadError's message, in its HTTP 500 body
 _CLAMPED = -9999.0  # the route's floor for -inf / NaN log-probs (serving.py: _clamp_logprob)
+
+
+def _check_version(choice: dict, version: str, bad) -> None:
+    stale = sorted({v.get("version") for v in choice.get("weight_versions") or []} - {version})
+    if stale:
+        raise bad(f"generated with weight version(s) {stale}, but this trainer's last push is {version!r} "
+                  "(is another trainer pushing weights to the same server?)")
 
 
 class ServerEngineError(RuntimeError):
@@ -408,11 +421,55 @@ class ServerEngine:
                         completion_ids=completion_ids, rollout_logprobs=logprobs, finish_reasons=finish,
                         group_size=spec.n, topk_ids=top_ids if k else [], topk_logprobs=top_lps if k else [])
 
-    async def _post_all(self, bodies: list[dict]) -> list[dict]:
+    def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
+        """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (``VLLMEngine.score``)."""
+        validate_score_request(sequences, self.max_model_len)
+        if topk > self.max_logprobs:
+            raise ValueError(f"score: topk = {topk}: the server at {self.url} allows max_logprobs = "
+                             f"{self.max_logprobs}; restart it with `parityrl serve` (it sets max_logprobs from parity.topk)")
+        tag = secrets.token_hex(4)
+        bodies = [{"request_id": f"parityrl-score-{tag}-{k}", "token_ids": list(seq), "output_mode": "tokens",
+                   "sampling_params": {"n": 1, "temperature": 1.0, "max_tokens": 1, "seed": sample_seed(0, k),
+                                       "detokenize": False, "prompt_logprobs": topk}}
+                  for k, seq in enumerate(sequences)]
+        responses = _run_coroutine(self._post_all(bodies, action=f"score ({len(bodies)} sequences)"))
+        version = self._version()
+        scored = Scored([], [], [])
+        for k, (seq, resp) in enumerate(zip(sequences, responses)):
+            lps, t_ids, t_lps = self._parse_prompt_logprobs(k, seq, resp, topk, version)
+            scored.logprobs.append(lps)
+            scored.topk_ids.append(t_ids)
+            scored.topk_logprobs.append(t_lps)
+        return scored
+
+    def _parse_prompt_logprobs(self, k: int, seq: list[int], resp: dict, topk: int, version: str):
+        def bad(msg: str) -> ServerEngineError:
+            return ServerEngineError(f"vLLM server at {self.url}, scored sequence {k}: {msg}")
+
+        _check_version(((resp.get("choices") or [{}])[0]), version, bad)
+
+        plp = resp.get("prompt_logprobs")
+        if not isinstance(plp, list) or len(plp) != len(seq):
+            raise bad(f"{len(plp) if isinstance(plp, list) else None} prompt log-prob positions for {len(seq)} tokens")
+        lps, t_ids, t_lps = [], [], []
+        for t in range(1, len(seq)):  # position 0 has nothing to condition on (None)
+            pos = {int(tid): e for tid, e in (plp[t] or {}).items()}
+            if seq[t] not in pos:
+                raise bad(f"position {t} has no log-prob for its token {seq[t]}")
+            lps.append(_unclamp(pos[seq[t]]["logprob"]))
+            if topk:
+                top = sorted((e["rank"], tid, _unclamp(e["logprob"])) for tid, e in pos.items() if e["rank"] <= topk)
+                if len(top) != topk:
+                    raise bad(f"position {t}: {len(top)} top log-probs, expected {topk}")
+                t_ids.append([tid for _, tid, _ in top])
+                t_lps.append([lp for _, _, lp in top])
+        return lps, t_ids, t_lps
+
+    async def _post_all(self, bodies: list[dict], action: str | None = None) -> list[dict]:
         import httpx
 
         http = self.http
-        action = f"generate ({len(bodies)} requests)"
+        action = action or f"generate ({len(bodies)} requests)"
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         gate = asyncio.Semaphore(self.max_concurrency)
         path = "/inference/v1/generate"
@@ -447,10 +504,7 @@ class ServerEngine:
         c = choices[0]
         if c.get("finish_reason") not in ("stop", "length"):
             raise bad(f"finished with reason {c.get('finish_reason')!r} (expected 'stop' or 'length')")
-        stale = sorted({v.get("version") for v in c.get("weight_versions") or []} - {version})
-        if stale:
-            raise bad(f"generated with weight version(s) {stale}, but this trainer's last push is {version!r} "
-                      "(is another trainer pushing weights to the same server?)")
+        _check_version(c, version, bad)
         ids = [int(t) for t in c.get("token_ids") or []]
         content = (c.get("logprobs") or {}).get("content")
         if not ids or content is None or len(content) != len(ids):

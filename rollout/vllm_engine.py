@@ -49,6 +49,14 @@ _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.mo
 _MASK64 = (1 << 64) - 1
 
 
+def validate_score_request(sequences: Sequence[Sequence[int]], max_model_len: int) -> None:
+    """``score``'s sequences: 2 tokens at least (one to condition on), and room for the one token vLLM samples."""
+    for k, seq in enumerate(sequences):
+        if len(seq) < 2 or len(seq) + 1 > max_model_len:
+            raise ValueError(f"score: sequences[{k}] has {len(seq)} tokens; expected 2 to "
+                             f"{max_model_len - 1} (max_model_len - 1)")
+
+
 def sample_seed(base: int, index: int) -> int:
     """A 31-bit per-sample seed from (base seed, sample index): SplitMix64 of the pair.
 
@@ -404,10 +412,7 @@ class VLLMEngine(LayerChunkUpdates):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        for k, seq in enumerate(sequences):
-            if len(seq) < 2 or len(seq) + 1 > self.max_model_len:
-                raise ValueError(f"score: sequences[{k}] has {len(seq)} tokens; expected 2 to "
-                                 f"{self.max_model_len - 1} (max_model_len - 1)")
+        validate_score_request(sequences, self.max_model_len)
         prompts = [TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences]
         params = [SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=topk, seed=sample_seed(0, k),
                                  detokenize=False) for k in range(len(sequences))]

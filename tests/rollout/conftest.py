@@ -29,6 +29,42 @@ def hf_logprobs():
     return forward_logprobs
 
 
+def check_score_is_a_prefill(engine, hf_reference, prompts, mae_bound: float) -> None:
+    """``engine.score`` (the probe's engine side): log p(x_t | x_<t) of given sequences at T = 1, unscaled.
+
+    Its completion part is compared with HF's forward at T = 1 (within ``mae_bound``) and at the
+    sampling temperature 0.7 (10x further: the scores are not the processed log-probs); top-k
+    rows are distinct, most likely first, and bound the actual token's log-prob.
+    """
+    from rollout.types import SamplingSpec
+
+    r = engine.generate(prompts[:4], SamplingSpec(n=1, temperature=0.7, max_new_tokens=12, seed=5))
+    seqs = [p + c for p, c in zip(r.prompt_ids, r.completion_ids)]
+    scored = engine.score(seqs, topk=3)
+    assert [len(x) for x in scored.logprobs] == [len(s) - 1 for s in seqs]
+    completion = torch.tensor([x for lp, p in zip(scored.logprobs, r.prompt_ids) for x in lp[len(p) - 1:]])
+
+    def err(t):
+        return (completion - torch.tensor([x for lp in forward_logprobs(hf_reference, r.prompt_ids, r.completion_ids, t)
+                                           for x in lp])).abs().mean()
+
+    at_1, at_07 = err(1.0), err(0.7)
+    print(f"{type(engine).__name__} prefill scores vs HF forward, T=1: MAE {at_1:.4g} (at T=0.7: {at_07:.4g}) "
+          f"over {len(completion)} tokens")
+    assert at_1 < mae_bound and at_07 > 10 * at_1
+    for ids, lps, lp in zip(scored.topk_ids[0], scored.topk_logprobs[0], scored.logprobs[0]):
+        assert len(ids) == 3 == len(set(ids)) and lps == sorted(lps, reverse=True) and lp <= lps[0] + 1e-6
+    assert engine.score(seqs[:1]).topk_ids == [[]]
+    with pytest.raises(ValueError, match="sequences\\[0\\] has 1 tokens"):
+        engine.score([[1]])
+
+
+@pytest.fixture(scope="session")
+def score_check():
+    """``check_score_is_a_prefill`` as a fixture (test modules do not import conftest)."""
+    return check_score_is_a_prefill
+
+
 @pytest.fixture(scope="session")
 def hf_reference(tiny_model_dir):
     """The session's tiny model in Transformers, BF16 like the engine. Tests must not modify it."""

@@ -212,6 +212,31 @@ def test_response_parser_recovers_the_top_k_and_refuses_bad_answers():
         _parser()._parse(0, bad, 2, v)
 
 
+def test_prompt_logprob_parser_reads_the_sequence_tokens_and_the_top_k():
+    v = "parityrl-x-1"
+
+    def pos(*entries):  # token id -> (logprob, rank), with JSON's string keys
+        return {str(t): {"logprob": lp, "rank": r, "decoded_token": None} for t, lp, r in entries}
+
+    # sequence [1, 9, 5]: position 0 has nothing to condition on; token 9 is outside the top 2 (rank 7),
+    # token 5 is the 2nd most likely; the route floors -inf at -9999
+    resp = {"prompt_logprobs": [None, pos((9, -3.0, 7), (4, -0.5, 1), (6, -1.0, 2)),
+                                pos((5, -9999.0, 2), (8, -0.4, 1))],
+            "choices": [{"token_ids": [3], "weight_versions": [{"version": v, "start": 0, "end": 1}]}]}
+    lps, t_ids, t_lps = _parser()._parse_prompt_logprobs(0, [1, 9, 5], resp, 2, v)
+    assert lps == [-3.0, float("-inf")]
+    assert t_ids == [[4, 6], [8, 5]] and t_lps == [[-0.5, -1.0], [-0.4, float("-inf")]]
+    assert _parser()._parse_prompt_logprobs(0, [1, 9, 5], resp, 0, v) == ([-3.0, float("-inf")], [], [])
+    with pytest.raises(ServerEngineError, match="weight version"):
+        _parser()._parse_prompt_logprobs(0, [1, 9, 5], resp, 2, "parityrl-x-2")
+    with pytest.raises(ServerEngineError, match="position 2 has no log-prob for its token 7"):
+        _parser()._parse_prompt_logprobs(0, [1, 9, 7], resp, 2, v)
+    with pytest.raises(ServerEngineError, match="3 prompt log-prob positions for 4 tokens"):
+        _parser()._parse_prompt_logprobs(0, [1, 9, 5, 2], resp, 2, v)
+    with pytest.raises(ServerEngineError, match="position 1: 2 top log-probs, expected 3"):
+        _parser()._parse_prompt_logprobs(0, [1, 9, 5], resp, 3, v)
+
+
 class _StandInModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -395,6 +420,11 @@ def test_generate_layout_determinism_and_parity_with_hf(server_engine, prompts, 
 
 
 @pytest.mark.slow
+def test_score_is_a_prefill_at_temperature_one(server_engine, hf_reference, prompts, score_check):
+    score_check(server_engine, hf_reference, prompts, MAE_BOUND)  # over HTTP: prompt_logprobs on the token route
+
+
+@pytest.mark.slow
 def test_weight_push_changes_outputs_and_keeps_parity(server_engine, hf_reference,
                                                       prompts, hf_logprobs, perturbed_copy):
     engine = server_engine
@@ -488,8 +518,9 @@ def test_three_training_steps_against_the_server(server, tmp_path, tiny_model_di
 
     # lr 1e-2: the weights move a lot -- the same run with rollout.sync_weights=false measured
     # probe/mae 0.17 after step 1 and parity/mae 0.18, 0.39 at steps 2, 3 (18-39x the bound) --
-    # while the probe on the drifting policy stays well inside the bound (measured <= 1.2e-3;
-    # at the colocated test's lr 2e-2 it reaches 9.8e-3 at step 3, too close to hold it to 1e-2).
+    # while the probe on the drifting policy stays inside the bound (its prefill scores of the step-0
+    # sequences at T = 1 measured 1.5e-3, 2.8e-3, 6.3e-3 after pushes 1-3; the decode probe it replaced
+    # <= 1.2e-3; at the colocated test's lr 2e-2 the probe reaches 9.8e-3 at step 3, too close to 1e-2).
     res = train(cfg_for(tmp_path, "server3", server.url, "train.steps=3", "train.learning_rate=1e-2",
                         "parity.topk=5", "checkpoint.every=0"))
     h = res.history

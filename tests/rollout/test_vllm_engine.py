@@ -145,21 +145,8 @@ def test_logprobs_match_hf_forward_at_temperature(restored_engine, hf_reference,
 
 
 @pytest.mark.slow
-def test_score_is_a_prefill_at_temperature_one(restored_engine, hf_reference, prompts, hf_logprobs):
-    # The probe's engine side (trainer.rl.probe): log p(x_t | x_<t) of given sequences, unscaled.
-    r = restored_engine.generate(prompts[:4], SamplingSpec(n=1, temperature=0.7, max_new_tokens=12, seed=5))
-    seqs = [p + c for p, c in zip(r.prompt_ids, r.completion_ids)]
-    scored = restored_engine.score(seqs, topk=3)
-    assert [len(x) for x in scored.logprobs] == [len(s) - 1 for s in seqs]
-    completion = [lp[len(p) - 1:] for lp, p in zip(scored.logprobs, r.prompt_ids)]
-    err = abs_errors(completion, hf_logprobs(hf_reference, r.prompt_ids, r.completion_ids, 1.0))
-    print(f"vLLM prefill scores vs HF forward, T=1: MAE {err.mean():.4g} over {len(err)} tokens")
-    assert err.mean() < MAE_BOUND
-    # top-k: 3 distinct ids per position, most likely first, the actual token's log-prob within them if ranked
-    for ids, lps, lp in zip(scored.topk_ids[0], scored.topk_logprobs[0], scored.logprobs[0]):
-        assert len(set(ids)) == 3 and lps == sorted(lps, reverse=True) and lp <= lps[0] + 1e-6
-    with pytest.raises(ValueError, match="sequences\\[0\\] has 1 tokens"):
-        restored_engine.score([[1]])
+def test_score_is_a_prefill_at_temperature_one(restored_engine, hf_reference, prompts, score_check):
+    score_check(restored_engine, hf_reference, prompts, MAE_BOUND)  # the probe's engine side (trainer.rl.probe)
 
 
 @pytest.mark.slow

@@ -15,8 +15,9 @@ the trainer, and compares the completion tokens' log-probs. Both sides score at 
 1 (vLLM's prompt log-probs are unscaled); the step's ``parity/*`` keeps the decode path at
 the rollout temperature, where it comes for free. Decoding the probe after every sync cost
 a third of a tiny-model step; the prefill costs about as much as the trainer's forward.
-An engine without ``score`` (the server engine) is probed the old way: a fresh decode of the
-probe prompts with a fixed seed, scored at the rollout temperature.
+Every engine scores: the colocated vLLM engine through ``SamplingParams.prompt_logprobs``, the
+server engine through the same field on its token-in/token-out route, the HF engine with a
+forward pass.
 
 Frequency: ``parity.probe_first`` syncs always, then every ``parity.probe_every``-th.
 """
@@ -68,9 +69,6 @@ class Probe:
         """
         if not self.prompt_ids:
             return {}
-        if not hasattr(engine, "score"):
-            return self._compare(model, engine.generate(self.prompt_ids, probe_spec(self.cfg)),
-                                 self.cfg.rollout.temperature)
         if self.fixed is None:
             self.fixed = _fit(engine.generate(self.prompt_ids, replace(probe_spec(self.cfg), logprobs_topk=0)),
                               getattr(engine, "max_model_len", None))
