@@ -64,7 +64,12 @@ def parse_args(argv=None):
     p.add_argument("--adapters", nargs="+", default=[], metavar="DIR",
                    help="PEFT adapter dirs (a run's checkpoints/step_N/adapter) to push and measure in turn")
     p.add_argument("--json-out", default=None, help="also write the result to this file (stdout carries vLLM's logs)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for d in args.adapters:  # before the engine starts
+        if not (Path(d) / "adapter_config.json").is_file():
+            p.error(f"--adapters: {d!r} is not a PEFT adapter directory (expected {d}/adapter_config.json, "
+                    "e.g. <run_dir>/checkpoints/step_000010/adapter)")
+    return args
 
 
 def model_dir(args) -> str:
@@ -165,8 +170,9 @@ def main(argv=None) -> dict:
     if args.engine == "fp8":  # the engine holds exactly the trainer's quantized weights
         out["initial"]["weight_mismatches"] = engine_weight_mismatches(engine, fp8)
 
-    def push_and_measure(policy, seed: int) -> tuple[dict, object, list]:
-        """Sync ``policy`` (merged LoRA, the loop's arithmetic) into the engine, sample, score both pairs."""
+    def push_and_measure(policy, seed: int) -> tuple[dict, object]:
+        """Sync ``policy`` (merged LoRA, the loop's arithmetic) into the engine, sample, score both pairs.
+        Returns the figures and the trainer of this engine's recipe (FP8 or BF16)."""
         policy.eval()
         policy_fp8 = copy.deepcopy(policy)
         convert_to_fp8(policy_fp8)
@@ -175,7 +181,7 @@ def main(argv=None) -> dict:
         result = pairs(args.engine, policy_fp8, policy, rollouts, tok.pad_token_id, args.temperature)
         if args.engine == "fp8":
             result["weight_mismatches"] = engine_weight_mismatches(engine, policy_fp8)
-        return result, policy_fp8 if args.engine == "fp8" else policy, rollouts
+        return result, policy_fp8 if args.engine == "fp8" else policy
 
     if not args.no_reload:
         torch.manual_seed(args.seed)
@@ -185,7 +191,7 @@ def main(argv=None) -> dict:
             for n, p in policy.named_parameters():
                 if "lora_B" in n:  # PEFT starts B at 0: a trained adapter is not
                     p.copy_(torch.randn(p.shape, generator=g) * args.lora_b_std)
-        out["after_reload"], stale_trainer, _ = push_and_measure(policy, args.seed + 1)
+        out["after_reload"], stale_trainer = push_and_measure(policy, args.seed + 1)
         out["after_reload"]["stale"] = parity(stale_trainer, before, tok.pad_token_id, args.temperature)
     if args.adapters:
         from peft import PeftModel
@@ -193,7 +199,7 @@ def main(argv=None) -> dict:
         out["adapters"] = {}
         for i, adapter in enumerate(args.adapters):
             policy = PeftModel.from_pretrained(copy.deepcopy(bf16), adapter)
-            out["adapters"][adapter], _, _ = push_and_measure(policy, args.seed + 2 + i)
+            out["adapters"][adapter], _ = push_and_measure(policy, args.seed + 2 + i)
     engine.close()
     print(json.dumps(out, indent=1))
     if args.json_out:

@@ -70,6 +70,7 @@ from rollout.vllm_engine import (
     checkpoint_shapes,
     engine_named_tensors,
     eos_token_ids,
+    read_prompt_logprobs,
     sample_seed,
     validate_request,
     validate_score_request,
@@ -407,7 +408,7 @@ class ServerEngine:
                         "stop_token_ids": list(self.eos_ids), "detokenize": False,
                         # k + 1: see the module docstring (the route cuts [sampled, top...] to this many).
                         "logprobs": k + 1 if k else 0}})
-        responses = _run_coroutine(self._post_all(bodies))
+        responses = _run_coroutine(self._post_all(bodies, action=f"generate ({len(bodies)} requests)"))
         version = self._version()
         completion_ids, logprobs, finish, top_ids, top_lps = [], [], [], [], []
         for s, resp in enumerate(responses):
@@ -446,30 +447,17 @@ class ServerEngine:
         def bad(msg: str) -> ServerEngineError:
             return ServerEngineError(f"vLLM server at {self.url}, scored sequence {k}: {msg}")
 
-        _check_version(((resp.get("choices") or [{}])[0]), version, bad)
-
+        _check_version((resp.get("choices") or [{}])[0], version, bad)
         plp = resp.get("prompt_logprobs")
-        if not isinstance(plp, list) or len(plp) != len(seq):
-            raise bad(f"{len(plp) if isinstance(plp, list) else None} prompt log-prob positions for {len(seq)} tokens")
-        lps, t_ids, t_lps = [], [], []
-        for t in range(1, len(seq)):  # position 0 has nothing to condition on (None)
-            pos = {int(tid): e for tid, e in (plp[t] or {}).items()}
-            if seq[t] not in pos:
-                raise bad(f"position {t} has no log-prob for its token {seq[t]}")
-            lps.append(_unclamp(pos[seq[t]]["logprob"]))
-            if topk:
-                top = sorted((e["rank"], tid, _unclamp(e["logprob"])) for tid, e in pos.items() if e["rank"] <= topk)
-                if len(top) != topk:
-                    raise bad(f"position {t}: {len(top)} top log-probs, expected {topk}")
-                t_ids.append([tid for _, tid, _ in top])
-                t_lps.append([lp for _, _, lp in top])
-        return lps, t_ids, t_lps
+        # JSON: token ids as string keys, the route's -9999 floor for -inf
+        positions = [None if pos is None else {int(tid): (_unclamp(e["logprob"]), e["rank"]) for tid, e in pos.items()}
+                     for pos in plp] if isinstance(plp, list) else None
+        return read_prompt_logprobs(seq, positions, topk, bad)
 
-    async def _post_all(self, bodies: list[dict], action: str | None = None) -> list[dict]:
+    async def _post_all(self, bodies: list[dict], action: str) -> list[dict]:
         import httpx
 
         http = self.http
-        action = action or f"generate ({len(bodies)} requests)"
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         gate = asyncio.Semaphore(self.max_concurrency)
         path = "/inference/v1/generate"

@@ -57,6 +57,31 @@ def validate_score_request(sequences: Sequence[Sequence[int]], max_model_len: in
                              f"{max_model_len - 1} (max_model_len - 1)")
 
 
+def read_prompt_logprobs(seq: Sequence[int], positions: Sequence, topk: int, bad) -> tuple[list, list, list]:
+    """One scored sequence from vLLM's prompt log-probs, as both engines receive them.
+
+    ``positions[t]``: ``{token id: (logprob, rank)}`` of the actual token and the top ``topk`` by
+    rank (``None`` at t = 0, which has nothing to condition on). Returns the log-probs of tokens
+    1.. and, with ``topk``, each position's top-k ids and log-probs, most likely first.
+    ``bad(msg)`` builds the exception for an answer that does not fit the sequence.
+    """
+    if positions is None or len(positions) != len(seq):
+        raise bad(f"{None if positions is None else len(positions)} prompt log-prob positions for {len(seq)} tokens")
+    lps, top_ids, top_lps = [], [], []
+    for t in range(1, len(seq)):
+        pos = positions[t] or {}
+        if seq[t] not in pos:
+            raise bad(f"position {t} has no log-prob for its token {seq[t]}")
+        lps.append(pos[seq[t]][0])
+        if topk:
+            top = sorted((rank, tid, lp) for tid, (lp, rank) in pos.items() if rank <= topk)
+            if len(top) != topk:
+                raise bad(f"position {t}: {len(top)} top log-probs, expected {topk}")
+            top_ids.append([tid for _, tid, _ in top])
+            top_lps.append([lp for _, _, lp in top])
+    return lps, top_ids, top_lps
+
+
 def sample_seed(base: int, index: int) -> int:
     """A 31-bit per-sample seed from (base seed, sample index): SplitMix64 of the pair.
 
@@ -420,17 +445,14 @@ class VLLMEngine(LayerChunkUpdates):
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         scored = Scored([], [], [])
         for k, (seq, out) in enumerate(zip(sequences, outputs)):
-            plp = out.prompt_logprobs
-            if plp is None or len(plp) != len(seq):
-                raise RuntimeError(f"score: vLLM returned {None if plp is None else len(plp)} prompt log-prob "
-                                   f"positions for sequence {k} of {len(seq)} tokens")
-            # per position a {token id: Logprob(logprob, rank)} of the actual token and the top-k by rank
-            positions = [plp[t] for t in range(1, len(seq))]
-            scored.logprobs.append([pos[tok].logprob for pos, tok in zip(positions, seq[1:])])
-            tops = [sorted((lp.rank, tid, lp.logprob) for tid, lp in pos.items() if lp.rank <= topk)
-                    for pos in positions] if topk else []
-            scored.topk_ids.append([[tid for _, tid, _ in top] for top in tops])
-            scored.topk_logprobs.append([[lp for _, _, lp in top] for top in tops])
+            positions = None if out.prompt_logprobs is None else [
+                None if pos is None else {tid: (lp.logprob, lp.rank) for tid, lp in pos.items()}
+                for pos in out.prompt_logprobs]
+            lps, top_ids, top_lps = read_prompt_logprobs(
+                seq, positions, topk, lambda msg, k=k: RuntimeError(f"score: vLLM's answer for sequence {k}: {msg}"))
+            scored.logprobs.append(lps)
+            scored.topk_ids.append(top_ids)
+            scored.topk_logprobs.append(top_lps)
         return scored
 
     # ---- weights ----------------------------------------------------------------------------
