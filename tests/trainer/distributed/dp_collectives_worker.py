@@ -92,8 +92,10 @@ def main() -> None:
     result = {"raise_together": f"RANK {dp.rank} tag={tag} {outcome}", "pooled": pooled_statistics(dp),
               **stops(dp)}
     (Path(sys.argv[1]) / f"rank_{dp.rank}.json").write_text(json.dumps(result))
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from worker_exit import finish  # this script's folder is on sys.path
+
     main()
+    finish()
