@@ -106,15 +106,14 @@ class HFEngine(LayerChunkUpdates):
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (one forward each),
         and with ``topk`` the k most likely tokens at those positions (``rollout.base``)."""
-        out = Scored([], [], [])
-        for seq in sequences:
+        def row(seq: list[int]):
             ids = torch.tensor([seq], device=self.device)
             logp = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), dim=-1)
-            out.logprobs.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
             top = logp.topk(topk, dim=-1) if topk else None
-            out.topk_ids.append(top.indices.tolist() if topk else [])
-            out.topk_logprobs.append(top.values.tolist() if topk else [])
-        return out
+            return (logp.gather(-1, ids[0, 1:, None])[:, 0].tolist(), top.indices.tolist() if topk else [],
+                    top.values.tolist() if topk else [])
+
+        return Scored.from_rows(map(row, sequences))
 
     def _generation_config(self, spec: SamplingSpec):
         from transformers import GenerationConfig

@@ -387,14 +387,17 @@ class ServerEngine:
                        json={"new_version": version or self._version()})
 
     # ---- generation -------------------------------------------------------------------------
+    def _check_max_logprobs(self, asked: int, what: str) -> None:
+        if asked > self.max_logprobs:
+            raise ValueError(f"{what}, but the server at {self.url} allows max_logprobs = {self.max_logprobs}; "
+                             "restart it with `parityrl serve` (it sets max_logprobs from parity.topk)")
+
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
         """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n (VLLMEngine's conventions)."""
         validate_request(prompt_ids, spec, self.max_model_len)
         k = spec.logprobs_topk
-        if k and k + 1 > self.max_logprobs:
-            raise ValueError(f"spec.logprobs_topk = {k}: the server at {self.url} allows max_logprobs = "
-                             f"{self.max_logprobs} and this client asks for k + 1; restart it with `parityrl serve` "
-                             "(it sets max_logprobs from parity.topk)")
+        if k:  # k + 1: see the module docstring
+            self._check_max_logprobs(k + 1, f"spec.logprobs_topk = {k}: this client asks for k + 1")
         tag = secrets.token_hex(4)
         bodies = []
         for i, p in enumerate(prompt_ids):
@@ -425,9 +428,7 @@ class ServerEngine:
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (``VLLMEngine.score``)."""
         validate_score_request(sequences, self.max_model_len)
-        if topk > self.max_logprobs:
-            raise ValueError(f"score: topk = {topk}: the server at {self.url} allows max_logprobs = "
-                             f"{self.max_logprobs}; restart it with `parityrl serve` (it sets max_logprobs from parity.topk)")
+        self._check_max_logprobs(topk, f"score: topk = {topk}")
         tag = secrets.token_hex(4)
         bodies = [{"request_id": f"parityrl-score-{tag}-{k}", "token_ids": list(seq), "output_mode": "tokens",
                    "sampling_params": {"n": 1, "temperature": 1.0, "max_tokens": 1, "seed": sample_seed(0, k),
@@ -435,13 +436,8 @@ class ServerEngine:
                   for k, seq in enumerate(sequences)]
         responses = _run_coroutine(self._post_all(bodies, action=f"score ({len(bodies)} sequences)"))
         version = self._version()
-        scored = Scored([], [], [])
-        for k, (seq, resp) in enumerate(zip(sequences, responses)):
-            lps, t_ids, t_lps = self._parse_prompt_logprobs(k, seq, resp, topk, version)
-            scored.logprobs.append(lps)
-            scored.topk_ids.append(t_ids)
-            scored.topk_logprobs.append(t_lps)
-        return scored
+        return Scored.from_rows(self._parse_prompt_logprobs(k, seq, resp, topk, version)
+                                for k, (seq, resp) in enumerate(zip(sequences, responses)))
 
     def _parse_prompt_logprobs(self, k: int, seq: list[int], resp: dict, topk: int, version: str):
         def bad(msg: str) -> ServerEngineError:

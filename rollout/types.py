@@ -7,7 +7,7 @@ Samples are laid out group-contiguous: sample ``i`` answers prompt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 
 def group_sample_indices(groups: Sequence[int], group_size: int) -> list[int]:
@@ -156,3 +156,9 @@ class Scored:
     logprobs: list[list[float]]
     topk_ids: list[list[list[int]]]
     topk_logprobs: list[list[list[float]]]
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[tuple[list, list, list]]) -> "Scored":
+        """From one ``(logprobs, topk_ids, topk_logprobs)`` per sequence, in order."""
+        rows = list(rows)
+        return cls([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])

@@ -443,17 +443,15 @@ class VLLMEngine(LayerChunkUpdates):
                                  detokenize=False) for k in range(len(sequences))]
         with _preserve_rng():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        scored = Scored([], [], [])
-        for k, (seq, out) in enumerate(zip(sequences, outputs)):
-            positions = None if out.prompt_logprobs is None else [
-                None if pos is None else {tid: (lp.logprob, lp.rank) for tid, lp in pos.items()}
-                for pos in out.prompt_logprobs]
-            lps, top_ids, top_lps = read_prompt_logprobs(
-                seq, positions, topk, lambda msg, k=k: RuntimeError(f"score: vLLM's answer for sequence {k}: {msg}"))
-            scored.logprobs.append(lps)
-            scored.topk_ids.append(top_ids)
-            scored.topk_logprobs.append(top_lps)
-        return scored
+
+        def row(k: int, seq: list[int], plp):
+            positions = None if plp is None else [
+                None if pos is None else {tid: (lp.logprob, lp.rank) for tid, lp in pos.items()} for pos in plp]
+            return read_prompt_logprobs(seq, positions, topk,
+                                        lambda msg: RuntimeError(f"score: vLLM's answer for sequence {k}: {msg}"))
+
+        return Scored.from_rows(row(k, seq, out.prompt_logprobs)
+                                for k, (seq, out) in enumerate(zip(sequences, outputs)))
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -212,6 +212,16 @@ def test_response_parser_recovers_the_top_k_and_refuses_bad_answers():
         _parser()._parse(0, bad, 2, v)
 
 
+def test_top_k_beyond_the_servers_max_logprobs_is_refused_before_any_request():
+    engine = _parser()
+    engine.max_logprobs, engine.max_model_len = 5, 64  # no http: a request would fail with AttributeError
+    with pytest.raises(ValueError, match=r"logprobs_topk = 5: this client asks for k \+ 1, but the server at "
+                                         r"http://test:1 allows max_logprobs = 5; restart it with `parityrl serve`"):
+        engine.generate([[1, 2, 3]], SamplingSpec(n=2, temperature=1.0, max_new_tokens=4, seed=0, logprobs_topk=5))
+    with pytest.raises(ValueError, match=r"score: topk = 6, but the server at http://test:1 allows max_logprobs = 5"):
+        engine.score([[1, 2, 3]], topk=6)
+
+
 def test_prompt_logprob_parser_reads_the_sequence_tokens_and_the_top_k():
     v = "parityrl-x-1"
 

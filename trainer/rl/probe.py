@@ -72,7 +72,7 @@ class Probe:
         if self.fixed is None:
             self.fixed = _fit(engine.generate(self.prompt_ids, replace(probe_spec(self.cfg), logprobs_topk=0)),
                               getattr(engine, "max_model_len", None))
-        return self._compare(model, self._engine_scores(engine), 1.0)
+        return self._compare(model, self._engine_scores(engine))
 
     def state_dict(self) -> dict:
         """The fixed sequences (checkpointed, so a resumed run probes the same tokens as an uninterrupted one)."""
@@ -96,7 +96,8 @@ class Probe:
                        topk_ids=[completion_part(scored.topk_ids[k], k) for k in range(n)] if topk else [],
                        topk_logprobs=[completion_part(scored.topk_logprobs[k], k) for k in range(n)] if topk else [])
 
-    def _compare(self, model, rollouts: Rollouts, temperature: float) -> dict[str, float]:
+    def _compare(self, model, rollouts: Rollouts) -> dict[str, float]:
+        temperature = 1.0  # the engine's prompt log-probs are unscaled (module docstring)
         batch = batch_from_rollouts(rollouts, self.pad_id, self.device)
         was_training = model.training
         model.eval()
