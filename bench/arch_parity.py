@@ -1,6 +1,6 @@
 """Parity per architecture: vLLM engine vs trainer, and trainer vs the model's own forward.
 
-For every architecture of ``trainer.models.zoo`` (tiny random-init models, std 0.2) and
+For every architecture of ``trainer.builtin.zoo`` (tiny random-init models, std 0.2) and
 dtype, one in-process vLLM engine samples ``--prompts`` x ``--n`` completions of
 ``--tokens`` tokens (T = ``--temperature``, seeded); the trainer (``load_base_model`` +
 ``completion_logprobs``: fused kernel with the model's logit transform) scores them, and so
@@ -14,7 +14,7 @@ the merged weights are pushed into the running engine (``merged_lora_weights`` +
 adapter; both sample the same seeded requests. Reported: whether samples and log-probs are
 bitwise equal.
 
-    PYTHONPATH=. .venv/bin/python bench/arch_parity.py                       # the README table
+    PYTHONPATH=. .venv/bin/python bench/arch_parity.py                       # the bench/RESULTS.md table
     PYTHONPATH=. .venv/bin/python bench/arch_parity.py --dtypes float32 --json out.json --sync-check qwen2,gemma2
 
 Engines are started one after another in this process (each closed before the next);
@@ -86,9 +86,9 @@ def _two_lora_updates(model, rollouts, temperature):
 def measure(arch: str, dtype: str, args, sync: bool) -> dict:
     from rollout.types import SamplingSpec
     from rollout.weight_export import merged_lora_weights
+    from trainer.builtin.zoo import ensure_arch_model
     from trainer.commands.merge import merge_adapter
     from trainer.models.policy import load_base_model
-    from trainer.models.zoo import ensure_arch_model
 
     path = str(ensure_arch_model(arch, dtype=dtype))
     spec = SamplingSpec(n=args.n, temperature=args.temperature, max_new_tokens=args.tokens, seed=1)
@@ -125,7 +125,7 @@ def measure(arch: str, dtype: str, args, sync: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    from trainer.models.zoo import ARCHITECTURES
+    from trainer.builtin.zoo import ARCHITECTURES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--archs", default=",".join(ARCHITECTURES))

@@ -6,7 +6,7 @@
     .venv/bin/python bench/bench_fp8_parity.py --no-reload --prompts 16 --n 4 --new-tokens 24 --temperature 1 \
         --adapters runs/x/checkpoints/step_00000{1,5}/adapter     # at the weights a run went through
 
-One engine per process (``--engine fp8``: vLLM with ``rollout.fp8_quant``'s
+One engine per process (``--engine fp8``: vLLM with ``rollout.vllm_plugins.fp8_quant``'s
 emulated block-FP8 linear layers; ``--engine bf16``: plain BF16). It samples
 completions of arithmetic-task prompts and scores them with two trainers, the
 BF16 HF model and the same model converted by ``trainer.models.precision.convert_to_fp8``;
@@ -74,11 +74,11 @@ def parse_args(argv=None):
 
 def model_dir(args) -> str:
     if args.hidden_size is not None:
-        from trainer.models.tiny import ensure_tiny_base
+        from trainer.builtin.tiny import ensure_tiny_base
 
         h = args.hidden_size
         return str(ensure_tiny_base(hidden_size=h, intermediate_size=3 * h, num_heads=4, num_kv_heads=2))
-    from trainer.models.builtin import resolve_model_path
+    from trainer.builtin.resolve import resolve_model_path
 
     return resolve_model_path(args.model)
 
@@ -139,7 +139,7 @@ def pairs(engine_kind: str, fp8_trainer, bf16_trainer, rollouts, pad_id, tempera
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from rollout.fp8_export import engine_llm_kwargs
+    from rollout.engine_options import engine_llm_kwargs
     from rollout.types import SamplingSpec
     from rollout.vllm_engine import VLLMEngine
     from rollout.weight_export import merged_lora_weights

@@ -67,7 +67,7 @@ def _paired(vllm, hf, prompts, spec, repeats: int) -> tuple[float, float, float,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="HF model dir (default: trainer.models.tiny.ensure_tiny_base())")
+    ap.add_argument("--model", default=None, help="HF model dir (default: trainer.builtin.tiny.ensure_tiny_base())")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=24)
@@ -82,7 +82,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from trainer.models.tiny import ensure_tiny_base
+        from trainer.builtin.tiny import ensure_tiny_base
 
         model = str(ensure_tiny_base())
     import json

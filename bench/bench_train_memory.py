@@ -24,9 +24,9 @@ def _peak_mib() -> float:
 def one(model: str, mbs: int, prompt: int, completion: int) -> dict:
     import torch
 
+    from trainer.builtin.resolve import resolve_model_path
     from trainer.config.schema import LoraConfig
     from trainer.models.batch import build_token_batch
-    from trainer.models.builtin import resolve_model_path
     from trainer.models.policy import add_lora, completion_logprobs, load_base_model
 
     torch.manual_seed(0)

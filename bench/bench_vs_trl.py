@@ -45,9 +45,9 @@ def trl_steps(steps: int, work: Path) -> list[float]:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from trainer.builtin.resolve import resolve_model_path
     from trainer.data.datasets import load_prompt_dataset
     from trainer.data.tasks.arithmetic import exact_answer_reward
-    from trainer.models.builtin import resolve_model_path
     from trainer.models.policy import load_tokenizer
 
     model_dir = resolve_model_path("builtin:tiny")

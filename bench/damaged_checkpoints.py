@@ -65,7 +65,7 @@ DAMAGES = {
 def _policy(cfg):
     import torch
 
-    from trainer.models.builtin import resolve_model_path
+    from trainer.builtin.resolve import resolve_model_path
     from trainer.models.optim import make_scheduler
     from trainer.models.policy import add_lora, load_base_model
 
@@ -112,7 +112,7 @@ def classify(run, cfg) -> tuple[str, str]:
 
 
 def main() -> int:
-    from trainer.config import load_recipe
+    from trainer.rl.preflight import load_recipe
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, required=True)

@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/exact_staircase.py --model builtin:tiny --dtype bfloat16
     PYTHONPATH=. python bench/exact_staircase.py --model builtin:smollm2-135m --dtype float32
 
-One exact-mode engine (rollout.exact_quant) holds the model after a LoRA "update" (random
+One exact-mode engine (rollout.vllm_plugins.exact_quant) holds the model after a LoRA "update" (random
 adapter, merged by the sync's arithmetic) and samples completions. Their log-probs are then
 computed by:
 
@@ -14,7 +14,7 @@ computed by:
   + 2 matmuls     ... with the engine's GEMM on its fused matrices
   + 3 norms/RoPE  ... and vLLM's RMSNorm (residual add fused) and rotary kernel
   + 4 attention   ... and vLLM's CPU attention over a paged cache
-  + 5 lm_head     ... and the engine's lm_head GEMM + float32 log_softmax  (= rollout.cpu_forward)
+  + 5 lm_head     ... and the engine's lm_head GEMM + float32 log_softmax  (= rollout.engine_forward)
 
 and the mean / max |engine - that| over the sampled tokens is printed per row, cumulative.
 """
@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
 
-from rollout.cpu_forward import EngineForward  # noqa: E402
+from rollout.engine_forward import EngineForward  # noqa: E402
 
 PIECES = ("matmuls", "norms", "attention", "lm_head")
 
@@ -117,13 +117,13 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    import rollout.exact_quant  # noqa: F401
-    from rollout.fp8_scheme import EXACT
+    import rollout.vllm_plugins.exact_quant  # noqa: F401
     from rollout.types import SamplingSpec
     from rollout.vllm_engine import VLLMEngine
+    from rollout.vllm_plugins.names import EXACT
     from rollout.weight_export import effective_state, merged_lora_weights
+    from trainer.builtin.resolve import resolve_model_path
     from trainer.models.batch import build_token_batch
-    from trainer.models.builtin import resolve_model_path
     from trainer.models.policy import completion_logprobs, load_tokenizer
 
     model_dir = resolve_model_path(args.model)

@@ -7,12 +7,12 @@
 For each recipe, in its own process (each needs its own vLLM engine):
 1. ``parityrl compare`` on the same prompts and the same weights: the built-in tiny
    model (hidden 128) and a wider random model (hidden 512, 4 layers, built by
-   ``trainer.models.tiny`` -- where quantisation error is not swamped by tininess). Reported:
+   ``trainer.builtin.tiny`` -- where quantisation error is not swamped by tininess). Reported:
    parity MAE, kl_k3, frac_rho_outside_0.9_1.1 (``parity.metrics``).
 2. ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps: the reward at the end
    (mean of the last 5 steps) and the run's mean parity MAE.
 
-Prints a markdown table (the README's) and writes it to ``--out`` with the raw JSON next to it.
+Prints a markdown table (the one in bench/RESULTS.md) and writes it to ``--out`` with the raw JSON next to it.
 Nothing is timed: the columns are numerics, so the machine's load does not matter.
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from trainer.models.tiny import ensure_tiny_base
+    from trainer.builtin.tiny import ensure_tiny_base
 
     work = Path(tempfile.mkdtemp(prefix="parityrl_precision_"))
     prompts = write_prompts(work / "prompts.jsonl", args.prompts)

@@ -17,10 +17,11 @@ seeded random values, so every adapter gets a gradient and the merge is not the
 identity), ``--steps`` steps on a fixed 8-sequence batch: ``completion_logprobs``, a
 policy-gradient log-prob loss normalised by the batch's token count, backward,
 ``clip_grad_norm_``, optimizer step, LambdaLR step; ``merged_lora_weights`` before and
-after. Every rank then runs the same steps on its shard (rows ``[4r, 4r+4)``) in
-micro-batches (``--micro``) the way the loop would with ``trainer.distributed.deepspeed``
-(``fill_deepspeed_config``, ``model_load_context``, ``wrap_for_prepare``,
-``make_backward``, ``optimizer_step``), every rank's loss normalised by the WHOLE batch's
+after. Every rank then loads and prepares the policy with the loop's own setup
+(``trainer.rl.learner.load_policy`` and ``prepare_policy``: DeepSpeed's config filled from the
+recipe, the model loaded outside zero.Init, the engine around ``PolicyForward``) and runs the
+same steps on its shard (rows ``[4r, 4r+4)``) in micro-batches (``--micro``) with the loop's
+``make_backward`` and ``optimizer_step``, every rank's loss normalised by the WHOLE batch's
 token count as the loop does, and exports with ``zero3_gather``. ``--zero 0`` runs the
 loop's non-DeepSpeed data parallel instead (model not prepared,
 ``trainer.distributed.data_parallel.DataParallel.all_reduce_grads``). Checks (rank 0; every rank
@@ -91,15 +92,28 @@ def fixed_batch():
     return batch, advantages.contiguous()
 
 
-def make_policy(model_dir: str, targets: list[str] | None, dtype: str):
-    """Tiny model + LoRA with deterministic non-zero adapters (the same on every rank and in the reference)."""
-    import torch
+def recipe(args):
+    """The loop's recipe of these steps: the base dtype, the LoRA targets, micro-batch size and clipping."""
+    from trainer.config import LoraConfig, RunConfig
 
-    from trainer.config import LoraConfig
+    cfg = RunConfig()
+    cfg.model.dtype = args.dtype
+    cfg.model.lora = LoraConfig() if args.targets is None else LoraConfig(target_modules=args.targets)
+    cfg.train.micro_batch_size, cfg.train.max_grad_norm = args.micro, MAX_GRAD_NORM
+    return cfg
+
+
+def make_policy(model_dir: str, cfg):
+    """Tiny model + LoRA (single process, no accelerator): the reference's policy, ``seed_adapters``'d."""
     from trainer.models.policy import add_lora, load_base_model
 
-    lora = LoraConfig() if targets is None else LoraConfig(target_modules=targets)
-    model = add_lora(load_base_model(model_dir, dtype), lora)
+    return seed_adapters(add_lora(load_base_model(model_dir, cfg.model.dtype), cfg.model.lora))
+
+
+def seed_adapters(model):
+    """Deterministic non-zero adapters (the same on every rank and in the reference)."""
+    import torch
+
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
@@ -141,7 +155,7 @@ def reference(args, model_dir: str) -> dict:
 
     from rollout.weight_export import merged_lora_weights
 
-    model = make_policy(model_dir, args.targets, args.dtype)
+    model = make_policy(model_dir, recipe(args))
     batch, adv = fixed_batch()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(params, args.optim)
@@ -202,12 +216,11 @@ def distributed_steps(args, model_dir: str) -> dict:
         gathered_trainable,
         is_zero3_partitioned,
         make_backward,
-        model_load_context,
         optimizer_step,
-        unwrap_policy,
-        wrap_for_prepare,
         zero3_gather,
     )
+    from trainer.models.policy_forward import unwrap_policy
+    from trainer.rl.learner import load_policy, prepare_policy
 
     accelerator = Accelerator(**accelerator_kwargs())
     stage = deepspeed_stage(accelerator)
@@ -219,18 +232,17 @@ def distributed_steps(args, model_dir: str) -> dict:
         raise SystemExit(f"run with {ROWS // PER_RANK} processes (torchrun --nproc_per_node {ROWS // PER_RANK}), "
                          f"got {world}")
     dp = DataParallel.current()
-    fill_deepspeed_config(accelerator, micro_batch_size=args.micro, max_grad_norm=MAX_GRAD_NORM)
-    with model_load_context(accelerator):
-        policy = make_policy(model_dir, args.targets, args.dtype)
+    cfg = recipe(args)
+    policy = seed_adapters(load_policy(cfg, accelerator, model_dir))
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, args.optim)
     scheduler = make_scheduler(optimizer)  # kept out of prepare(), as the loop does
-    if stage:
-        model, optimizer = accelerator.prepare(policy if args.no_wrap else wrap_for_prepare(accelerator, policy),
-                                               optimizer)
+    if stage and args.no_wrap:  # the failure demonstration: the PEFT model prepared itself, not the loop's way
+        fill_deepspeed_config(accelerator, micro_batch_size=args.micro, max_grad_norm=MAX_GRAD_NORM)
+        model, optimizer = accelerator.prepare(policy, optimizer)
         policy = unwrap_policy(accelerator, model)
-    else:  # the loop's data parallel: the model is not prepared, trainer.distributed.data_parallel reduces the gradients
-        model, optimizer = policy, accelerator.prepare(optimizer)
+    else:  # without DeepSpeed the model is not prepared: trainer.distributed.data_parallel reduces the gradients
+        model, optimizer, policy = prepare_policy(cfg, accelerator, stage, policy, optimizer)
 
     out: dict = {"stage": stage, "world": world, "distributed_type": accelerator.distributed_type.value,
                  "deepspeed_config_file": os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if stage else None,
@@ -418,8 +430,8 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from trainer.builtin.resolve import resolve_model_path
     from trainer.distributed.teardown import leave_process_group
-    from trainer.models.builtin import resolve_model_path
 
     model_dir = resolve_model_path("builtin:tiny")
     ref = reference(args, model_dir) if int(os.environ["RANK"]) == 0 else None

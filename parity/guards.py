@@ -30,7 +30,7 @@ def threshold_violations(metrics: Mapping[str, float], *, max_mae: Optional[floa
 
 
 # Below this mae a ratio says nothing: float32 on both sides measures ~1e-5 on a 30-layer model
-# (README "The bound we hold ourselves to"), where a 5x move is still far below any BF16 level,
+# (docs/parity-metrics.md "What is normal"), where a 5x move is still far below any BF16 level,
 # and an exact recipe's 0 would make every later non-zero value an infinite ratio.
 RATIO_MAE_FLOOR = 1e-4
 

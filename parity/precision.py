@@ -335,7 +335,7 @@ def verify_scaled_mm(device: str | torch.device = "cuda", *, rtol: float = 2e-2)
 
 
 def host_has_native_bf16() -> bool:
-    """Whether this CPU computes BF16 natively (AVX512-BF16 or AMX-BF16 flags in /proc/cpuinfo).
+    """Whether the host CPU computes BF16 natively (AVX512-BF16 or AMX-BF16 flags in /proc/cpuinfo).
 
     Without it PyTorch emulates BF16 kernels, and BF16 results over differently padded or sharded
     batches differ in the low bits (measured on an AVX2-only AMD EPYC: the two shards' loss 4e-4

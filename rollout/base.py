@@ -1,4 +1,4 @@
-"""The one interface every rollout engine implements."""
+"""The one interface every rollout engine implements, and what an unreachable engine raises."""
 from __future__ import annotations
 
 from typing import Iterable, Protocol
@@ -8,32 +8,75 @@ import torch
 from rollout.types import Rollouts, SamplingSpec, Scored
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot be reached (a server not started, dead, or not answering in time).
+
+    Not a wrong answer: the run stops, keeps its last checkpoint, and continues with
+    ``parityrl train <recipe> --resume`` once the engine is back; the message names the engine
+    and the action that failed.
+    """
+
+
 class RolloutEngine(Protocol):
+    """What the trainer uses of an engine (``trainer.rl``): sampling, scoring, weight sync, release.
+
+    max_model_len: prompt + completion tokens per sequence the engine holds (None: no limit known).
+    pushes_weights: False on an engine whose weights another process pushes (a data-parallel rank
+        other than 0 sharing rank 0's server): a sync only calls ``follow_push``.
+    streams_weights: True when an update may come as a stream of chunks of whole decoder layers
+        (``load_weight_chunks``), each made after the previous one was taken, so the trainer never
+        holds a whole merged model; False: the update comes whole in one ``load_weights``.
+    fp8_block_weights: True for an engine running vLLM's CUDA block-FP8 layers, which takes the
+        targeted weights as block-FP8 values and scales (``rollout.fp8_weights.fp8_block_weights``);
+        False: HF-named weights in a float dtype.
+    """
+
+    max_model_len: int | None
+    pushes_weights: bool
+    streams_weights: bool
+    fp8_block_weights: bool
+
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
         """Sample ``spec.n`` completions per prompt; groups are contiguous."""
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the named parameters (Hugging Face names, e.g.
-        ``model.layers.0.self_attn.q_proj.weight``) in place. Names not given keep
-        their current values."""
 
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each given sequence, from one
         prefill (no decoding), with the top-k per position if asked; the parity probe compares
         engine and trainer on fixed sequences with it (trainer.rl.probe)."""
 
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the named parameters (Hugging Face names, e.g.
+        ``model.layers.0.self_attn.q_proj.weight``) in place. Names not given keep
+        their current values."""
+
+    def load_weight_chunks(self, chunks: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """Take one update as an iterable of chunks (whole decoder layers,
+        ``rollout.weight_export.layer_chunks``), each taken before the next is made. Only called
+        when ``streams_weights``; an engine that does not stream raises."""
+
+    def follow_push(self) -> None:
+        """Only called when not ``pushes_weights``: another process has just pushed new weights;
+        expect their version from now on. An engine that pushes its own weights raises."""
+
     def close(self) -> None:
         """Release the engine's memory."""
 
-    # Optional: ``load_weight_chunks(chunks)`` -- the engine takes an update as an iterable of
-    # chunks (whole decoder layers, ``rollout.weight_export.layer_chunks``), each taken before
-    # the next is made; ``trainer.rl.engines.sync_weights`` then streams the merge into it.
 
+class InProcessEngine:
+    """The weight-sync part of the interface for an engine in the trainer's own process (colocated vLLM, HF).
 
-class LayerChunkUpdates:
-    """``load_weight_chunks`` for engines whose ``load_weights`` keeps the values of names not sent:
-    each chunk is loaded as an update of its own as it arrives (the colocated vLLM and HF engines)."""
+    It pushes its own weights, and since its ``load_weights`` keeps the values of names not sent,
+    each chunk of a streamed update is loaded as an update of its own as it arrives.
+    """
+
+    pushes_weights = True
+    streams_weights = True
+    fp8_block_weights = False
 
     def load_weight_chunks(self, chunks: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
         for chunk in chunks:
             self.load_weights(chunk)
+
+    def follow_push(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} pushes its own weights (pushes_weights is True): "
+                           "call load_weights, not follow_push")

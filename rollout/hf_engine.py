@@ -24,9 +24,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from rollout.base import LayerChunkUpdates
+from rollout.base import InProcessEngine
+from rollout.requests import sample_seed, validate_request
 from rollout.types import Rollouts, SamplingSpec, Scored
-from rollout.vllm_engine import sample_seed, validate_request
 
 
 def attention_implementation(config) -> str | None:
@@ -42,7 +42,7 @@ def attention_implementation(config) -> str | None:
     return "eager" if getattr(text, "attn_logit_softcapping", None) else None
 
 
-class HFEngine(LayerChunkUpdates):
+class HFEngine(InProcessEngine):
     """A ``transformers`` causal LM behind the ``rollout.base.RolloutEngine`` interface.
 
     model: a loaded ``PreTrainedModel`` (used as is, e.g. the trainer's own policy)

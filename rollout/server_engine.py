@@ -35,9 +35,9 @@ processes and devices, tensor parallel size >= 1. This client implements the
 Weight sync (``load_weights``) uses vLLM's weight-transfer lifecycle over its RL HTTP
 routes (``vllm/entrypoints/rl/online/api_router.py``, enabled by
 ``VLLM_SERVER_DEV_MODE=1``) with the backend the server was started with:
-``parityrl_file`` (``rollout.server_transfer``; CPU, same host) or vLLM's ``nccl``
+``parityrl_file`` (``rollout.vllm_plugins.server_transfer``; CPU, same host) or vLLM's ``nccl``
 (``vllm/distributed/weight_transfer/nccl_engine.py``; CUDA; written against vLLM's
-source but NOT run here: this project is developed on CPU-only machines). Both sit
+source but not run by the project's tests, which are CPU-only). Both sit
 behind vLLM's ``TrainerWeightTransferEngine`` interface, driven by ``HTTPWeightSyncClient``.
 Updates must hold whole fused groups (``check_fused_groups``); the prefix cache is
 reset after each push (``POST /reset_prefix_cache``). A push may come in chunks of whole
@@ -63,19 +63,13 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from rollout.base import EngineUnavailable
+from rollout.model_files import checkpoint_shapes, eos_token_ids
+from rollout.prompt_logprobs import read_prompt_logprobs
+from rollout.requests import sample_seed, validate_request, validate_score_request
 from rollout.types import Rollouts, SamplingSpec, Scored
-from rollout.vllm_engine import (
-    DEFAULT_PACKED_MODULES,
-    check_update,
-    checkpoint_shapes,
-    engine_named_tensors,
-    eos_token_ids,
-    read_prompt_logprobs,
-    sample_seed,
-    validate_request,
-    validate_score_request,
-)
 from rollout.weight_export import payload_bytes
+from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors
 
 _RESTART_HINT = ("the server process may have died or never started; start it with `parityrl serve <recipe>` "
                  "and continue the run with `parityrl train <recipe> --resume`")
@@ -91,11 +85,8 @@ def _check_version(choice: dict, version: str, bad) -> None:
 
 
 class ServerEngineError(RuntimeError):
-    """The vLLM server answered, but with an error or an unusable response."""
-
-
-class EngineUnavailable(ServerEngineError):
-    """The vLLM server cannot be reached (not started, died, or not answering in time)."""
+    """The vLLM server answered, but with an error or an unusable response. One that cannot be reached
+    (not started, died, or not answering in time) raises ``rollout.base.EngineUnavailable`` instead."""
 
 
 def parse_server_url(url: str) -> tuple[str, int]:
@@ -132,7 +123,7 @@ class _Http:
                 else f"is unreachable ({type(e).__name__}: {str(e) or 'connection closed by the server'})")
         return EngineUnavailable(f"vLLM server at {self.url} {what} during {action} ({method} {path}); {_RESTART_HINT}")
 
-    def error(self, action: str, method: str, path: str, status: int, text: str) -> ServerEngineError:
+    def error(self, action: str, method: str, path: str, status: int, text: str) -> ServerEngineError | EngineUnavailable:
         if status >= 500 and _ENGINE_DEAD in text:
             # The API server still answers but its engine core is gone (killed, OOM): vLLM's EngineDeadError,
             # "Unrecoverable" (vllm/v1/engine/exceptions.py). As unusable as a dead server: the run stops with the
@@ -266,6 +257,11 @@ class ServerEngine:
         (rank 0 draws it, the loop broadcasts it), a fresh random one by default.
     """
 
+    # A push may come as chunks of whole layers, all under one weight version (load_weight_chunks).
+    streams_weights = True
+    # The server runs vLLM in BF16/FP16 (the recipe check refuses FP8 recipes in server mode).
+    fp8_block_weights = False
+
     def __init__(self, url: str, *, model_dir: str | Path, timeout_s: float = 300.0, dtype: str = "bfloat16",
                  max_model_len: int | None = None, eos_ids: Sequence[int] | None = None,
                  transfer_root: str | Path | None = None, max_concurrency: int = 256, pushes_weights: bool = True,
@@ -313,11 +309,9 @@ class ServerEngine:
         try:
             out = self.http.call("POST", "/collective_rpc", "server check",
                                  json={"method": "parityrl_server_info"})
-        except EngineUnavailable:
-            raise
         except ServerEngineError as e:
             raise ServerEngineError(f"{e}\n-> the server at {self.url} was not started by `parityrl serve` (it needs "
-                                    "--worker-extension-cls rollout.server_transfer.ParityrlWorkerExtension)") from None
+                                    "--worker-extension-cls rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension)") from None
         results = (out or {}).get("results") or []
         if not results or not isinstance(results[0], dict):
             raise ServerEngineError(f"vLLM server at {self.url}: parityrl_server_info returned {out!r:.300}")
@@ -354,13 +348,14 @@ class ServerEngine:
     def _start_transfer(self, transfer_root) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from rollout import server_transfer
+        # late: the plug-in imports vLLM, only needed when this trainer pushes weights
+        from rollout.vllm_plugins import server_transfer
 
         self._source = server_transfer.ListWeightSource()
         client = HTTPWeightSyncClient(self.http)
         if self.backend == server_transfer.BACKEND:
             info = server_transfer.FileTrainerInitInfo(rank=0, root=str(transfer_root or ""))
-        else:  # nccl -- UNTESTED here (no GPU): follows vllm/distributed/weight_transfer/nccl_engine.py
+        else:  # nccl -- not run by the CPU-only tests: follows vllm/distributed/weight_transfer/nccl_engine.py
             if not torch.cuda.is_available():
                 raise ServerEngineError(f"vLLM server at {self.url} uses the nccl weight-transfer backend, which needs "
                                         "CUDA in the trainer too; on CPU start it with --transfer-backend parityrl_file")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 from pathlib import Path
@@ -38,164 +37,14 @@ from typing import Iterable, Sequence
 
 import torch
 
-from rollout.base import LayerChunkUpdates
+from rollout.base import InProcessEngine
+from rollout.model_files import checkpoint_shapes, eos_token_ids
+from rollout.prompt_logprobs import read_prompt_logprobs
+from rollout.requests import sample_seed, validate_request, validate_score_request
 from rollout.types import Rollouts, SamplingSpec, Scored
+from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors, quiet_partial_reload
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
-# vLLM's fused modules for Llama-family models, used if the model class cannot be asked.
-DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-# Partial reloads are routine here; these loggers warn about every module not in the update.
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
-_MASK64 = (1 << 64) - 1
-
-
-def validate_score_request(sequences: Sequence[Sequence[int]], max_model_len: int) -> None:
-    """``score``'s sequences: 2 tokens at least (one to condition on), and room for the one token vLLM samples."""
-    for k, seq in enumerate(sequences):
-        if len(seq) < 2 or len(seq) + 1 > max_model_len:
-            raise ValueError(f"score: sequences[{k}] has {len(seq)} tokens; expected 2 to "
-                             f"{max_model_len - 1} (max_model_len - 1)")
-
-
-def read_prompt_logprobs(seq: Sequence[int], positions: Sequence, topk: int, bad) -> tuple[list, list, list]:
-    """One scored sequence from vLLM's prompt log-probs, as both engines receive them.
-
-    ``positions[t]``: ``{token id: (logprob, rank)}`` of the actual token and the top ``topk`` by
-    rank (``None`` at t = 0, which has nothing to condition on). Returns the log-probs of tokens
-    1.. and, with ``topk``, each position's top-k ids and log-probs, most likely first.
-    ``bad(msg)`` builds the exception for an answer that does not fit the sequence.
-    """
-    if positions is None or len(positions) != len(seq):
-        raise bad(f"{None if positions is None else len(positions)} prompt log-prob positions for {len(seq)} tokens")
-    lps, top_ids, top_lps = [], [], []
-    for t in range(1, len(seq)):
-        pos = positions[t] or {}
-        if seq[t] not in pos:
-            raise bad(f"position {t} has no log-prob for its token {seq[t]}")
-        lps.append(pos[seq[t]][0])
-        if topk:
-            top = sorted((rank, tid, lp) for tid, (lp, rank) in pos.items() if rank <= topk)
-            if len(top) != topk:
-                raise bad(f"position {t}: {len(top)} top log-probs, expected {topk}")
-            top_ids.append([tid for _, tid, _ in top])
-            top_lps.append([lp for _, _, lp in top])
-    return lps, top_ids, top_lps
-
-
-def sample_seed(base: int, index: int) -> int:
-    """A 31-bit per-sample seed from (base seed, sample index): SplitMix64 of the pair.
-
-    Distinct indices give unrelated streams (no correlated noise between the
-    samples of one batch), and a different ``base`` (the trainer uses one per
-    step) gives a fresh set. Reference: Steele et al. 2014, "Fast splittable
-    pseudorandom number generators" (SplitMix64 finaliser).
-    """
-    z = (int(base) * 0x9E3779B97F4A7C15 + int(index) + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & 0x7FFFFFFF
-
-
-def validate_request(prompt_ids: Sequence[Sequence[int]], spec: SamplingSpec, max_model_len: int | None = None) -> None:
-    """Refuse a malformed batch before it reaches an engine (shared by both engines)."""
-    if not isinstance(spec, SamplingSpec):
-        raise TypeError(f"spec: expected rollout.types.SamplingSpec, got {type(spec).__name__}")
-    checks = [
-        (isinstance(spec.n, int) and spec.n >= 1, "spec.n", spec.n, "an integer >= 1"),
-        (spec.temperature > 0, "spec.temperature", spec.temperature, "a number > 0"),
-        (0 < spec.top_p <= 1, "spec.top_p", spec.top_p, "a number in (0, 1]"),
-        (isinstance(spec.top_k, int) and spec.top_k >= 0, "spec.top_k", spec.top_k, "an integer >= 0 (0 = off)"),
-        (isinstance(spec.max_new_tokens, int) and spec.max_new_tokens >= 1, "spec.max_new_tokens",
-         spec.max_new_tokens, "an integer >= 1"),
-        (isinstance(spec.logprobs_topk, int) and spec.logprobs_topk >= 0, "spec.logprobs_topk", spec.logprobs_topk,
-         "an integer >= 0 (0 = off)"),
-        (isinstance(spec.index_offset, int) and spec.index_offset >= 0, "spec.index_offset", spec.index_offset,
-         "an integer >= 0"),
-    ]
-    for ok, name, value, expected in checks:
-        if not ok:
-            raise ValueError(f"{name} = {value!r}: expected {expected}")
-    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
-        raise ValueError(f"prompt_ids: expected a non-empty list of token-id lists, got {type(prompt_ids).__name__}"
-                         f"{'' if not isinstance(prompt_ids, (list, tuple)) else ' (empty)'}")
-    for i, p in enumerate(prompt_ids):
-        if not isinstance(p, (list, tuple)) or not p or not all(isinstance(t, int) and t >= 0 for t in p):
-            raise ValueError(f"prompt_ids[{i}]: expected a non-empty list of non-negative ints, got {p!r:.80}")
-        if max_model_len is not None and len(p) + spec.max_new_tokens > max_model_len:
-            raise ValueError(f"prompt_ids[{i}] has {len(p)} tokens; with spec.max_new_tokens = {spec.max_new_tokens} "
-                             f"that exceeds the engine's max_model_len = {max_model_len}")
-
-
-def eos_token_ids(model_dir: str | Path) -> list[int]:
-    """EOS ids of a local HF model dir: generation_config.json first, then config.json."""
-    for fname in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / fname
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-    return []
-
-
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | None:
-    """Parameter name -> shape from a local safetensors checkpoint's headers (no tensor is read)."""
-    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                shapes[k] = tuple(sf.get_slice(k).get_shape())
-    return shapes
-
-
-def check_fused_groups(names: Iterable[str], packed: dict[str, list[str]]) -> None:
-    """Refuse an update holding only part of a fused module (see module docstring).
-
-    ``packed``: vLLM's ``packed_modules_mapping``, fused name -> HF shard names.
-    A name ``<prefix>.<shard>.<param>`` with ``shard`` in a group needs every
-    ``<prefix>.<sibling>.<param>`` of that group in the same update.
-    """
-    names = set(names)
-    missing: list[str] = []
-    for name in sorted(names):
-        parts = name.split(".")
-        if len(parts) < 2:
-            continue
-        for shards in packed.values():
-            if parts[-2] in shards:
-                siblings = [".".join(parts[:-2] + [s, parts[-1]]) for s in shards]
-                missing += [s for s in siblings if s not in names and s not in missing]
-    if missing:
-        raise ValueError(
-            f"named_tensors: vLLM fuses {sorted(packed)} and rebuilds a fused module from the shards it is sent, "
-            f"so an update must contain all of them; missing {missing[:6]}{' ...' if len(missing) > 6 else ''} "
-            "(rollout.weight_export.merged_lora_weights adds them)"
-        )
-
-
-def check_update(named: list[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]] | None, model: str,
-                 packed: dict[str, list[str]]) -> None:
-    """Refuse a weight update with duplicate names, names or shapes not in the checkpoint, or partial fused groups.
-
-    Shared by every engine that takes HF-named tensors (in-process and server).
-    ``shapes``: ``checkpoint_shapes(model)`` (None skips the name/shape checks).
-    """
-    names = [n for n, _ in named]
-    if len(set(names)) != len(names):
-        raise ValueError(f"named_tensors: duplicate names {sorted({n for n in names if names.count(n) > 1})[:6]}")
-    if shapes is not None:
-        unknown = [n for n in names if n not in shapes]
-        if unknown:
-            raise ValueError(f"named_tensors: unknown parameter names {unknown[:6]} (not in {model}'s "
-                             f"checkpoint; expected HF names such as {next(iter(shapes))!r})")
-        bad = [(n, tuple(t.shape), shapes[n]) for n, t in named if tuple(t.shape) != shapes[n]]
-        if bad:
-            raise ValueError(f"named_tensors: shape mismatch (name, given, expected): {bad[:4]}")
-    check_fused_groups(names, packed)
 
 
 @contextlib.contextmanager
@@ -237,46 +86,6 @@ def _drop_log(logger_name: str, prefix: str, active: bool = True):
         logger.removeFilter(flt)
 
 
-@contextlib.contextmanager
-def quiet_partial_reload():
-    loggers = [logging.getLogger(n) for n in _RELOAD_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-def to_engine_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast a synced tensor to the engine dtype, except block-FP8 weights and their float32 scales.
-
-    Hook for the CUDA FP8 recipes (``rollout.fp8_export.fp8_block_weights``): the
-    engine's ``Fp8LinearMethod`` stores float8_e4m3fn weights and float32
-    ``weight_scale_inv``; casting either to BF16 would corrupt them.
-    """
-    if t.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv"):
-        return t
-    return t.to(dtype)
-
-
-def engine_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
-                         ) -> list[tuple[str, torch.Tensor]]:
-    """An update's (HF name, tensor) pairs, checked to be pairs and cast to the engine dtype (``to_engine_dtype``).
-
-    Shared by every engine that takes HF-named tensors (in-process and server).
-    """
-    named = []
-    for item in named_tensors:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)):
-            raise TypeError(f"named_tensors: expected (str, torch.Tensor) pairs, got {type(item).__name__}")
-        named.append((item[0], to_engine_dtype(item[0], item[1].detach(), dtype)))
-    return named
-
-
 def _sampled_logprobs(completion, topk: int = 0):
     """(sampled-token log-probs, top-k ids, top-k log-probs) from vLLM's FlatLogprobs output.
 
@@ -302,7 +111,7 @@ def _sampled_logprobs(completion, topk: int = 0):
     return sampled, top_ids, top_lps
 
 
-class VLLMEngine(LayerChunkUpdates):
+class VLLMEngine(InProcessEngine):
     """In-process vLLM behind the ``rollout.base.RolloutEngine`` interface.
 
     model: local HF directory (or hub id when a network is available).
@@ -367,6 +176,8 @@ class VLLMEngine(LayerChunkUpdates):
                             enable_sleep_mode=enable_sleep_mode and self.cuda, **memory, **llm_kwargs)
         VLLMEngine._live += 1
         self._sleep_enabled = enable_sleep_mode and self.cuda
+        # vLLM's CUDA block-FP8 layers load FP8 values + scales (rollout.fp8_weights), not float weights.
+        self.fp8_block_weights = llm_kwargs.get("quantization") == "fp8"
         self.packed_modules = self._packed_modules()
 
     def _packed_modules(self) -> dict[str, list[str]]:

@@ -9,8 +9,8 @@ weights. A sync sends, for every LoRA-wrapped module, the effective weight
 https://arxiv.org/abs/2106.09685, eq. 3) under the base model's parameter name,
 e.g. ``model.layers.0.self_attn.q_proj.weight``.
 
-The merge is computed here, out of place, never with ``merge_adapter()`` /
-``unmerge_adapter()``: that round trip adds and subtracts the delta in the
+The merge (``parity.lora``, the one the trainer's FP8 layers compute too) is out of
+place, never ``merge_adapter()`` / ``unmerge_adapter()``: that round trip adds and subtracts the delta in the
 base weight's storage dtype, so a BF16 base would drift by a rounding error
 every sync. The arithmetic is done in float32 and rounded to ``dtype`` once,
 which is exactly what a merged checkpoint (``merge_and_unload`` in float32,
@@ -34,6 +34,8 @@ from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+
+from parity.lora import merged_lora_weight
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 Gather = Callable[[Sequence[nn.Parameter]], ContextManager]
@@ -68,49 +70,8 @@ def _hf_root(peft_model: nn.Module) -> nn.Module:
 
 
 def _merged_lora_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """W_base + sum_a scaling_a * delta_a, in float32, rounded to ``dtype`` once.
-
-    Linear: lora_A[a].weight [r, in], lora_B[a].weight [out, r], delta = B @ A [out, in]
-    (transposed to [in, out] when fan_in_fan_out, matching the base weight).
-    Embedding: lora_embedding_A[a] [r, vocab], lora_embedding_B[a] [dim, r],
-    delta = (B @ A).T [vocab, dim].
-    Adapters already merged into the base (``merged_adapters``) are not added again;
-    with adapters disabled the forward uses the base weight, and so does this.
-    """
-    base = module.get_base_layer().weight
-    merged = base.detach().to(torch.float32, copy=True)
-    if module.disable_adapters:
-        return merged.to(dtype)
-    for adapter in module.active_adapters:
-        if adapter in module.merged_adapters:
-            continue
-        variant = getattr(module, "lora_variant", {}).get(adapter)
-        if variant is not None or getattr(module, "use_dora", {}).get(adapter):
-            raise NotImplementedError(
-                f"adapter {adapter!r} uses a LoRA variant ({type(variant).__name__}, e.g. DoRA); "
-                "its merge is not W + s*B@A and is not supported by merged_lora_weights"
-            )
-        scaling = float(module.scaling[adapter])
-        if adapter in getattr(module, "lora_A", {}):
-            lora_b = module.lora_B[adapter]
-            if getattr(lora_b, "bias", None) is not None:
-                raise NotImplementedError(f"adapter {adapter!r} has lora_bias=True; merging it changes the base bias")
-            delta = lora_b.weight.detach().float() @ module.lora_A[adapter].weight.detach().float()
-            if module.fan_in_fan_out:
-                delta = delta.T
-        elif adapter in getattr(module, "lora_embedding_A", {}):
-            delta = (module.lora_embedding_B[adapter].detach().float() @ module.lora_embedding_A[adapter].detach().float()).T
-        else:
-            continue  # adapter not applied to this module
-        if delta.shape != merged.shape:
-            raise NotImplementedError(
-                f"LoRA module of type {type(module).__name__}: delta shape {tuple(delta.shape)} != "
-                f"base weight shape {tuple(merged.shape)}; only Linear and Embedding LoRA layers are supported"
-            )
-        # delta * scaling, then add: the same float32 operations as PEFT's merge, so
-        # the result is bitwise what merge_and_unload() of a float32 copy holds.
-        merged.add_(delta * scaling)
-    return merged.to(dtype)
+    """``parity.lora.merged_lora_weight`` (float32 when an adapter adds to the base), rounded to ``dtype`` once."""
+    return merged_lora_weight(module).detach().to(dtype)
 
 
 def _module_params(module: nn.Module) -> list[nn.Parameter]:

@@ -18,7 +18,7 @@ os.environ.setdefault("PARITYRL_CACHE", str(REPO / ".cache" / "parityrl"))
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> str:
     """The warm-started built-in model (built once per cache, then reused)."""
-    from trainer.models.builtin import resolve_model_path
+    from trainer.builtin.resolve import resolve_model_path
 
     return resolve_model_path("builtin:tiny")
 

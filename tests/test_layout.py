@@ -1,10 +1,16 @@
-"""The package layout's rules (README "Where things are"), checked from the source.
+"""The package layout's rules (docs/architecture.md), checked from the source.
 
 - No import cycles between modules of ``trainer``, ``rollout`` and ``parity``. Every
   import counts, including the ones inside functions: a lazy import hides a cycle from
   Python's import machinery but not from a reader.
-- ``parity`` imports neither ``trainer`` nor ``rollout`` (shared/DESIGN.md: the neutral
-  ground both sides trust); ``rollout`` does not import ``trainer``.
+- ``parity`` imports neither ``trainer`` nor ``rollout`` (the neutral ground both sides
+  trust); ``rollout`` does not import ``trainer``.
+- Arrows one way inside ``trainer``: a subpackage imports only subpackages below it in
+  ``TRAINER_ORDER``, so a reader can learn the packages bottom up.
+- Imports of project modules sit at the top of the file, so its top says what it depends
+  on. An import inside a function carries a ``# late:`` comment saying why (an optional
+  heavy dependency such as vLLM or DeepSpeed behind it, or a command-line start that must
+  stay fast).
 - Every module of ``trainer`` lives in a subpackage whose name says its role, except the
   entry points.
 
@@ -19,6 +25,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "rollout", "parity")
 ENTRY_POINTS = {"trainer/__init__.py", "trainer/__main__.py", "trainer/cli.py", "trainer/train.py"}
+# Highest first. commands: thin entry points over everything; rl: the RL run; builtin: the models the project
+# builds itself (the warm start runs the supervised stage); supervised: SFT and reward-model training; rewards:
+# reward functions and the reward-model scorer; models: loading and running a policy; io: run directories,
+# checkpoints, logs; data: prompt datasets and tasks; distributed: process groups, DDP, DeepSpeed; config: the
+# recipes' schema (it reads the algorithms' option types); algorithms: pure tensor functions and their records.
+TRAINER_ORDER = ("commands", "rl", "builtin", "supervised", "rewards", "models", "io", "data", "distributed",
+                 "config", "algorithms")
 
 
 def module_name(path: Path) -> str:
@@ -119,6 +132,85 @@ def test_layers():
            if (m.startswith("parity") and d.split(".")[0] in ("trainer", "rollout"))
            or (m.startswith("rollout") and d.startswith("trainer"))]
     assert not bad, f"imports across layers: {bad}"
+
+
+def trainer_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "trainer" and len(parts) > 2 else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    rank = {name: i for i, name in enumerate(TRAINER_ORDER)}
+    bad = []
+    for mod, deps in graph.items():
+        src = trainer_package(mod)
+        if src is None:
+            continue
+        for dep in deps:
+            dst = trainer_package(dep)
+            if dst is not None and dst != src and rank.get(dst, -1) <= rank.get(src, len(rank)):  # unknown: flagged
+                bad.append((mod, dep))
+    return sorted(bad)
+
+
+def test_upward_import_finder_sees_one():
+    assert upward_imports({"trainer.config.load": {"trainer.models.policy", "trainer.algorithms.record"}}) == \
+        [("trainer.config.load", "trainer.models.policy")]
+    assert upward_imports({"trainer.rl.loop": {"trainer.models.policy"}}) == []
+    assert upward_imports({"trainer.newpkg.x": {"trainer.models.policy"}}) == [("trainer.newpkg.x", "trainer.models.policy")]
+
+
+def test_every_trainer_package_has_its_place_in_the_order():
+    packages = {p.name for p in (REPO / "trainer").iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(TRAINER_ORDER), f"packages not in TRAINER_ORDER (or gone): {packages ^ set(TRAINER_ORDER)}"
+
+
+def test_trainer_packages_import_only_downwards():
+    bad = upward_imports(import_graph(project_modules()))
+    assert not bad, "imports against TRAINER_ORDER: " + "; ".join(f"{m} -> {d}" for m, d in bad)
+
+
+def late_project_imports(path: Path) -> list[str]:
+    """Imports of project modules inside a function without a ``# late:`` reason on or just above them."""
+    source = path.read_text()
+    lines = source.splitlines()
+    found = []
+    for fn in ast.walk(ast.parse(source, str(path))):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            if not any(n.split(".")[0] in PACKAGES for n in names):
+                continue
+            i = node.lineno - 1
+            reasoned = "# late:" in lines[i]
+            while not reasoned and i > 0:  # up through the block of imports and comments it belongs to
+                i -= 1
+                text = lines[i].strip()
+                if not (text.startswith(("#", "from ", "import ")) or text.startswith(")")):
+                    break
+                reasoned = "# late:" in text
+            if not reasoned:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
+def test_late_import_finder(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    f = tmp_path / "m.py"
+    f.write_text("def a():\n    from trainer.x import y\n    return y\n\n"
+                 "def b():\n    # late: vllm is optional\n    from rollout.vllm_engine import V\n    import json\n")
+    assert late_project_imports(f) == ["m.py:2"]
+
+
+def test_project_imports_are_at_the_top():
+    found = [hit for p in project_modules().values() for hit in late_project_imports(p)]
+    assert not found, "imports of project modules inside functions without a '# late:' reason: " + ", ".join(found)
 
 
 def test_every_trainer_module_is_in_a_subpackage():

@@ -17,11 +17,14 @@ non-empty --out without --overwrite).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 
-from trainer.config import RecipeError
+import yaml
+
+from trainer.config import RecipeError, to_dict
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -43,12 +46,6 @@ def version() -> str:
 
 def print_config(cfg) -> int:
     """The resolved recipe as YAML (what the run records as recipe.yaml), for any of the recipe commands."""
-    import json
-
-    import yaml
-
-    from trainer.config import to_dict
-
     data = json.loads(json.dumps(to_dict(cfg), default=str))  # paths and the like as strings
     print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False), end="")
     return 0
@@ -136,7 +133,7 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="vLLM CPU KV cache, e.g. 256MiB")
     p.add_argument("--batch-size", type=int, default=16, help="samples per trainer scoring micro-batch")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp8_rollout", "fp8_unified"], default="bf16",
-                   help="precision recipe of both sides (fp16 needs --dtype float16; README 'Precision recipes')")
+                   help="precision recipe of both sides (fp16 needs --dtype float16; docs/precision.md)")
     p.add_argument("--topk", type=int, default=0,
                    help="also compare the engine's k most likely tokens per position: parity/topk_kl (0 = off)")
     p.add_argument("--self-check", action="store_true",
@@ -154,10 +151,12 @@ def run_train(argv: list[str] | None = None, prog: str = "parityrl train") -> in
 
 
 def _train(args) -> int:
+    # late: each subcommand loads its own stack when it runs (train's pulls in vLLM, seconds), so `parityrl
+    # --help`, `--version` and a refused recipe answer at once
     from trainer.commands.train import run_train_command
 
     if getattr(args, "print_config", False):
-        from trainer.config import load_recipe
+        from trainer.rl.preflight import load_recipe  # late: as _train
 
         return _printed(lambda: load_recipe(args.recipe, args.overrides))
 
@@ -165,45 +164,21 @@ def _train(args) -> int:
 
 
 def _sft(args) -> int:
-    from trainer.commands.sft import run_sft
-    from trainer.sft.recipe import load_sft_recipe
+    # late: the command line parses its arguments before torch and transformers load
+    from trainer.commands.sft import load_sft_recipe, run_sft_command
 
     if args.print_config:
         return _printed(lambda: load_sft_recipe(args.recipe, args.overrides))
-    try:
-        cfg = load_sft_recipe(args.recipe, args.overrides)
-        out = run_sft(cfg, overwrite=args.overwrite, resume=args.resume)
-    except RecipeError as e:  # the recipe, or data that does not fit it (e.g. fewer tokens than one packed block)
-        print(e.lines("parityrl: invalid recipe: "), file=sys.stderr)
-        return 2
-    except FileExistsError as e:
-        print(f"parityrl sft: {e}" + ("" if "--resume" in str(e) else " (or pass --overwrite)"), file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:  # --resume without a checkpoint
-        print(f"parityrl sft: {e}", file=sys.stderr)
-        return 2
-    if os.environ.get("RANK", "0") == "0":  # under torchrun / accelerate launch, rank 0 wrote it
-        print(f"sft {'adapter' if cfg.output_format == 'adapter' else 'model'} written to {out}")
-    return 0
+    return run_sft_command(args.recipe, args.overrides, overwrite=args.overwrite, resume=args.resume)
 
 
 def _train_rm(args) -> int:
-    from trainer.commands.train_rm import load_rm_recipe, run_train_rm
+    # late: the command line parses its arguments before torch and transformers load
+    from trainer.commands.train_rm import load_rm_recipe, run_train_rm_command
 
     if args.print_config:
         return _printed(lambda: load_rm_recipe(args.recipe, args.overrides))
-    try:
-        cfg = load_rm_recipe(args.recipe, args.overrides)
-        out = run_train_rm(cfg, resume=args.resume)
-    except RecipeError as e:
-        print(e.lines("parityrl: invalid recipe: "), file=sys.stderr)
-        return 2
-    except (FileExistsError, FileNotFoundError) as e:
-        print(f"parityrl train-rm: {e}", file=sys.stderr)
-        return 2
-    if os.environ.get("RANK", "0") == "0":
-        print(f"reward model written to {out}")
-    return 0
+    return run_train_rm_command(args.recipe, args.overrides, resume=args.resume)
 
 
 def _printed(load) -> int:
@@ -215,7 +190,7 @@ def _printed(load) -> int:
 
 
 def _merge(args) -> int:
-    from trainer.commands.merge import MergeError, describe, merge_adapter
+    from trainer.commands.merge import MergeError, describe, merge_adapter  # late: as _train
 
     try:
         out = merge_adapter(args.base, args.adapter, args.out, dtype=args.dtype)
@@ -227,8 +202,9 @@ def _merge(args) -> int:
 
 
 def _serve(args) -> int:
+    # late: as _train
     from trainer.commands.serve import run_serve
-    from trainer.config import load_recipe
+    from trainer.rl.preflight import load_recipe
 
     try:
         cfg = load_recipe(args.recipe, args.overrides)
@@ -240,7 +216,9 @@ def _serve(args) -> int:
 
 
 def _compare(args) -> int:
-    from trainer.commands.compare import CompareError, run_compare
+    # late: as _train
+    from trainer.commands.compare import run_compare
+    from trainer.rl.compare_inputs import CompareError
 
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)
     try:

@@ -27,16 +27,16 @@ from parity.precision import (
     fake_quant_weight_shards,
     fp8_linear,
 )
-from rollout.fp8_export import (
-    EMULATED_FP8,
+from rollout.engine_options import engine_llm_kwargs
+from rollout.fp8_weights import (
     FP8_BLOCK_QUANT_CONFIG,
     check_cuda_block_shapes,
-    engine_llm_kwargs,
     fp8_block_weights,
     is_fp8_target,
     write_fp8_checkpoint,
 )
-from rollout.vllm_engine import to_engine_dtype
+from rollout.vllm_plugins.names import EMULATED_FP8
+from rollout.weight_updates import to_engine_dtype
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -47,7 +47,7 @@ UNIFIED_BOUND = 0.01  # half the suite's BF16 engine-vs-HF bound (MAE_BOUND = 0.
 def test_registered_with_vllm_and_buildable_without_arguments():
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 
-    from rollout.fp8_quant import EmulatedFp8Config
+    from rollout.vllm_plugins.fp8_quant import EmulatedFp8Config
 
     assert EMULATED_FP8 in QUANTIZATION_METHODS
     assert get_quantization_config(EMULATED_FP8) is EmulatedFp8Config
@@ -58,7 +58,7 @@ def test_registered_with_vllm_and_buildable_without_arguments():
 
 
 def test_which_layers_are_quantized():
-    from rollout.fp8_quant import EmulatedFp8Config
+    from rollout.vllm_plugins.fp8_quant import EmulatedFp8Config
 
     cfg = EmulatedFp8Config()
     cfg.packed_modules_mapping = LLAMA_PACKED  # vLLM sets it from the model class
@@ -85,7 +85,7 @@ def no_tp(monkeypatch):
 
 
 def test_linear_method_is_the_trainer_s_computation(no_tp):
-    from rollout.fp8_quant import EmulatedFp8LinearMethod
+    from rollout.vllm_plugins.fp8_quant import EmulatedFp8LinearMethod
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, 192, generator=g).bfloat16() * s for n, s in ((128, 1.0), (64, 0.01), (64, 1.0)))
@@ -106,7 +106,7 @@ def test_linear_method_is_the_trainer_s_computation(no_tp):
 
 
 def test_tensor_parallel_shards_must_cover_whole_blocks(no_tp):
-    from rollout.fp8_quant import EmulatedFp8LinearMethod
+    from rollout.vllm_plugins.fp8_quant import EmulatedFp8LinearMethod
 
     with pytest.raises(ValueError, match="whole"):
         EmulatedFp8LinearMethod().create_weights(torch.nn.Module(), 96, [256], 192, 256, torch.bfloat16,
@@ -159,7 +159,7 @@ def test_write_fp8_checkpoint(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    from trainer.models.tiny import ensure_tiny_base
+    from trainer.builtin.tiny import ensure_tiny_base
 
     with pytest.raises(ValueError, match="k_proj.weight: 64 rows"):
         write_fp8_checkpoint(ensure_tiny_base(), tmp_path / "tiny-fp8")  # CPU emulation only

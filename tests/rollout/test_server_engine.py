@@ -1,4 +1,4 @@
-"""Server mode: rollout.server_engine, rollout.server_transfer, trainer/commands/serve.py.
+"""Server mode: rollout.server_engine, rollout.vllm_plugins.server_transfer, trainer/commands/serve.py.
 
 Fast tier: URL parsing, the server command, the response parser, the
 ``parityrl_file`` transfer engines against a stand-in model, and start-up against a
@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout.server_engine import EngineUnavailable, ServerEngine, ServerEngineError, parse_server_url
+from rollout.base import EngineUnavailable
+from rollout.server_engine import ServerEngine, ServerEngineError, parse_server_url
 from rollout.types import SamplingSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,8 +57,8 @@ def test_parse_server_url():
 
 
 def test_startup_with_nothing_listening_fails_clearly_within_the_timeout(tmp_path):
-    from trainer.config import load_recipe
     from trainer.rl.engines import make_engine
+    from trainer.rl.preflight import load_recipe
 
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -127,7 +128,8 @@ def test_server_settings_check_names_what_is_wrong(tmp_path):
 
 def test_serve_command_has_the_settings_the_trainer_relies_on():
     from trainer.commands.serve import serve_command
-    from trainer.config import RecipeError, load_recipe
+    from trainer.config import RecipeError
+    from trainer.rl.preflight import load_recipe
 
     cfg = load_recipe(RECIPE, ["rollout.server_url=http://127.0.0.1:8123", "parity.topk=40",
                                "rollout.kv_cache_memory_bytes=67108864"], check_paths=False)
@@ -140,7 +142,7 @@ def test_serve_command_has_the_settings_the_trainer_relies_on():
     assert flags["--logprobs-mode"] == "processed_logprobs" and int(flags["--max-logprobs"]) >= 41
     assert flags["--kv-cache-memory-bytes"] == "67108864" and flags["--tensor-parallel-size"] == "2"
     assert json.loads(flags["--weight-transfer-config"]) == {"backend": "parityrl_file"}
-    assert flags["--worker-extension-cls"] == "rollout.server_transfer.ParityrlWorkerExtension"
+    assert flags["--worker-extension-cls"] == "rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension"
     for f in ("--skip-tokenizer-init", "--enable-scale-out", "--no-enable-chunked-prefill", "--enforce-eager"):
         assert flags[f] is True, f
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
@@ -284,7 +286,7 @@ class _LoopbackClient:
 def test_file_backend_delivers_the_tensors_bit_exact(tmp_path):
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from rollout.server_transfer import (
+    from rollout.vllm_plugins.server_transfer import (
         FileTrainerInitInfo,
         FileWeightTransferEngine,
         FileWeightTransferUpdateInfo,
@@ -514,7 +516,7 @@ def overrides_for(tmp_path, name, url, *overrides) -> list[str]:
 
 
 def cfg_for(tmp_path, name, url, *overrides):
-    from trainer.config import load_recipe
+    from trainer.rl.preflight import load_recipe
 
     return load_recipe(RECIPE, overrides_for(tmp_path, name, url, *overrides))
 
@@ -688,8 +690,8 @@ def test_a_dead_engine_core_behind_a_live_front_end_is_an_unavailable_server():
 
 
 def test_nothing_listening_fails_after_the_connect_timeout_not_the_startup_wait(tmp_path):
-    from trainer.config import load_recipe
     from trainer.rl.engines import make_engine
+    from trainer.rl.preflight import load_recipe
 
     url = f"http://127.0.0.1:{free_port()}"
     assert load_recipe(RECIPE, check_paths=False).rollout.server_connect_timeout_s == 30  # the default: one line in ~30 s

@@ -1,4 +1,4 @@
-"""rollout.vllm_engine: pure helpers (fast) and the real in-process engine on the tiny model (slow).
+"""rollout.vllm_engine: the rules it applies (rollout.requests, rollout.model_files, rollout.weight_updates; fast) and the real in-process engine on the tiny model (slow).
 
 Parity bound: vLLM's sampled-token log-probs differ from an unpadded HF forward
 of the same BF16 weights (BF16 kernels differ: oneDNN GEMMs, vLLM's CPU
@@ -12,14 +12,10 @@ import json
 import pytest
 import torch
 
+from rollout.model_files import checkpoint_shapes, eos_token_ids
+from rollout.requests import sample_seed, validate_request
 from rollout.types import SamplingSpec
-from rollout.vllm_engine import (
-    check_fused_groups,
-    checkpoint_shapes,
-    eos_token_ids,
-    sample_seed,
-    validate_request,
-)
+from rollout.weight_updates import check_fused_groups
 
 MAE_BOUND = 0.02
 MISMATCH_FLOOR = 5 * MAE_BOUND  # a broken sync must be at least this far off

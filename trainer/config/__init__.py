@@ -1,11 +1,12 @@
 """Recipes: the schema (typed dataclasses per section), loading (YAML + overrides) and validation.
 
 A recipe is a YAML file (see ``recipes/``) plus ``--set key=value`` overrides.
-Loading checks, before anything heavy starts: unknown keys, wrong types,
-impossible values and cross-field contradictions. Each problem is reported
+Reading checks, before anything heavy starts: unknown keys, wrong types,
+impossible values and cross-field contradictions (the files and models a recipe
+names are checked by ``trainer.rl.preflight``). Each problem is reported
 with the file, the dotted key, the value and what was expected.
 """
-from trainer.config.load import build_config, load_recipe, load_recipe_dict, parse_override
+from trainer.config.load import build_config, load_recipe_dict, parse_override, read_recipe
 from trainer.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -24,12 +25,11 @@ from trainer.config.schema import (
     TrainConfig,
     WandbConfig,
 )
-from trainer.config.validate import check_model_path, correction_config, model_max_positions, to_dict, validate
+from trainer.config.validate import correction_config, to_dict, validate
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "CorrectionSection", "DataConfig", "LoggingConfig", "LoraConfig",
     "ModelConfig", "ParityConfig", "PrecisionConfig", "RecipeError", "RewardConfig", "RewardModelEntry",
-    "RolloutConfig", "RunConfig", "TrainConfig", "WandbConfig", "build_config", "check_model_path",
-    "correction_config", "load_recipe", "load_recipe_dict", "model_max_positions", "parse_override", "to_dict",
-    "validate",
+    "RolloutConfig", "RunConfig", "TrainConfig", "WandbConfig", "build_config", "correction_config",
+    "load_recipe_dict", "parse_override", "read_recipe", "to_dict", "validate",
 ]

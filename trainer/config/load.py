@@ -252,9 +252,10 @@ def build_config(cls: type, data: dict, where: str = "<recipe>"):
     return _build(cls, data, "", where)
 
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_paths: bool = True) -> RunConfig:
-    """Read, override, type-check and validate a training recipe."""
+def read_recipe(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
+    """Read, override, type-check and validate a training recipe on its own (``trainer.rl.preflight.load_recipe``
+    also checks the files and models it names)."""
     data, where = load_recipe_dict(path, overrides)
     cfg = build_config(RunConfig, data, where)
-    validate(cfg, where, check_paths=check_paths)
+    validate(cfg, where)
     return cfg

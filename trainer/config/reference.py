@@ -1,10 +1,10 @@
-"""Every recipe key the schema defines, and which of them README's "Recipe keys" table documents.
+"""Every recipe key the schema defines, and which of them the key tables of docs/recipe-keys.md document.
 
     python -m trainer.config.reference [train|sft|train-rm]   # keys, type, default; undocumented ones marked
 
 The schema (``trainer/config/schema.py``, the algorithms' option dataclasses) is the one source of
-keys; ``tests/trainer/config/test_reference.py`` fails when a key is missing from README's table of its
-command ("Recipe keys", "SFT recipe keys", "Reward-model recipe keys").
+keys; ``tests/trainer/config/test_reference.py`` fails when a key is missing from docs/recipe-keys.md's table of
+its command ("parityrl train", "parityrl sft", "parityrl train-rm").
 """
 from __future__ import annotations
 
@@ -14,28 +14,26 @@ import sys
 import typing
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTION = "### Recipe keys"
+from trainer.algorithms.registry import ALGORITHMS
+from trainer.config.schema import AlgorithmConfig, RunConfig
+from trainer.config.supervised import RMConfig, SFTConfig
+
+KEYS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "recipe-keys.md"
+SECTION = "## parityrl train"
 
 
-# command -> (README heading of its key table, "module:class" of its recipe's schema)
+# command -> (docs/recipe-keys.md heading of its key table, its recipe's schema)
 TABLES = {
-    "train": (SECTION, "trainer.config.schema:RunConfig"),
-    "sft": ("### SFT recipe keys", "trainer.sft.recipe:SFTConfig"),
-    "train-rm": ("### Reward-model recipe keys", "trainer.commands.train_rm:RMConfig"),
+    "train": (SECTION, RunConfig),
+    "sft": ("## parityrl sft", SFTConfig),
+    "train-rm": ("## parityrl train-rm", RMConfig),
 }
 
 
 def recipe_keys(command: str = "train") -> dict[str, tuple[str, object]]:
     """{dotted key: (type, default)} of every key of ``command``'s recipe: the sections' fields (and, for
     ``train``, every algorithm's options)."""
-    import importlib
-
-    from trainer.algorithms.registry import ALGORITHMS
-    from trainer.config.schema import AlgorithmConfig
-
-    module, name = TABLES[command][1].split(":")
-    root = getattr(importlib.import_module(module), name)
+    root = TABLES[command][1]
     out: dict[str, tuple[str, object]] = {}
 
     def walk(cls, prefix: str) -> None:
@@ -64,13 +62,13 @@ def recipe_keys(command: str = "train") -> dict[str, tuple[str, object]]:
     return out
 
 
-def documented_keys(readme: str | None = None, section: str = SECTION) -> set[str]:
-    """The keys named in the first cell of each row of README's recipe-key table.
+def documented_keys(page: str | None = None, section: str = SECTION) -> set[str]:
+    """The keys named in the first cell of each row of a key table of docs/recipe-keys.md.
 
     A cell lists keys in backticks, comma-separated; a key without a dot takes the section of the
     cell's first key (`parity.probe_first`, `probe_every`), and ``a.{x,y}`` / ``a.b_{x,y}`` expand.
     """
-    text = README.read_text() if readme is None else readme
+    text = KEYS_PAGE.read_text() if page is None else page
     lines = text.split(section + "\n", 1)[1].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| key |"))
     keys: set[str] = set()

@@ -78,7 +78,7 @@ class DataConfig:
 @dataclass
 class RewardModelEntry:
     # A reward model written by `parityrl train-rm` (a local HF sequence-classification
-    # directory, num_labels = 1), scoring prompt + completion (trainer/commands/train_rm.py).
+    # directory, num_labels = 1), scoring prompt + completion (trainer/rewards/reward_model.py).
     path: str = ""
     batch_size: int = 32  # sequences per scoring forward
     baseline: float = 0.0  # subtracted from every score
@@ -164,19 +164,38 @@ class RolloutConfig:
     max_staleness: int = 0
 
 
+# The recipes' lr_schedule names; trainer/models/optim.py maps them to transformers.get_scheduler's.
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
 @dataclass
-class TrainConfig:
-    steps: int = 40
-    learning_rate: float = 2e-3
+class StageTrainConfig:
+    """The ``train:`` keys of every training stage (`parityrl train`, `sft`, `train-rm`).
+
+    The four keys without a default here get theirs from each stage's section, which redeclares them
+    (the RL loop also narrows their types: a fixed micro-batch size, a Literal schedule).
+    """
+
+    steps: int
+    learning_rate: float
+    # rows per forward/backward; the rest of the step's batch is gradient accumulation
+    micro_batch_size: Optional[int]
+    # transformers.get_scheduler (trainer/models/optim.py): constant(_with_warmup), linear, cosine
+    lr_schedule: str
     weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    micro_batch_size: int = 32  # samples per forward/backward; the rest is gradient accumulation
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # instead of warmup_steps: ceil(ratio x steps) (TrainingArguments' rule)
-    # transformers.get_scheduler (trainer/models/optim.py): constant(_with_warmup), linear, cosine
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     seed: int = 0
+
+
+@dataclass
+class TrainConfig(StageTrainConfig):
+    steps: int = 40
+    learning_rate: float = 2e-3
+    micro_batch_size: int = 32  # samples per forward/backward; the rest is gradient accumulation
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
 
 
 @dataclass
@@ -208,19 +227,19 @@ class ParityConfig:
     # (trainer/rl/probe.py: one prefill in the engine + one forward in the trainer per probe).
     # Every 2nd: measured 3.4% of a demo step when it ran after every sync (bench/bench_exact.py's
     # bf16 run, 30 steps), above the 3% budget; a bad sync between probes is still caught by the
-    # next step's own parity/* before its update (README "What is measured every step").
+    # next step's own parity/* before its update (docs/parity-metrics.md "The probe").
     probe_every: int = 2
     probe_first: int = 3
     # Relative limit (parity.guards.MaeRatioLimit): a step's or the probe's mae above this many
     # times the run's first measurement (the probe before step 1) is a violation. On by default:
-    # what is normal depends on model depth and dtype (README "The bound we hold ourselves to"),
+    # what is normal depends on model depth and dtype (docs/parity-metrics.md "What is normal"),
     # a jump relative to the run's own start does not. null = off.
     max_mae_ratio: Optional[float] = 5.0
 
 
 @dataclass
 class PrecisionConfig:
-    # Both phases' numerics (README "Precision recipes"):
+    # Both phases' numerics (docs/precision.md):
     #   bf16        both phases BF16 (model.dtype bfloat16)
     #   fp16        both phases FP16 (model.dtype float16)
     #   fp8_rollout BF16 trainer, FP8 engine (the common verl/slime/NeMo-RL setup; the baseline)
@@ -245,9 +264,16 @@ class WandbConfig:
 
 
 @dataclass
-class LoggingConfig:
+class StageLoggingConfig:
+    """The ``logging:`` keys of every training stage: the run directory and its wandb run."""
+
+    # metrics.jsonl, the wandb run (its id kept for --resume) and checkpoints live here
     run_dir: str = "runs/{name}"
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class LoggingConfig(StageLoggingConfig):
     print_every: int = 1
     breakdown_every: int = 10  # parity breakdown tables to wandb every N steps (the jsonl file gets every step)
     # A samples table (prompt, completion, rewards, length, finish reason, the sample's parity) to

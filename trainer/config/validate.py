@@ -1,41 +1,84 @@
-"""Value ranges and cross-field rules of a training recipe, checked before anything heavy starts."""
+"""Value ranges and cross-field rules of a training recipe, checked on the recipe alone before anything heavy
+starts (the files and models it names are checked by ``trainer.rl.preflight``)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
+import torch
+
+from parity.correction import CorrectionConfig
+from rollout.server_engine import parse_server_url
 from trainer.config.schema import RecipeError, RunConfig
 
-
-def _looks_local(path: str) -> bool:
-    # Hub ids ("org/name") also contain a slash, so only an explicit path prefix or an
-    # existing path counts as local; anything else is left to the hub loader.
-    return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
-
-
-def model_max_positions(model_path: str) -> Optional[int]:
-    """The model's context length from its config.json, without loading weights (None if unknown)."""
-    if model_path.startswith("builtin:"):
-        from trainer.models.tiny import builtin_max_positions
-
-        return builtin_max_positions(model_path)
-    cfg_file = Path(model_path).expanduser() / "config.json"
-    if not cfg_file.is_file():
-        return None
-    try:
-        conf = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return conf.get("max_position_embeddings") or conf.get("n_positions") or conf.get("max_seq_len")
-
-
 Need = Callable[[bool, str, Any, str], None]
+# (ok, key, value, expected): one rule's verdict, reported as "key = value: expected ..." when not ok.
+Rule = tuple[bool, str, Any, str]
 
 
-def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = True) -> None:
+def untruncated_sampling(top_p: float, top_k: int, *, top_p_key: str = "rollout.top_p",
+                         top_k_key: str = "rollout.top_k") -> list[Rule]:
+    """No top-p / top-k truncation: the log-probs the trainer computes are those the engine sampled from."""
+    # The trainer scores tokens under softmax(logits / T) over the full vocabulary. The
+    # engine reports processed log-probs (after truncation, renormalised over the kept
+    # tokens), so with top-p / top-k the two sides would describe different
+    # distributions and the difference would be mis-read as numerical mismatch;
+    # reproducing the truncation needs whole sorted rows, which the chunked kernel avoids.
+    return [
+        (top_p == 1.0, top_p_key, top_p,
+         "1.0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-p "
+         "truncation (the engine's processed log-probs are renormalised over the kept tokens)"),
+        (top_k == 0, top_k_key, top_k,
+         "0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-k "
+         "truncation (the engine's processed log-probs are renormalised over the kept tokens)"),
+    ]
+
+
+def topk_range(topk: int, *, key: str = "parity.topk") -> Rule:
+    """The engine's top-k log-probs per position: 0 (off) to 256."""
+    # The top-k costs a [tokens, k] transfer per step; beyond a few hundred the rest
+    # bucket is negligible anyway and vLLM's sampler slows down (torch.topk on the vocab).
+    return (isinstance(topk, int) and not isinstance(topk, bool) and 0 <= topk <= 256, key, topk,
+            "an integer in [0, 256] (0 = off)")
+
+
+def precision_dtype(recipe: str, dtype: str, *, recipe_key: str = "precision.recipe",
+                    dtype_key: str = "model.dtype") -> list[Rule]:
+    """The model dtype a precision recipe runs in: FP16 exactly with fp16, BF16 master weights with FP8."""
+    return [
+        (recipe != "fp16" or dtype == "float16", dtype_key, dtype,
+         f"float16 with {recipe_key} fp16 (both phases run in FP16)"),
+        (dtype != "float16" or recipe == "fp16", dtype_key, dtype,
+         f"bfloat16 or float32 unless {recipe_key} is fp16 (set {recipe_key}: fp16 to run in FP16)"),
+        (not recipe.startswith("fp8") or dtype == "bfloat16", dtype_key, dtype,
+         f"bfloat16 with {recipe_key} {recipe} (BF16 master weights; the FP8 layers dequantize to BF16)"),
+    ]
+
+
+def fp8_engine(recipe: str, engine: Any, *, recipe_key: str = "precision.recipe",
+               engine_key: str = "rollout.engine") -> Rule:
+    """An FP8 recipe needs the vLLM engine: the HF engine has no FP8 path."""
+    return (not (recipe.startswith("fp8") and engine == "hf"), engine_key, engine,
+            f"'vllm' with {recipe_key} {recipe} (the HF engine has no FP8 path)")
+
+
+def exact_requirements(cfg: RunConfig, cuda: bool | None = None) -> list[Rule]:
+    """Each recipe-level condition of ``precision.recipe: exact`` (trainer.models.exact)."""
+    r = cfg.rollout
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return [
+        (cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", cfg.model.dtype,
+         "float32 or bfloat16 with precision.recipe exact"),
+        (r.engine == "vllm", "rollout.engine", r.engine, "'vllm' with precision.recipe exact (it reruns vLLM's kernels)"),
+        (r.mode == "colocate", "rollout.mode", r.mode, "'colocate' with precision.recipe exact (the trainer reads "
+         "the engine's rotary tables and kernel choices in-process)"),
+        (not cuda, "precision.recipe", "exact", "a CPU run: on CUDA the engine's kernels are vLLM's batch-invariant "
+         "Triton ops and GPU attention, which the trainer side does not call (trainer/models/exact.py)"),
+    ]
+
+
+def validate(cfg: RunConfig, where: str = "<recipe>") -> None:
     """Value ranges and cross-field rules, one function per section.
 
     Raises one RecipeError naming every section's first problem (a section stops at its first:
@@ -54,8 +97,6 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
 
     def server_url(cfg: RunConfig, need: Need) -> None:
         if cfg.rollout.mode == "server":  # the same parser the engine and `parityrl serve` use
-            from rollout.server_engine import parse_server_url
-
             try:
                 parse_server_url(cfg.rollout.server_url)
             except ValueError as e:
@@ -73,8 +114,6 @@ def validate(cfg: RunConfig, where: str = "<recipe>", *, check_paths: bool = Tru
                 raise
     if errors:
         raise RecipeError.several(errors)
-    if check_paths:  # files only once the values are sound
-        _check_paths(cfg, where)
 
 
 def _check_name(cfg: RunConfig, need: Need) -> None:
@@ -109,17 +148,8 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
     need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0 (greedy decoding has no log-probs to learn from)")
     need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a number in (0, 1]")
     need(r.top_k >= 0, "rollout.top_k", r.top_k, "an integer >= 0 (0 = off)")
-    # The trainer scores tokens under softmax(logits / T) over the full vocabulary. The
-    # engine reports processed log-probs (after truncation, renormalised over the kept
-    # tokens), so with top-p / top-k the two sides would describe different
-    # distributions and the difference would be mis-read as numerical mismatch;
-    # reproducing the truncation needs whole sorted rows, which the chunked kernel avoids.
-    need(r.top_p == 1.0, "rollout.top_p", r.top_p,
-         "1.0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-p "
-         "truncation (the engine's processed log-probs are renormalised over the kept tokens)")
-    need(r.top_k == 0, "rollout.top_k", r.top_k,
-         "0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-k "
-         "truncation (the engine's processed log-probs are renormalised over the kept tokens)")
+    for rule in untruncated_sampling(r.top_p, r.top_k):
+        need(*rule)
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
     need(r.kv_cache_memory_bytes >= 16 * 1024**2, "rollout.kv_cache_memory_bytes", r.kv_cache_memory_bytes, "at least 16 MiB")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a number in (0, 1)")
@@ -136,8 +166,7 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
         need(not a.record.critic, "algorithm.name", a.name,
              "a critic-free algorithm with rollout.max_staleness 1 (the critic's values are not kept per behaviour policy)")
         need(rec != "exact", "precision.recipe", rec, "not exact with rollout.max_staleness 1 (exact mode is on-policy)")
-    need(not (rec.startswith("fp8") and r.engine == "hf"), "rollout.engine", r.engine,
-         f"'vllm' with precision.recipe {rec} (the HF engine has no FP8 path)")
+    need(*fp8_engine(rec, r.engine))
     # A server is a vLLM server started by `parityrl serve` from the BF16 model: it has neither
     # the FP8 export nor the emulated FP8 layers, and the HF engine cannot be served.
     need(r.mode != "server" or r.engine == "vllm", "rollout.mode", r.mode,
@@ -218,9 +247,7 @@ def _check_parity(cfg: RunConfig, need: Need) -> None:
         need(v is None or v > 0, f"parity.{key}", v, "null or a number > 0")
     ratio = cfg.parity.max_mae_ratio
     need(ratio is None or ratio > 1, "parity.max_mae_ratio", ratio, "null or a number > 1 (a multiple of the run's first mae)")
-    # The top-k costs a [tokens, k] transfer per step; beyond a few hundred the rest
-    # bucket is negligible anyway and vLLM's sampler slows down (torch.topk on the vocab).
-    need(0 <= p.topk <= 256, "parity.topk", p.topk, "an integer in [0, 256] (0 = off)")
+    need(*topk_range(p.topk))
     need(p.probe_prompts >= 0, "parity.probe_prompts", p.probe_prompts, "an integer >= 0 (0 = off)")
     need(p.probe_every >= 1, "parity.probe_every", p.probe_every, "an integer >= 1 (syncs between probes)")
     need(p.probe_first >= 0, "parity.probe_first", p.probe_first, "an integer >= 0 (first syncs always probed)")
@@ -228,17 +255,11 @@ def _check_parity(cfg: RunConfig, need: Need) -> None:
 
 def _check_precision(cfg: RunConfig, need: Need) -> None:
     rec, dt = cfg.precision.recipe, cfg.model.dtype
-    need(rec != "fp16" or dt == "float16", "model.dtype", dt,
-         "float16 with precision.recipe fp16 (both phases run in FP16)")
-    need(dt != "float16" or rec == "fp16", "model.dtype", dt,
-         "bfloat16 or float32 unless precision.recipe is fp16 (set precision.recipe: fp16 to run in FP16)")
-    need(not rec.startswith("fp8") or dt == "bfloat16", "model.dtype", dt,
-         f"bfloat16 with precision.recipe {rec} (BF16 master weights; the FP8 layers dequantize to BF16)")
+    for rule in precision_dtype(rec, dt):
+        need(*rule)
     if rec == "exact":
-        from trainer.models.exact import exact_requirements
-
-        for ok, key, value, expected in exact_requirements(cfg):
-            need(ok, key, value, expected)
+        for rule in exact_requirements(cfg):
+            need(*rule)
 
 
 def _check_checkpoint_and_logging(cfg: RunConfig, need: Need) -> None:
@@ -255,55 +276,8 @@ def _check_checkpoint_and_logging(cfg: RunConfig, need: Need) -> None:
         need(False, "logging.run_dir", cfg.logging.run_dir, "a path; the only placeholder is {name}")
 
 
-def check_model_path(mp: str, where: str) -> None:
-    """A built-in name that exists, or a local directory with a config.json; hub ids pass."""
-    if mp.startswith("builtin:"):
-        from trainer.models.tiny import BUILTIN_MODELS
-
-        if mp not in BUILTIN_MODELS:
-            raise RecipeError(f"{where}: model.path = {mp!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
-        from trainer.models.pretrained import missing_requirement
-
-        if missing_requirement(mp):
-            raise RecipeError(f"{where}: model.path = {mp!r}: {missing_requirement(mp)}")
-    elif _looks_local(mp):
-        d = Path(mp).expanduser()
-        if not d.is_dir():
-            raise RecipeError(f"{where}: model.path = {mp!r}: no such directory")
-        if not (d / "config.json").is_file():
-            raise RecipeError(f"{where}: model.path = {mp!r}: the directory has no config.json (expected a Hugging Face model directory)")
-
-
-def _check_paths(cfg: RunConfig, where: str) -> None:
-    from trainer.data.datasets import looks_like_path  # the data loader's own rule for "this is a file"
-
-    for name, rm in cfg.reward.models.items():
-        if not (Path(rm.path).expanduser() / "config.json").is_file():
-            raise RecipeError(f"{where}: reward.models.{name}.path = {rm.path!r}: expected a local reward-model "
-                              "directory with a config.json (written by `parityrl train-rm`)")
-    mp = cfg.model.path
-    check_model_path(mp, where)
-    src = cfg.data.source
-    if src.startswith("builtin:"):
-        if src != "builtin:arithmetic":
-            raise RecipeError(f"{where}: data.source = {src!r}: unknown built-in dataset; expected 'builtin:arithmetic'")
-    elif _looks_local(src) or looks_like_path(src):
-        if not Path(src).expanduser().exists():
-            raise RecipeError(f"{where}: data.source = {src!r}: no such file or directory")
-
-    max_pos = model_max_positions(mp)
-    need_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if max_pos is not None and need_len > max_pos:
-        raise RecipeError(
-            f"{where}: rollout.max_new_tokens = {cfg.rollout.max_new_tokens}: data.max_prompt_tokens "
-            f"({cfg.data.max_prompt_tokens}) + max_new_tokens = {need_len} exceeds the model's context of {max_pos} tokens"
-        )
-
-
 def correction_config(cfg: RunConfig):
     """The recipe's correction section as parity.correction's own (validating) config."""
-    from parity.correction import CorrectionConfig
-
     c = cfg.parity.correction
     return CorrectionConfig(mode=c.mode, tis_cap=c.tis_cap, low=c.low, high=c.high)
 

@@ -25,6 +25,9 @@ from typing import Any
 
 import datasets
 
+from trainer.config.schema import RecipeError
+from trainer.data.tasks import BUILTIN_DATASETS, DEFAULT_NUM_EXAMPLES
+
 __all__ = ["PromptBatcher", "apply_prompt_budget", "chat_messages", "check_prompt_lengths", "encode_prompts", "load_prompt_dataset"]
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -86,8 +89,6 @@ def load_prompt_dataset(
 
 
 def _load_builtin(source: str, split: str, num_examples: int | None, seed: int, kwargs: dict) -> datasets.Dataset:
-    from trainer.data.tasks import BUILTIN_DATASETS, DEFAULT_NUM_EXAMPLES
-
     name = source.removeprefix("builtin:")
     if name not in BUILTIN_DATASETS:
         valid = sorted("builtin:" + n for n in BUILTIN_DATASETS)
@@ -98,6 +99,14 @@ def _load_builtin(source: str, split: str, num_examples: int | None, seed: int, 
 
 def looks_like_path(source: str) -> bool:
     return source.startswith(("/", "./", "../", "~", ".\\")) or Path(source).suffix.lower() in _PATH_LIKE_SUFFIXES
+
+
+def single_split_source(source: str) -> bool:
+    """A local file, or a save_to_disk directory of one Dataset: sources with no named splits."""
+    p = Path(source).expanduser()
+    if source.startswith("builtin:") or not p.exists():
+        return False
+    return p.is_file() or not (p / "dataset_dict.json").is_file()
 
 
 def _load_local(path: Path, split: str) -> datasets.Dataset:
@@ -325,8 +334,6 @@ def check_prompt_lengths(
 
 def apply_prompt_budget(dataset: datasets.Dataset, tokenizer: Any, data: Any, *, verbose: bool = True) -> datasets.Dataset:
     """``check_prompt_lengths`` with a recipe's ``data`` section; a refusal is a ``RecipeError`` (exit 2)."""
-    from trainer.config.schema import RecipeError
-
     try:
         kept, dropped = check_prompt_lengths(
             dataset, tokenizer, max_prompt_tokens=data.max_prompt_tokens, use_chat_template=data.use_chat_template,
@@ -365,10 +372,6 @@ class PromptBatcher:
         self.epoch = 0
         self.position = 0  # index into the current epoch's order of the next row to yield
         self._order: list[int] | None = None
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.dataset) // self.batch_size
 
     def _epoch_order(self) -> list[int]:
         if self._order is None:

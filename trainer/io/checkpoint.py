@@ -30,6 +30,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from trainer.distributed.deepspeed import gathered_trainable
+
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _STATE = "state.json"
 _COMPLETE = MANIFEST = "manifest.json"  # written last: its presence marks a complete checkpoint
@@ -215,8 +217,6 @@ def save_deepspeed_checkpoint(run_dir: Path, step: int, *, engine, policy, sched
     renames it, with barriers between, so the rename happens after every shard is on disk.
     Several machines need a shared filesystem under ``logging.run_dir``.
     """
-    from trainer.distributed.deepspeed import gathered_trainable
-
     final, tmp = _staging_dirs(run_dir, step, "_deepspeed")
     if is_main:
         _fresh_dir(tmp)

@@ -1,6 +1,7 @@
 """What parityrl needs to know about a causal LM's structure, read from the model itself."""
 from __future__ import annotations
 
+from parity.logprobs import fused_gather_logprobs
 from rollout.hf_engine import attention_implementation  # noqa: F401  (the HF engine loads models the same way)
 from trainer.config.schema import RecipeError
 
@@ -133,8 +134,6 @@ def logit_parity_error(model, n_tokens: int = 8) -> float:
     up here as a large error instead of as silently wrong training log-probs.
     """
     import torch
-
-    from parity.logprobs import fused_gather_logprobs
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     vocab = base.get_output_embeddings().weight.shape[0]

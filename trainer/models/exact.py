@@ -4,7 +4,7 @@ Values and gradients take two routes, as in the vLLM + TorchTitan bitwise RL wor
 2025-11-10: the engine's batch-invariant forward kernels on both sides, simple backward passes):
 
 - the **values** the loss and the parity metrics read (log-probs of the sampled tokens, entropy,
-  top-k log-probs) come from ``rollout.cpu_forward.EngineForward``: the engine's own CPU kernels,
+  top-k log-probs) come from ``rollout.engine_forward.EngineForward``: the engine's own CPU kernels,
   in its op order, on the weights the engine holds — base weights in the engine dtype and every
   LoRA module merged with the sync's arithmetic (``rollout.weight_export.effective_state``);
 - the **gradients** flow through the trainer's usual HF + PEFT forward at the same weights
@@ -13,11 +13,11 @@ Values and gradients take two routes, as in the vLLM + TorchTitan bitwise RL wor
   backward pass is in the reference work.
 
 The merged weights are rebuilt when a trainable parameter changed (tensor version counters),
-i.e. once per optimizer step. Cost: one more no-grad forward per micro-batch (README
+i.e. once per optimizer step. Cost: one more no-grad forward per micro-batch (bench/RESULTS.md
 "Exact mode" has the measured step-time ratio).
 
 Scope (refused at start otherwise, ``check_exact``): the colocated vLLM engine on CPU, one
-process, Llama-family decoders (``rollout.cpu_forward.SUPPORTED_MODEL_TYPES``), float32 or
+process, Llama-family decoders (``rollout.engine_forward.SUPPORTED_MODEL_TYPES``), float32 or
 bfloat16. CUDA: vLLM's route there is its batch-invariant mode (``VLLM_BATCH_INVARIANT=1``,
 Triton kernels for mm/log_softmax/RMSNorm); the trainer would have to call those kernels and
 the GPU attention backend in the same way this module calls the CPU ones. That path is not
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout.engine_forward import EngineForward, check_supported
+from rollout.weight_export import effective_state
 from trainer.config.schema import RecipeError
 from trainer.models.batch import TokenBatch
 
@@ -53,28 +55,11 @@ def straight_through(value: torch.Tensor, differentiable: torch.Tensor) -> torch
     return _Value.apply(value.to(differentiable.dtype), differentiable)
 
 
-def exact_requirements(cfg, cuda: bool | None = None) -> list[tuple[bool, str, object, str]]:
-    """(ok, key, value, expected) of each recipe-level condition of exact mode (checked at load)."""
-    r = cfg.rollout
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    return [
-        (cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", cfg.model.dtype,
-         "float32 or bfloat16 with precision.recipe exact"),
-        (r.engine == "vllm", "rollout.engine", r.engine, "'vllm' with precision.recipe exact (it reruns vLLM's kernels)"),
-        (r.mode == "colocate", "rollout.mode", r.mode, "'colocate' with precision.recipe exact (the trainer reads "
-         "the engine's rotary tables and kernel choices in-process)"),
-        (not cuda, "precision.recipe", "exact", "a CPU run: on CUDA the engine's kernels are vLLM's batch-invariant "
-         "Triton ops and GPU attention, which the trainer side does not call (trainer/models/exact.py)"),
-    ]
-
-
 def check_exact(model_config, *, stage: int = 0, world_size: int = 1) -> None:
     """RecipeError naming what exact mode does not cover in this model or launch (at setup, before the engine)."""
     if stage or world_size > 1:
         raise RecipeError(f"precision.recipe = 'exact': launched with {world_size} processes, DeepSpeed ZeRO stage "
                           f"{stage}; expected one process without ZeRO (exact mode is single-process for now)")
-    from rollout.cpu_forward import check_supported
-
     try:
         check_supported(model_config)
     except ValueError as e:
@@ -85,8 +70,6 @@ class ExactLogprobs:
     """The engine's numbers for a micro-batch's completion tokens, with the trainer's gradients."""
 
     def __init__(self, engine, model, dtype: torch.dtype) -> None:
-        from rollout.cpu_forward import EngineForward
-
         self.forward = EngineForward(engine, _hf_config(model))
         self.model = model
         self.dtype = dtype
@@ -96,8 +79,6 @@ class ExactLogprobs:
         self._base = None  # the reference policy's forward (adapter off), built on first use
 
     def _refresh(self) -> None:
-        from rollout.weight_export import effective_state
-
         # In-place updates (the optimizer's) bump a tensor's version counter: a cheap "has it changed".
         key = tuple(p._version for p in self._trainable)
         if key != self._key:
@@ -107,9 +88,6 @@ class ExactLogprobs:
     def reference(self, micro: TokenBatch, lp: torch.Tensor, temperature: float) -> torch.Tensor:
         """The base model's (adapter off) log-probs of the micro-batch in the engine's numerics: the reference
         policy of KL-regularised losses, so that log pi - log pi_ref compares like with like. No gradient."""
-        from rollout.cpu_forward import EngineForward
-        from rollout.weight_export import effective_state
-
         if self._base is None:  # frozen base weights: built once, held beside the policy's
             self._base = EngineForward(self._engine, _hf_config(self.model))
             with self.model.disable_adapter():

@@ -14,6 +14,7 @@ import torch
 from parity.logprobs import fused_gather_logprobs, fused_logprobs
 from trainer.config import LoraConfig
 from trainer.config.schema import RecipeError
+from trainer.distributed.deepspeed import full_lm_head
 from trainer.models.architecture import (
     attention_implementation,
     frozen_expert_params,
@@ -23,6 +24,7 @@ from trainer.models.architecture import (
     split_model,
 )
 from trainer.models.batch import TokenBatch
+from trainer.models.policy_forward import wrapped_policy_forward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -85,20 +87,18 @@ def completion_hidden(model, batch: TokenBatch, value_head=None):
     """(hidden [S, C, H] of the positions that predict the completion tokens, lm_head Linear, values [S, C] or None).
 
     ``model``: a (PEFT) causal LM, or a DeepSpeed engine around
-    ``trainer.distributed.deepspeed.PolicyForward``, then called as a whole (the engine's forward
+    ``trainer.models.policy_forward.PolicyForward``, then called as a whole (the engine's forward
     does bookkeeping its backward needs: see ``PolicyForward``). Under ZeRO-3 the
     lm_head returned holds gathered copies of its weights (``full_lm_head``): it is read
     directly, never called, so ZeRO-3's per-module hooks would leave it partitioned.
     ``value_head``: PPO's critic, read at the same positions; inside a DeepSpeed engine it
     must be the one ``PolicyForward`` holds (the engine's forward computes the values).
     """
-    from trainer.distributed.deepspeed import full_lm_head, wrapped_policy_forward
-
     wrapped = wrapped_policy_forward(model)
     if wrapped is not None:
         if value_head is not None and value_head is not wrapped.value_head:
             raise ValueError("completion_hidden: this value head is not the one inside the DeepSpeed engine "
-                             "(pass it to trainer.distributed.deepspeed.wrap_for_prepare)")
+                             "(pass it to trainer.models.policy_forward.wrap_for_prepare)")
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
         hidden, values = out if wrapped.value_head is not None else (out, None)
         _, lm_head = split_model(wrapped.policy)

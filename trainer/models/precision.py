@@ -3,7 +3,7 @@
 ``convert_to_fp8(model)`` swaps, in place, the class of every targeted linear
 layer inside the decoder layers (q/k/v/o/gate/up/down projections by default)
 for a subclass whose forward is the FP8 quantized linear layer the rollout
-engine runs (``rollout.fp8_quant``). Parameters, names, state dicts and
+engine runs (``rollout.vllm_plugins.fp8_quant``). Parameters, names, state dicts and
 optimizer state are untouched: master weights, LoRA adapters and gradients
 stay in their own dtypes (BF16 base, float32 adapters), and only the operands
 of each GEMM are quantized (straight-through backward; ``parity.precision``).
@@ -49,7 +49,10 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from parity.lora import merged_lora_weight
 from parity.precision import FP8_BACKENDS, FP8_TARGETS, fake_quant_weight, fp8_linear, verify_scaled_mm
+from trainer.config.schema import RecipeError
+from trainer.models.architecture import decoder_layers, decoder_linear_leaves
 
 __all__ = ["FP8_TARGETS", "Fp8Linear", "convert_to_fp8", "fp8_targets", "fp8_weights", "is_fp8_module",
            "lora_merged_weight"]
@@ -65,29 +68,16 @@ class Fp8Linear(nn.Linear):
 
 
 def lora_merged_weight(module: nn.Module) -> torch.Tensor:
-    """The weight a PEFT LoRA Linear's forward uses, differentiably: W + sum_a s_a B_a A_a.
+    """The weight a PEFT LoRA Linear's forward uses, differentiably: ``parity.lora.merged_lora_weight``
+    (float32 when an adapter is added; the caller rounds it once to the compute dtype), the merge
+    the weight sync sends the engine, so the trainer quantizes bitwise the engine's weight.
 
-    float32 when an adapter is added (the caller rounds it once to the compute
-    dtype), the base weight itself otherwise. Same operations, in the same order,
-    as ``rollout.weight_export._merged_lora_weight``, so the trainer quantizes
-    bitwise the weight the engine is sent. Adapters already merged into the base
-    are not added again.
+    Refuses adapters that are disabled but merged into the base: the base weight then holds them.
     """
-    base = module.get_base_layer().weight
-    if module.disable_adapters:
-        if module.merged:
-            raise RuntimeError(f"{type(module).__name__}: adapters are disabled but merged into the base weight; "
-                               "unmerge them before an fp8 forward")
-        return base
-    merged: Optional[torch.Tensor] = None
-    for adapter in module.active_adapters:
-        if adapter in module.merged_adapters or adapter not in module.lora_A:
-            continue
-        delta = module.lora_B[adapter].weight.float() @ module.lora_A[adapter].weight.float()
-        if module.fan_in_fan_out:
-            delta = delta.T
-        merged = (base.float() if merged is None else merged) + delta * float(module.scaling[adapter])
-    return base if merged is None else merged
+    if module.disable_adapters and module.merged:
+        raise RuntimeError(f"{type(module).__name__}: adapters are disabled but merged into the base weight; "
+                           "unmerge them before an fp8 forward")
+    return merged_lora_weight(module)
 
 
 def fp8_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -139,7 +129,7 @@ def fp8_targets(model: nn.Module) -> tuple[str, ...]:
 
     Derived from the model (``decoder_linear_leaves``: every Linear in the decoder blocks but
     MoE routers -- the LoRA ``all-linear`` set). The engine's quantization method
-    (``rollout.fp8_quant.EmulatedFp8Config``) decides per vLLM layer from ``FP8_TARGETS`` and
+    (``rollout.vllm_plugins.fp8_quant.EmulatedFp8Config``) decides per vLLM layer from ``FP8_TARGETS`` and
     the model's fused-module mapping; both sides quantize the same set exactly when every
     leaf found here is one of ``FP8_TARGETS`` (tests/trainer/models/test_architectures.py
     compares the two sets per architecture). Refused otherwise, e.g. Phi3's fused
@@ -149,9 +139,6 @@ def fp8_targets(model: nn.Module) -> tuple[str, ...]:
     MoE routed experts are not Linear layers on either side (fused 3-D tensors; vLLM's
     ``FusedMoE``): they stay unquantized on both.
     """
-    from trainer.config.schema import RecipeError
-    from trainer.models.architecture import decoder_linear_leaves
-
     leaves = tuple(decoder_linear_leaves(model))
     other = [leaf for leaf in leaves if leaf not in FP8_TARGETS]
     if other:
@@ -200,8 +187,6 @@ def convert_to_fp8(model: nn.Module, *, targets: Optional[Iterable[str]] = None,
     if backend not in FP8_BACKENDS:
         raise ValueError(f"backend = {backend!r}: expected one of {FP8_BACKENDS}")
     from peft.tuners.lora import LoraLayer
-
-    from trainer.models.architecture import decoder_layers
 
     targets = fp8_targets(model) if targets is None else tuple(targets)
     prefix, layers = decoder_layers(model)

@@ -34,6 +34,9 @@ from typing import Callable, Optional
 
 import torch
 
+from rollout.types import Rollouts
+from trainer.rl.dynamic_sampling import Drawn
+
 
 def snapshot(model) -> dict[str, torch.Tensor]:
     """Copies of the trainable tensors (the LoRA adapter): the behaviour policy of a batch launched now."""
@@ -121,9 +124,6 @@ class Prefetch:
                 "behaviour": {n: _encode(t) for n, t in self.behaviour.items()}}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
-        from rollout.types import Rollouts
-        from trainer.rl.dynamic_sampling import Drawn
-
         if not state:
             return
         d = state["drawn"]

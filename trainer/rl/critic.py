@@ -1,7 +1,7 @@
 """PPO's per-batch targets: KL-shaped token rewards, GAE advantages and value returns, controller, warnings.
 
 The formulas are pure functions in ``trainer/algorithms/ppo.py``; this module only feeds
-them the batch's scored tensors (``loop.score_pass`` with the value head and the
+them the batch's ``Scores`` (``trainer.rl.update.score_pass`` with the value head and the
 reference policy) and keeps the two pieces of state PPO carries across steps: the
 reward-KL controller and a watch on the sign of the reference KL.
 """
@@ -15,6 +15,7 @@ import torch
 from trainer.algorithms import AdvantageInputs, explained_variance, make_kl_controller, ppo_returns
 from trainer.algorithms.ppo import ppo_token_rewards
 from trainer.algorithms.sequence import whiten
+from trainer.rl.scoring import Scores
 
 
 class NegativeKLWatch:
@@ -46,11 +47,11 @@ class NegativeKLWatch:
         return False
 
 
-def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_size: int, cfg, controller,
+def ppo_targets(scored: Scores, rewards: torch.Tensor, mask: torch.Tensor, group_size: int, cfg, controller,
                 all_sum=None):
     """(advantages [S, C], returns [S, C], metrics) for one batch, and the controller updated.
 
-    scored: ``score_pass`` output with ``train_logprobs`` (pi_old), ``ref_logprobs`` and ``values``.
+    scored: ``score_pass`` output with ``logprobs`` (pi_old), ``ref_logprobs`` and ``values``.
     rewards: [S] sequence scores. The reward of token t is -beta * KL_t (estimator
     ``cfg.reward_kl_estimator``) plus the score at the last token (scaled to unit variance over
     the batch, mean kept, with ``cfg.whiten_rewards``); GAE then gives the
@@ -62,11 +63,11 @@ def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_s
     """
     a = cfg.algorithm.options
     beta = controller.value
-    token_rewards, kl = ppo_token_rewards(rewards, scored["train_logprobs"], scored["ref_logprobs"], mask, beta,
+    token_rewards, kl = ppo_token_rewards(rewards, scored.logprobs, scored.ref_logprobs, mask, beta,
                                           a.reward_kl_estimator)
     if a.whiten_rewards:
         token_rewards = whiten(token_rewards, mask, shift_mean=False, all_sum=all_sum)
-    inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=group_size, values=scored["values"],
+    inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=group_size, values=scored.values,
                              token_rewards=token_rewards, all_sum=all_sum)
     advantages = cfg.algorithm.record.advantage(inputs, a)
     returns = ppo_returns(inputs, a)
@@ -80,9 +81,9 @@ def ppo_targets(scored: dict, rewards: torch.Tensor, mask: torch.Tensor, group_s
         "train/kl_ref": float(kl[valid].mean()),  # per token, with the reward's estimator
         "train/kl_ref_seq": seq_kl,  # per sequence (sum over tokens): what the controller steers
         "train/reward_kl_coef": beta,
-        "train/value_mean": float(scored["values"][valid].mean()),
+        "train/value_mean": float(scored.values[valid].mean()),
         "train/return_mean": float(returns[valid].mean()),
-        "train/explained_variance": explained_variance(scored["values"], returns, mask),
+        "train/explained_variance": explained_variance(scored.values, returns, mask),
     }
     controller.update(seq_kl, int(kl_sum_and_count[1]))
     return advantages, returns, metrics

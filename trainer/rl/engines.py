@@ -5,27 +5,33 @@ loop itself sees the ``RolloutEngine`` interface and ``Rollouts`` only.
 """
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import torch
 
 from rollout.base import RolloutEngine
+from rollout.engine_options import engine_llm_kwargs
+from rollout.fp8_weights import fp8_block_weights, write_fp8_checkpoint
+from rollout.hf_engine import HFEngine
+from rollout.server_engine import ServerEngine
 from rollout.types import SamplingSpec
+from rollout.vllm_engine import VLLMEngine
+from rollout.weight_export import iter_merged_lora_weights, layer_chunks, payload_bytes
 from trainer.config import RunConfig
+from trainer.distributed.data_parallel import DataParallel
 
 
 def engine_model_dir(precision: str, model_dir: str, work_dir) -> str:
     """The directory a vLLM engine starts from: the model's, or on CUDA with an FP8 recipe a block-FP8 copy.
 
     vLLM's CUDA ``fp8`` method loads FP8 weights + scales from a checkpoint whose
-    config.json says so (``rollout.fp8_export.write_fp8_checkpoint``); written once
+    config.json says so (``rollout.fp8_weights.write_fp8_checkpoint``); written once
     into ``<work_dir>/engine_fp8`` (the run directory, or compare's report directory),
     quantized by ``parity.precision``.
     """
     if not (precision.startswith("fp8") and torch.cuda.is_available()):
         return model_dir
-    from rollout.fp8_export import write_fp8_checkpoint
-
     out = Path(work_dir) / "engine_fp8"
     return str(out if (out / "config.json").is_file() else write_fp8_checkpoint(model_dir, out))
 
@@ -37,9 +43,6 @@ def start_vllm(model_dir: str, *, precision: str, dtype: str, max_model_len: int
 
     ``engine_kwargs``: VLLMEngine's memory and scheduling options (kv_cache_memory_bytes, ...).
     """
-    from rollout.fp8_export import engine_llm_kwargs
-    from rollout.vllm_engine import VLLMEngine
-
     return VLLMEngine(engine_model_dir(precision, model_dir, work_dir), dtype=dtype, max_model_len=max_model_len,
                       seed=seed, max_logprobs=max_logprobs, **engine_kwargs,
                       **engine_llm_kwargs(precision, cuda=torch.cuda.is_available()))
@@ -55,8 +58,6 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None) 
         # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer.
         return _server_engine(cfg, model_dir, max_model_len, dp)
     if r.engine == "hf":
-        from rollout.hf_engine import HFEngine
-
         return HFEngine(model_dir, dtype=cfg.model.dtype, device="cuda" if torch.cuda.is_available() else "cpu")
     return start_vllm(model_dir, precision=cfg.precision.recipe, dtype=cfg.model.dtype, max_model_len=max_model_len,
                       seed=cfg.train.seed, work_dir=cfg.run_dir,
@@ -83,11 +84,6 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp):
     every rank refuses samples from another weight version. A failure on rank 0 stops
     every rank (``DataParallel.raise_together``) instead of leaving them waiting.
     """
-    import secrets
-
-    from rollout.server_engine import ServerEngine
-    from trainer.distributed.data_parallel import DataParallel
-
     dp = dp or DataParallel()
     r = cfg.rollout
     tag = dp.broadcast_object(secrets.token_hex(4) if dp.rank == 0 else None)
@@ -109,7 +105,7 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp):
     return engine
 
 
-def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch.dtype = torch.bfloat16,
+def sync_weights(engine: RolloutEngine, policy, recipe: str = "bf16", gather=None, dtype: torch.dtype = torch.bfloat16,
                  chunk_bytes: int | None = None) -> dict[str, float]:
     """Push the policy's current weights (LoRA merged, changed modules only) into the engine.
 
@@ -118,21 +114,22 @@ def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch
     BF16 rounding of them.
     ``gather``: ``trainer.distributed.deepspeed.zero3_gather(policy)`` under ZeRO-3 (one module's
     shards gathered at a time; every rank must call this then).
-    The update goes in chunks of whole decoder layers of at most ``chunk_bytes``
-    (``rollout.sync_chunk_bytes``; None: one layer per chunk), each made only when the
-    engine has taken the previous one, so at most one chunk of merged weights exists at
-    once, to engines with ``load_weight_chunks``: the colocated vLLM and HF engines take each
-    chunk as an update of its own (``rollout.base.LayerChunkUpdates``); a server takes them
-    all as one weight version (``ServerEngine.load_weight_chunks``). Other engines get the
-    whole update in one ``load_weights``.
+    What the engine takes is what it says (``rollout.base.RolloutEngine``). An engine that
+    ``streams_weights`` gets the update in chunks of whole decoder layers of at most
+    ``chunk_bytes`` (``rollout.sync_chunk_bytes``; None: one layer per chunk), each made only
+    when the engine has taken the previous one, so at most one chunk of merged weights exists
+    at once: the colocated vLLM and HF engines take each chunk as an update of its own
+    (``rollout.base.InProcessEngine``); a server takes them all as one weight version
+    (``ServerEngine.load_weight_chunks``). Any other engine gets the whole update in one
+    ``load_weights``. An engine that does not push its own weights (``pushes_weights`` False)
+    only follows the push of the rank that does.
     FP8 recipes on CUDA push the block-FP8 weights + scales computed by the trainer's own
-    quantizer (``rollout.fp8_export.fp8_block_weights``); on CPU the emulating engine
-    quantizes the merged BF16 weights with the same function (``rollout.fp8_quant``).
+    quantizer (``rollout.fp8_weights.fp8_block_weights``) to an engine running vLLM's
+    block-FP8 layers (``fp8_block_weights``); on CPU the emulating engine quantizes the merged
+    BF16 weights with the same function (``rollout.vllm_plugins.fp8_quant``).
     """
-    from rollout.weight_export import iter_merged_lora_weights, layer_chunks, payload_bytes
-
     merged = iter_merged_lora_weights(policy, gather=gather, dtype=dtype)
-    if not getattr(engine, "pushes_weights", True):
+    if not engine.pushes_weights:
         # A data-parallel rank > 0 sharing rank 0's server: rank 0 pushes. Under ZeRO-3 this
         # rank must still take part in every module's gather (a collective); the merged
         # tensors are dropped one by one.
@@ -141,10 +138,8 @@ def sync_weights(engine, policy, recipe: str = "bf16", gather=None, dtype: torch
                 pass
         engine.follow_push()
         return {}
-    fp8_cuda = recipe.startswith("fp8") and torch.cuda.is_available() and hasattr(engine, "llm")
-    if fp8_cuda:
-        from rollout.fp8_export import fp8_block_weights
-    streams = hasattr(engine, "load_weight_chunks")
+    fp8_cuda = recipe.startswith("fp8") and torch.cuda.is_available() and engine.fp8_block_weights
+    streams = engine.streams_weights
     totals = {"perf/sync_bytes": 0.0, "perf/sync_tensors": 0.0, "perf/sync_chunks": 0.0}
 
     def prepared():

@@ -1,10 +1,11 @@
-"""Checks of a training recipe against what it names -- run directory, reward functions, dataset, LoRA targets --
-before any model loads or engine starts.
+"""Checks of a training recipe against what it names -- paths, run directory, reward functions, dataset, LoRA
+targets -- before any model loads or engine starts.
 
-``trainer.config.validate`` checks the recipe on its own (types, ranges, paths exist); what needs the files
-read (a dataset's columns, a reward module's functions, a model's layer names) is checked here, so that a
-mistake is refused in seconds with exit status 2 and one line naming the file, the key and the value,
-instead of failing after the engine started or with a traceback. Each check raises ``RecipeError``.
+``trainer.config`` checks the recipe on its own (types, ranges, cross-field rules); what needs a file or a
+model looked at (the paths exist, a built-in model is known, a dataset's columns, a reward module's functions,
+a model's layer names) is checked here, so that a mistake is refused in seconds with exit status 2 and one
+line naming the file, the key and the value, instead of failing after the engine started or with a traceback.
+Each check raises ``RecipeError``.
 """
 from __future__ import annotations
 
@@ -13,12 +14,57 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from trainer.config import RecipeError, RunConfig
-from trainer.models.architecture import ALL_LINEAR
+import datasets
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rollout.engine_forward import check_supported
+from trainer.builtin.model_path import check_model_path, model_max_positions
+from trainer.builtin.resolve import resolve_model_path
+from trainer.config import RecipeError, RunConfig, read_recipe
+from trainer.data.datasets import load_prompt_dataset, looks_like_path
+from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
+from trainer.rewards.functions import resolve_reward
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_paths: bool = True) -> RunConfig:
+    """Read, override, type-check and validate a training recipe (``trainer.config.read_recipe``), then check
+    the paths it names (``check_paths``)."""
+    cfg = read_recipe(path, overrides)
+    if check_paths:  # files only once the values are sound
+        check_paths_exist(cfg, str(Path(path)))
+    return cfg
+
+
+def check_paths_exist(cfg: RunConfig, where: str) -> None:
+    """Reward-model directories, the model (a known built-in or a model directory), a local data source, and
+    the model's context against the longest rollout."""
+    for name, rm in cfg.reward.models.items():
+        if not (Path(rm.path).expanduser() / "config.json").is_file():
+            raise RecipeError(f"{where}: reward.models.{name}.path = {rm.path!r}: expected a local reward-model "
+                              "directory with a config.json (written by `parityrl train-rm`)")
+    mp = cfg.model.path
+    check_model_path(mp, where)
+    src = cfg.data.source
+    if src.startswith("builtin:"):
+        if src != "builtin:arithmetic":
+            raise RecipeError(f"{where}: data.source = {src!r}: unknown built-in dataset; expected 'builtin:arithmetic'")
+    # an explicit path prefix, or the data loader's own rule for "this is a file"
+    elif (src.startswith((".", "/", "~")) or looks_like_path(src)) and not Path(src).expanduser().exists():
+        raise RecipeError(f"{where}: data.source = {src!r}: no such file or directory")
+
+    max_pos = model_max_positions(mp)
+    need_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if max_pos is not None and need_len > max_pos:
+        raise RecipeError(
+            f"{where}: rollout.max_new_tokens = {cfg.rollout.max_new_tokens}: data.max_prompt_tokens "
+            f"({cfg.data.max_prompt_tokens}) + max_new_tokens = {need_len} exceeds the model's context of {max_pos} tokens"
+        )
 
 
 def preflight(cfg: RunConfig, where: str) -> None:
-    """Every check, cheapest first; the LoRA check is last because it needs the model's config."""
+    """Every check of what the recipe names beyond its paths (``load_recipe`` checked those), cheapest first;
+    the LoRA check is last because it needs the model's config."""
     check_run_dir(cfg, where)
     reward_fns = check_reward_functions(cfg, where)
     columns = check_dataset(cfg, where)
@@ -29,14 +75,9 @@ def preflight(cfg: RunConfig, where: str) -> None:
 
 
 def check_exact_architecture(cfg: RunConfig, where: str) -> None:
-    """precision.recipe exact: the model's config against what ``rollout.cpu_forward`` reproduces."""
+    """precision.recipe exact: the model's config against what ``rollout.engine_forward`` reproduces."""
     if cfg.precision.recipe != "exact":
         return
-    from transformers import AutoConfig
-
-    from rollout.cpu_forward import check_supported
-    from trainer.models.builtin import resolve_model_path
-
     try:
         config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     except (OSError, ValueError):  # a hub id without network: setup checks it again with the loaded model
@@ -65,8 +106,6 @@ def check_run_dir(cfg: RunConfig, where: str) -> None:
 
 def check_reward_functions(cfg: RunConfig, where: str) -> dict:
     """Every ``reward.functions`` spec imports and names a callable: name -> the callable."""
-    from trainer.data.rewards import resolve_reward
-
     fns = {}
     for name, spec in cfg.reward.functions.items():
         try:
@@ -97,10 +136,6 @@ def check_dataset(cfg: RunConfig, where: str) -> Optional[list[str]]:
 
     Returns its column names, or None for a hub dataset (left to training: it may need the network).
     """
-    import datasets
-
-    from trainer.data.datasets import load_prompt_dataset, looks_like_path
-
     d = cfg.data
     if not (d.source.startswith("builtin:") or looks_like_path(d.source) or Path(d.source).expanduser().exists()):
         return None
@@ -149,9 +184,6 @@ def lora_target_problems(module_types: dict[str, str], targets: list[str]) -> li
 
 def meta_model(model_dir: str):
     """The model built on the meta device from its config (no weights read); None if the config is unreachable."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError):  # a hub id without network: left to training
@@ -163,9 +195,6 @@ def meta_model(model_dir: str):
 def check_lora_targets(cfg: RunConfig, where: str, targets: Optional[list[str]] = None) -> None:
     """``targets`` (default ``model.lora.target_modules``) against the model's layers, resolved as training
     resolves them (``trainer.models.architecture.resolve_lora_targets``: ``all-linear``, tied embeddings)."""
-    from trainer.models.architecture import resolve_lora_targets
-    from trainer.models.builtin import resolve_model_path
-
     targets = cfg.model.lora.target_modules if targets is None else targets
     model = meta_model(resolve_model_path(cfg.model.path))
     if model is None:

@@ -32,7 +32,7 @@ from rollout.types import Rollouts, SamplingSpec
 from trainer.config import RunConfig
 from trainer.distributed.data_parallel import DataParallel
 from trainer.models.batch import batch_from_rollouts
-from trainer.models.policy import completion_logprobs
+from trainer.rl.scoring import score_batch
 
 # A fixed seed distinct from every step's (engines.sampling_spec uses seed * 1_000_003 + step).
 PROBE_SEED = 0x5EED
@@ -97,22 +97,17 @@ class Probe:
                        topk_logprobs=[completion_part(scored.topk_logprobs[k], k) for k in range(n)] if topk else [])
 
     def _compare(self, model, rollouts: Rollouts) -> dict[str, float]:
-        temperature = 1.0  # the engine's prompt log-probs are unscaled (module docstring)
         batch = batch_from_rollouts(rollouts, self.pad_id, self.device)
         was_training = model.training
         model.eval()
-        try:
-            with torch.no_grad():
-                lp, _, *top = completion_logprobs(model, batch, temperature=temperature,
-                                                  chunk_size=self.cfg.parity.chunk_size, topk_ids=batch.topk_ids)
-                if self.exact is not None:  # precision.recipe exact: the engine's numbers (trainer.models.exact)
-                    lp, _, top = self.exact(batch, lp, None, top[0] if top else None, temperature)
-                    top = [top] if top is not None else []
+        try:  # one forward of the whole batch; the engine's prompt log-probs are unscaled (module docstring)
+            scores = score_batch(model, batch, micro_batch_size=len(batch), temperature=1.0,
+                                 chunk_size=self.cfg.parity.chunk_size, exact=self.exact, entropy=False)
         finally:
             model.train(was_training)
-        return self.dp.pooled_parity(lp, batch.rollout_logprobs, batch.mask,
-                                     train_topk_logprobs=top[0] if top else None,
-                                     rollout_topk_logprobs=batch.topk_logprobs, prefix="probe/")
+        return self.dp.pooled_parity(scores.logprobs, batch.rollout_logprobs, batch.mask,
+                                     train_topk_logprobs=scores.topk, rollout_topk_logprobs=batch.topk_logprobs,
+                                     prefix="probe/")
 
 
 def _fit(r: Rollouts, max_model_len: Optional[int]) -> Rollouts:
@@ -124,9 +119,3 @@ def _fit(r: Rollouts, max_model_len: Optional[int]) -> Rollouts:
                    rollout_logprobs=[x[:k] for x, k in zip(r.rollout_logprobs, keep)],
                    finish_reasons=[f if len(c) <= k else "length" for f, c, k in zip(r.finish_reasons, r.completion_ids, keep)],
                    completion_texts=[])
-
-
-def run_probe(engine, model, prompt_ids: list[list[int]], cfg: RunConfig, *, pad_id: int,
-              device: torch.device | str, dp=None) -> dict[str, float]:
-    """One probe of a fresh ``Probe`` (its sequences generated now): ``probe/*`` parity metrics."""
-    return Probe(prompt_ids, cfg, pad_id=pad_id, device=device, dp=dp)(engine, model)

@@ -1,5 +1,5 @@
 """How a run stops early for a reason the user can act on: one class per reason, each with its exit status
-(README "Errors and exit statuses"), raised on every rank together, and a checkpoint of the last completed step.
+(docs/runs-and-checkpoints.md "Errors and exit statuses"), raised on every rank together, and a checkpoint of the last completed step.
 
 A step is abandoned when it fails before its update is applied (a reward function, the engine's generate,
 a parity limit): the checkpoint is then the previous step's state, kept at the step's start
@@ -30,6 +30,12 @@ class EngineFailed(RunStopped):
     """The rollout engine failed to generate (it died, ran out of memory, ...)."""
 
     exit_status = 4
+
+
+class ParityLimitExceeded(RunStopped):
+    """The rollout/trainer mismatch broke a recipe limit with ``parity.on_violation: stop``."""
+
+    exit_status = 3
 
 
 class Preempted(RunStopped):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from trainer.algorithms import ALGORITHMS, Algorithm, OptionError
-from trainer.config import RecipeError, load_recipe
+from trainer.config import RecipeError
+from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -1,7 +1,7 @@
 """The real-model tier: SmolLM2-135M-Instruct (30 layers, 49k vocab, tied embeddings) through compare, GRPO, SFT + merge.
 
 The tiny model's 4 random layers say little about a real model's numerics; these tests pin
-the levels measured on this one (README "The bound we hold ourselves to"). Lean on
+the levels measured on this one (docs/parity-metrics.md "What is normal"). Lean on
 purpose: 2 prompts, short completions, one float32 engine shared by compare and GRPO. GRPO runs
 in float32: this CPU has no BF16 arithmetic (AVX2 only), so a BF16 step of even 8 short samples
 took minutes, while the float32 one is the pipeline's own level (a broken sync stands out far more).
@@ -33,7 +33,7 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a ha
 
 @pytest.fixture(scope="module")
 def smollm2_dir() -> str:
-    from trainer.models.builtin import resolve_model_path
+    from trainer.builtin.resolve import resolve_model_path
 
     return resolve_model_path("builtin:smollm2-135m")  # built once per cache (~30 s)
 
@@ -72,8 +72,8 @@ def test_compare_float32_is_the_pipeline_self_test(tmp_path, smollm2_dir, prompt
 
 
 def test_grpo_steps_keep_parity_at_the_first_steps_level(tmp_path, fp32_engine):
-    from trainer.config import load_recipe
     from trainer.rl.loop import train
+    from trainer.rl.preflight import load_recipe
 
     # 16 tokens are too few for SmolLM2 to reach "The answer is N": exact_answer is 0 for every sample
     # (measured), so no group has signal and nothing trains. Characters per completion differ
@@ -102,8 +102,8 @@ def test_grpo_steps_keep_parity_at_the_first_steps_level(tmp_path, fp32_engine):
 
 def test_exact_mode_keeps_engine_and_trainer_identical_over_synced_updates(tmp_path, smollm2_dir):
     """precision.recipe exact on SmolLM2 (float32; its own exact engine): every parity figure exactly 0."""
-    from trainer.config import load_recipe
     from trainer.rl.loop import train
+    from trainer.rl.preflight import load_recipe
 
     (tmp_path / "length_reward.py").write_text(
         "def chars(prompts, completions, **columns):\n    return [float(len(c)) for c in completions]\n")
@@ -133,8 +133,7 @@ def test_sft_lora_then_merge(tmp_path, smollm2_dir):
     from safetensors import safe_open
 
     from trainer.commands.merge import merge_adapter
-    from trainer.commands.sft import run_sft
-    from trainer.sft.recipe import load_sft_recipe
+    from trainer.commands.sft import load_sft_recipe, run_sft
 
     cfg = load_sft_recipe(REPO / "recipes" / "sft_lora_tiny.yaml", [
         "model.path=builtin:smollm2-135m", f"output_dir={tmp_path / 'adapter'}", f"logging.run_dir={tmp_path / 'run'}", "data.num_examples=16",

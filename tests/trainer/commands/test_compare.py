@@ -14,7 +14,9 @@ import torch
 
 from parity.report import REPORT_FILES, pick_longest, pick_typical, prepare_out_dir, write_report
 from trainer.cli import main, parse_bytes
-from trainer.commands.compare import SELF_CHECK_EXPECTED, CompareError, load_prompts, run_compare, self_check_result
+from trainer.commands.compare import run_compare
+from trainer.rl.compare_inputs import CompareError, load_prompts
+from trainer.rl.compare_report import SELF_CHECK_EXPECTED, self_check_result
 
 PROMPTS = ["What is 12 + 7?", "Tom has 4 pens and finds 3 more. How many pens does Tom have?", "What is 9 - 5?"]
 SHEETS = {"summary", "longest", "typical"}
@@ -198,13 +200,13 @@ def test_self_check_catches_a_one_position_shift(tmp_path, tiny_model_dir, promp
     """The check can fail: engine-side log-probs shifted by one token must give non-zero error."""
     import trainer.commands.compare as cmp
 
-    honest = cmp._self_check_rollouts
+    honest = cmp.self_check_rollouts
 
     def shifted(rollouts, lp, top):
         r = honest(rollouts, lp, top)
         return dataclasses.replace(r, rollout_logprobs=[x[1:] + x[:1] for x in r.rollout_logprobs])
 
-    monkeypatch.setattr(cmp, "_self_check_rollouts", shifted)
+    monkeypatch.setattr(cmp, "self_check_rollouts", shifted)
     summary = run_compare(tiny_model_dir, prompt_file, tmp_path / "r", engine="hf", max_new_tokens=16,
                           self_check=True)
     assert not summary["self_check_result"]["passed"]

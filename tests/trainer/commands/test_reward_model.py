@@ -1,4 +1,5 @@
-"""Reward models (trainer/commands/train_rm.py): pooling, loss, scorer, reward sources, recipe, train-rm."""
+"""Reward models (trainer/rewards/reward_model.py, trainer/rewards/sources.py, trainer/supervised/reward_model.py,
+trainer/commands/train_rm.py): pooling, loss, scorer, reward sources, recipe, train-rm."""
 import json
 import math
 from pathlib import Path
@@ -7,22 +8,21 @@ import pytest
 import torch
 
 from trainer.cli import main as cli_main
-from trainer.commands.train_rm import (
+from trainer.commands.train_rm import load_rm_recipe, run_train_rm
+from trainer.config import RecipeError, RewardConfig, RewardModelEntry
+from trainer.rewards.functions import compute_rewards
+from trainer.rewards.reward_model import (
     RM_INFO_FILE,
     RewardModelScorer,
-    build_reward_sources,
     last_token_index,
-    load_model_for_rm_training,
-    load_rm_recipe,
     pad_sequences,
-    pair_metrics,
-    pairwise_loss,
     render_ids,
-    run_train_rm,
     sequence_scores,
 )
-from trainer.config import RecipeError, RewardConfig, RewardModelEntry, load_recipe
-from trainer.data.rewards import compute_rewards
+from trainer.rewards.sources import build_reward_sources
+from trainer.rl.preflight import load_recipe
+from trainer.supervised.pairs import load_preference_pairs, pair_metrics, pairwise_loss
+from trainer.supervised.reward_model import load_model_for_rm_training
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -320,8 +320,6 @@ def test_train_rm_few_steps_writes_a_loadable_reward_model(tmp_path, tiny_model_
     assert conf.num_labels == 1 and conf.pad_token_id == 0
     assert conf.architectures == ["LlamaForSequenceClassification"]
     # The saved (merged, bf16) model, read back as a reward source, reproduces the last evaluation.
-    from trainer.commands.train_rm import load_preference_pairs
-
     _, held = load_preference_pairs(cfg)
     scorer = RewardModelScorer(out)
     assert next(scorer.model.parameters()).dtype == torch.bfloat16 and scorer.model.score.weight.dtype == torch.float32

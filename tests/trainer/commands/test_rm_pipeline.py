@@ -15,11 +15,12 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.mark.slow
 def test_sft_merge_rm_ppo_end_to_end(tmp_path, tiny_model_dir, vllm_engine, capsys):
     from trainer.commands.merge import merge_adapter
-    from trainer.commands.sft import run_sft
-    from trainer.commands.train_rm import build_reward_sources, load_preference_pairs, load_rm_recipe, run_train_rm
-    from trainer.config import load_recipe
-    from trainer.data.rewards import compute_rewards
-    from trainer.sft.recipe import load_sft_recipe
+    from trainer.commands.sft import load_sft_recipe, run_sft
+    from trainer.commands.train_rm import load_rm_recipe, run_train_rm
+    from trainer.rewards.functions import compute_rewards
+    from trainer.rewards.sources import build_reward_sources
+    from trainer.rl.preflight import load_recipe
+    from trainer.supervised.pairs import load_preference_pairs
 
     # 1. SFT: LoRA on packed blocks, saved as an adapter
     adapter = run_sft(load_sft_recipe(REPO / "recipes" / "sft_lora_tiny.yaml",

@@ -5,10 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.commands.sft import run_sft
+from trainer.commands.sft import load_sft_recipe, run_sft
 from trainer.config import RecipeError
-from trainer.sft.fit import pack_documents, packed_batch
-from trainer.sft.recipe import load_sft_recipe
+from trainer.supervised.sft import pack_documents, packed_batch
 
 REPO = Path(__file__).resolve().parents[3]
 EOS = 2

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import RecipeError, RunConfig, load_recipe, parse_override
+from trainer.config import RecipeError, RunConfig, parse_override
+from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -178,3 +179,19 @@ def test_every_problem_of_a_recipe_at_once(tmp_path, capsys):
     assert main(["train", str(p)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(line.startswith(f"parityrl: invalid recipe: {p}: ") for line in err)
+
+
+def test_rules_shared_with_compare_take_the_callers_key_names():
+    """The rules `parityrl compare` shares with a recipe's validation name the caller's own keys."""
+    from trainer.config.validate import fp8_engine, precision_dtype, topk_range, untruncated_sampling
+
+    assert [key for ok, key, *_ in untruncated_sampling(0.9, 5, top_p_key="top_p", top_k_key="top_k") if not ok] \
+        == ["top_p", "top_k"]
+    assert all(ok for ok, *_ in untruncated_sampling(1.0, 0))
+    assert topk_range(257, key="topk")[:3] == (False, "topk", 257) and topk_range(0)[0]
+    broken = [(key, expected) for ok, key, _, expected in precision_dtype("fp8_unified", "float32", recipe_key="precision",
+                                                                          dtype_key="dtype") if not ok]
+    assert broken == [("dtype", "bfloat16 with precision fp8_unified (BF16 master weights; the FP8 layers dequantize "
+                                "to BF16)")]
+    assert fp8_engine("fp8_rollout", "hf", engine_key="engine")[:3] == (False, "engine", "hf")
+    assert fp8_engine("bf16", "hf")[0]

@@ -9,10 +9,10 @@ import re
 import datasets
 import pytest
 
+from trainer.builtin import tiny
 from trainer.data import datasets as data
 from trainer.data.datasets import PromptBatcher, encode_prompts, load_prompt_dataset
 from trainer.data.tasks.arithmetic import arithmetic_dataset
-from trainer.models import tiny
 
 ROWS = [
     {"question": "What is 1 + 1?", "solution": "2", "level": 1},
@@ -238,7 +238,7 @@ def test_batcher_epochs_are_seeded_permutations(numbered):
     random.Random(9).shuffle(order2)
     # 10 // 3 = 3 full batches per epoch; the 10th row of each order is skipped.
     assert batches == [order0[0:3], order0[3:6], order0[6:9], order1[0:3], order1[3:6], order1[6:9]]
-    assert batcher.batches_per_epoch == 3
+    assert len(numbered) // batcher.batch_size == 3
     # Rows come back whole, every column included.
     assert next(batcher) == [{"prompt": f"p{j}", "i": j} for j in order2[0:3]]
     assert batcher.state_dict() == {"epoch": 2, "position": 3, "seed": 7, "batch_size": 3, "num_rows": 10}

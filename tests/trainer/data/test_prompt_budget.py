@@ -1,7 +1,7 @@
 """data.system_prompt (chat_messages) and data.overlong_prompts (check_prompt_lengths), on the tiny tokenizer.
 
 The tiny template writes ``<|bos|>`` then ``<|role|>content<|end|>`` per turn and
-``<|assistant|>`` as the generation prompt (trainer/models/tiny.py); a copy of it with
+``<|assistant|>`` as the generation prompt (trainer/builtin/tiny.py); a copy of it with
 SmolLM2's rule (a default system turn when the first message is not a system one)
 stands in for a real template that inserts a default.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import datasets
 import pytest
 
+from trainer.builtin import tiny
 from trainer.config.schema import DataConfig, RecipeError
 from trainer.data.datasets import apply_prompt_budget, chat_messages, check_prompt_lengths, encode_prompts
-from trainer.models import tiny
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant"
 # The tiny template with SmolLM2's default-system rule (its chat_template.jinja) grafted in.

@@ -30,6 +30,7 @@ def pooled_statistics(dp: DataParallel) -> dict:
     from trainer.algorithms.sequence import whiten
     from trainer.config import AlgorithmConfig, RunConfig
     from trainer.rl.critic import make_kl_controller, ppo_targets
+    from trainer.rl.scoring import Scores
 
     x, mask, rewards = _batch(0)
     half = slice(dp.rank * 4, dp.rank * 4 + 4)
@@ -45,10 +46,10 @@ def pooled_statistics(dp: DataParallel) -> dict:
                                                                   reward_kl_target=0.5, reward_kl_horizon=10))
     lp, _, _ = _batch(1)
     ref, values, _ = _batch(2)
-    scored = {"train_logprobs": lp, "ref_logprobs": ref, "values": values}
+    scored = Scores(logprobs=lp, ref_logprobs=ref, values=values)
     ctl_whole, ctl_mine = make_kl_controller(cfg.algorithm.options), make_kl_controller(cfg.algorithm.options)
     adv_w, ret_w, m_w = ppo_targets(scored, rewards, mask, 1, cfg, ctl_whole)
-    adv_m, ret_m, m_m = ppo_targets({k: v[half] for k, v in scored.items()}, rewards[half], mask[half], 1, cfg,
+    adv_m, ret_m, m_m = ppo_targets(scored.rows(half), rewards[half], mask[half], 1, cfg,
                                     ctl_mine, all_sum=dp.all_sum)
     out["ppo_advantages"] = float((adv_m - adv_w[half]).abs().max())
     out["ppo_returns"] = float((ret_m - ret_w[half]).abs().max())

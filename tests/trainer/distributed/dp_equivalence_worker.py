@@ -39,12 +39,13 @@ def fixed_batch(tokenizer, cfg, device):
 def main() -> int:
     torch.distributed.init_process_group("gloo")
     from trainer.algorithms import ADVANTAGES, AdvantageInputs
-    from trainer.config import load_recipe
+    from trainer.builtin.resolve import resolve_model_path
     from trainer.distributed.data_parallel import DataParallel
     from trainer.models.batch import batch_from_rollouts
-    from trainer.models.builtin import resolve_model_path
     from trainer.models.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
-    from trainer.rl.loop import policy_gradient_pass
+    from trainer.rl.learner import Learner
+    from trainer.rl.preflight import load_recipe
+    from trainer.rl.update import policy_gradient_pass
 
     cfg = load_recipe(sys.argv[1], ["algorithm.group_size=4", "train.micro_batch_size=6"])
     dp = DataParallel.current()
@@ -69,8 +70,8 @@ def main() -> int:
     def one_pass(m, batch, rew, dpx):
         adv = ADVANTAGES.get(cfg.algorithm.name)(AdvantageInputs(rewards=rew, mask=batch.mask, group_size=g),
                                                  cfg.algorithm.options)
-        out = policy_gradient_pass(m, batch, adv, cfg, lambda loss: loss.backward(), dp=dpx)
-        parity = dpx.pooled_parity(out["train_logprobs"], batch.rollout_logprobs, batch.mask)
+        out = policy_gradient_pass(Learner(cfg=cfg, model=m, backward=lambda loss: loss.backward(), dp=dpx), batch, adv)
+        parity = dpx.pooled_parity(out[0].logprobs, batch.rollout_logprobs, batch.mask)
         grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
         return out, parity, grads
 
@@ -82,13 +83,13 @@ def main() -> int:
     dp_out, dp_parity, dp_grads = one_pass(model, full.select(rows), rewards[rows], dp)
     # pooling alone, on identical inputs: the rank shards of the reference's own tensors
     c = full.select(rows).mask.shape[1]
-    pooled_same = dp.pooled_parity(ref_out["train_logprobs"][rows, :c], full.rollout_logprobs[rows, :c],
+    pooled_same = dp.pooled_parity(ref_out[0].logprobs[rows, :c], full.rollout_logprobs[rows, :c],
                                    full.mask[rows, :c])
     if dp.rank == 0:
         gmax = max(float(v.abs().max()) for v in ref_grads.values())
         gdiff = max(float((ref_grads[k] - dp_grads[k]).abs().max()) for k in ref_grads)
         Path(sys.argv[2]).write_text(json.dumps({
-            "loss_ref": ref_out["metrics"]["train/loss"], "loss_dp": dp_out["metrics"]["train/loss"],
+            "loss_ref": ref_out[1]["train/loss"], "loss_dp": dp_out[1]["train/loss"],
             "grad_max": gmax, "grad_max_diff": gdiff,
             "parity_ref": ref_parity, "parity_dp": dp_parity, "parity_pooled_same_inputs": pooled_same,
         }))

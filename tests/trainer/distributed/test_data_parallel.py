@@ -89,8 +89,8 @@ def test_two_ranks_give_the_single_process_loss_gradient_and_parity(tiny_model_d
 
 @pytest.mark.slow
 def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_engine):
-    from trainer.config import load_recipe
     from trainer.rl.loop import train
+    from trainer.rl.preflight import load_recipe
 
     common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
               "logging.wandb.mode=disabled"]
@@ -116,8 +116,8 @@ def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_en
 def test_two_rank_ppo_matches_one_process(tmp_path, tiny_model_dir, vllm_engine):
     """PPO's batch-level statistics pooled over the ranks: whitened rewards and advantages and the adaptive KL
     controller's beta are the single process's (one update per batch, so the updates see the same rows)."""
-    from trainer.config import load_recipe
     from trainer.rl.loop import train
+    from trainer.rl.preflight import load_recipe
 
     recipe = REPO / "recipes/ppo_tiny.yaml"
     common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",

@@ -11,6 +11,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from trainer.distributed import deepspeed as D
+from trainer.models import policy_forward as PF
 from trainer.models.batch import build_token_batch
 
 
@@ -175,8 +176,8 @@ def test_completion_hidden_through_policy_forward_is_the_direct_computation(poli
     from trainer.models.policy import completion_hidden, completion_logprobs
 
     batch = build_token_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], pad_id=0)
-    wrapped = _Wrapped(D.PolicyForward(policy))
-    assert D.wrapped_policy_forward(wrapped) is wrapped.module and D.wrapped_policy_forward(policy) is None
+    wrapped = _Wrapped(PF.PolicyForward(policy))
+    assert PF.wrapped_policy_forward(wrapped) is wrapped.module and PF.wrapped_policy_forward(policy) is None
     with torch.no_grad():
         h_direct, head_direct, no_values = completion_hidden(policy, batch)
         h_wrapped, head_wrapped, _ = completion_hidden(wrapped, batch)
@@ -200,7 +201,7 @@ def test_value_head_inside_policy_forward_gives_the_direct_values_and_gradients(
     batch = build_token_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], pad_id=0)
     head = ValueHead(policy.config.hidden_size)
     torch.nn.init.normal_(head.linear.weight, std=0.1)  # zero-initialised heads would hide a wrong position
-    wrapped = _Wrapped(D.PolicyForward(policy, head))
+    wrapped = _Wrapped(PF.PolicyForward(policy, head))
     grads = []
     for model in (policy, wrapped):
         head.zero_grad(set_to_none=True)
@@ -221,11 +222,11 @@ def test_value_head_inside_policy_forward_gives_the_direct_values_and_gradients(
 
 def test_wrap_and_unwrap(policy):
     for plain in (_accelerator(), _accelerator(num_processes=2)):  # data parallel without DeepSpeed: not prepared
-        assert D.wrap_for_prepare(plain, policy) is policy
-        assert D.unwrap_policy(plain, policy) is policy
+        assert PF.wrap_for_prepare(plain, policy) is policy
+        assert PF.unwrap_policy(plain, policy) is policy
     for acc in (_accelerator(2), _accelerator(3, num_processes=2)):
-        wrapper = D.wrap_for_prepare(acc, policy)
-        assert isinstance(wrapper, D.PolicyForward) and wrapper.policy is policy and wrapper.value_head is None
-        assert D.unwrap_policy(acc, _Wrapped(wrapper)) is policy
+        wrapper = PF.wrap_for_prepare(acc, policy)
+        assert isinstance(wrapper, PF.PolicyForward) and wrapper.policy is policy and wrapper.value_head is None
+        assert PF.unwrap_policy(acc, _Wrapped(wrapper)) is policy
         head = torch.nn.Linear(2, 1)
-        assert D.wrap_for_prepare(acc, policy, head).value_head is head  # PPO: the engine owns the critic
+        assert PF.wrap_for_prepare(acc, policy, head).value_head is head  # PPO: the engine owns the critic

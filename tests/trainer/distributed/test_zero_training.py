@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from parity.precision import host_has_native_bf16
-from trainer.config import load_recipe
 from trainer.distributed.deepspeed import check_deepspeed_recipe
 from trainer.io import checkpoint as ckpt
+from trainer.rl.preflight import load_recipe
 
 # 1e-3 where the CPU computes BF16 natively; emulated BF16 (AVX2-only hosts) differs by shard: measured 1.7e-3
 BF16_REL = 1e-3 if host_has_native_bf16() else 5e-3
@@ -218,7 +218,7 @@ CRITIC_KEYS = ("train/vf_loss", "train/explained_variance", "train/value_mean")
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_ppo_under_zero_matches_data_parallel_and_resumes_exactly(stage, tmp_path, ppo_data_parallel):
-    """PPO's value head inside the DeepSpeed engine (trainer.distributed.deepspeed.PolicyForward): the same 2 ranks
+    """PPO's value head inside the DeepSpeed engine (trainer.models.policy_forward.PolicyForward): the same 2 ranks
     without DeepSpeed give the same step 1 (2 epochs x 2 mini-batches, the critic sharing the trunk), and a
     resume from step 1 repeats step 2 exactly -- the critic's weights and Adam state come back from the
     engine's checkpoint (its values feed step 2's advantages)."""
@@ -252,7 +252,7 @@ def test_ppo_under_zero_matches_data_parallel_and_resumes_exactly(stage, tmp_pat
 @pytest.mark.slow
 def test_fp8_unified_under_zero2_matches_data_parallel(tmp_path):
     """The trainer's FP8 LoRA layers (emulated on CPU) with ZeRO-2's reduced gradients: the same 2 ranks without
-    DeepSpeed give the same step 1, and the FP8 engine (fp8_export on every sync) stays in step with it."""
+    DeepSpeed give the same step 1, and the FP8 engine (fp8_weights on every sync) stays in step with it."""
     sets = [x for s in ["precision.recipe=fp8_unified", "train.steps=2", "checkpoint.every=0"] for x in ("--set", s)]
     for stage, name in ((2, "zero2"), (0, "dp")):
         proc = _launch(stage, tmp_path / name, sets)

@@ -86,7 +86,7 @@ def test_a_failed_write_removes_its_partial_folder(tmp_path, capsys):
 
 
 def test_partial_folders_of_a_killed_write_are_removed_at_start_with_a_note(tmp_path, capsys):
-    from trainer.config import load_recipe
+    from trainer.rl.preflight import load_recipe
 
     cfg = load_recipe("recipes/grpo_tiny.yaml", [f"logging.run_dir={tmp_path}"], check_paths=False)
     save(tmp_path, 1)

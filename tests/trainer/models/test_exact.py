@@ -4,10 +4,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import load_recipe
 from trainer.config.schema import RecipeError
 from trainer.models.batch import build_token_batch
 from trainer.models.exact import check_exact, sequences_of, straight_through
+from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -48,7 +48,7 @@ def test_exact_recipe_refuses_what_it_does_not_cover_at_load(sets, words):
 def test_exact_refuses_cuda_several_processes_and_other_architectures():
     from transformers import LlamaConfig, MixtralConfig
 
-    from trainer.models.exact import exact_requirements
+    from trainer.config.validate import exact_requirements
 
     cfg = load_recipe(REPO / "recipes" / "grpo_tiny.yaml", ["precision.recipe=exact"])
     assert all(ok for ok, *_ in exact_requirements(cfg, cuda=False))

@@ -1,6 +1,6 @@
 """Exact mode with engines of its own (run in a pytest process of its own by test_exact_tier.py).
 
-Each test starts and closes its own exact-mode vLLM engine (rollout.exact_quant), as a user's run does;
+Each test starts and closes its own exact-mode vLLM engine (rollout.vllm_plugins.exact_quant), as a user's run does;
 closing an in-process engine tears down vLLM's process-global state that the test session's shared
 engine uses, so this module never runs inside the main session.
 """
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.cpu_forward import EngineForward
+from rollout.engine_forward import EngineForward
 from rollout.types import SamplingSpec
-from trainer.config import load_recipe
 from trainer.rl.loop import train
+from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 ARCH_PROMPTS = [[1, 5, 9, 13, 20, 30], [2, 7, 8], [3, 4, 11, 12, 14, 15, 16, 17, 18, 19, 21]]
@@ -59,13 +59,13 @@ def test_engine_and_trainer_logprobs_are_identical_at_every_step(tmp_path, dtype
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_architecture_matrix_decode_is_reproduced_bit_for_bit(arch):
-    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms, std-0.2 weights (trainer/models/zoo.py), exact engine."""
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms, std-0.2 weights (trainer/builtin/zoo.py), exact engine."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import rollout.exact_quant  # noqa: F401  (registers the exact engine's method)
-    from rollout.fp8_scheme import EXACT
+    import rollout.vllm_plugins.exact_quant  # noqa: F401  (registers the exact engine's method)
     from rollout.vllm_engine import VLLMEngine
-    from trainer.models.zoo import ensure_arch_model
+    from rollout.vllm_plugins.names import EXACT
+    from trainer.builtin.zoo import ensure_arch_model
 
     model_dir = str(ensure_arch_model(arch, dtype="float32"))
     config = AutoConfig.from_pretrained(model_dir)

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import load_recipe
 from trainer.config.schema import RecipeError
 from trainer.rl.async_rollout import Prefetch, _decode, _encode, behaviour_weights, snapshot
+from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -5,13 +5,14 @@ import torch
 from trainer.algorithms import PPOConfig, make_kl_controller
 from trainer.config import AlgorithmConfig, RunConfig
 from trainer.rl.critic import NegativeKLWatch, ppo_targets
+from trainer.rl.scoring import Scores
 
 
 def _scored():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, 0.0]])
     ref = torch.tensor([[-1.5, -2.0, -0.5], [-0.3, -0.7, 0.0]])
-    return {"train_logprobs": lp, "ref_logprobs": ref, "values": torch.zeros(2, 3)}, mask
+    return Scores(logprobs=lp, ref_logprobs=ref, values=torch.zeros(2, 3)), mask
 
 
 def _cfg(**algo):

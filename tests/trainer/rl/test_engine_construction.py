@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import load_recipe
+import trainer.rl.engines
+from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -24,11 +25,8 @@ class Recorder:
 
 @pytest.fixture
 def recorded(monkeypatch, tmp_path):
-    import rollout.fp8_export
-    import rollout.vllm_engine
-
     Recorder.made = []
-    monkeypatch.setattr(rollout.vllm_engine, "VLLMEngine", Recorder)
+    monkeypatch.setattr(trainer.rl.engines, "VLLMEngine", Recorder)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     written = []
 
@@ -36,7 +34,7 @@ def recorded(monkeypatch, tmp_path):
         written.append((model_dir, Path(out)))
         return Path(out)
 
-    monkeypatch.setattr(rollout.fp8_export, "write_fp8_checkpoint", fake_export)
+    monkeypatch.setattr(trainer.rl.engines, "write_fp8_checkpoint", fake_export)
     return written
 
 

@@ -4,7 +4,7 @@ import torch
 
 from rollout.hf_engine import HFEngine
 from trainer.config import RunConfig
-from trainer.rl.probe import probe_spec, run_probe
+from trainer.rl.probe import Probe, probe_spec
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,7 +27,7 @@ def test_probe_of_a_model_against_itself_is_exact_to_float32(model):
     cfg.parity.topk = 3
     engine = HFEngine(model, eos_ids=[])  # (sets eval mode)
     model.train()
-    m = run_probe(engine, model, PROMPTS, cfg, pad_id=0, device="cpu")
+    m = Probe(PROMPTS, cfg, pad_id=0, device="cpu")(engine, model)
     assert model.training  # mode restored
     assert m["probe/num_tokens"] == 3 * 8
     # generate (KV cache, left padding) vs one padded forward of the same float32 model
@@ -44,7 +44,7 @@ def test_probe_sees_a_different_model(model):
         other.model.layers[0].mlp.down_proj.weight.mul_(1.5)
     cfg = RunConfig()
     cfg.rollout.max_new_tokens = 8
-    m = run_probe(HFEngine(other, eos_ids=[]), model, PROMPTS, cfg, pad_id=0, device="cpu")
+    m = Probe(PROMPTS, cfg, pad_id=0, device="cpu")(HFEngine(other, eos_ids=[]), model)
     assert m["probe/mae"] > 1e-3
 
 
@@ -72,8 +72,6 @@ class Counting(HFEngine):
 
 
 def test_probe_decodes_once_then_scores_the_fixed_sequences(model):
-    from trainer.rl.probe import Probe
-
     cfg = RunConfig()
     cfg.rollout.max_new_tokens, cfg.parity.topk = 6, 2
     engine = Counting(model, eos_ids=[])

@@ -8,9 +8,9 @@ import pytest
 import torch
 import yaml
 
-from trainer.config import load_recipe
 from trainer.io.run_lock import RunStateError
 from trainer.models.optim import make_scheduler
+from trainer.rl.preflight import load_recipe
 from trainer.rl.run_state import CHANGES_FILE, RECIPE_FILE, claim_run_dir, record_recipe, recorded_recipe
 
 REPO = Path(__file__).resolve().parents[3]

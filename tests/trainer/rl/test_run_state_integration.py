@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import load_recipe
 from trainer.rl.loop import train
+from trainer.rl.preflight import load_recipe
 from trainer.rl.run_state import CHANGES_FILE, RECIPE_FILE
 
 pytestmark = pytest.mark.slow

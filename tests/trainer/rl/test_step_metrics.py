@@ -1,10 +1,10 @@
-"""Per-step rollout/reward spread metrics (trainer.rl.loop._spread_metrics), hand-computed."""
+"""Per-step rollout/reward spread metrics (trainer.rl.sampling.spread_metrics), hand-computed."""
 import math
 
 from rollout.types import Rollouts
 from trainer.distributed.data_parallel import DataParallel
 from trainer.rl.dynamic_sampling import Drawn
-from trainer.rl.loop import _spread_metrics
+from trainer.rl.sampling import spread_metrics
 
 
 def test_reward_std_flat_groups_and_length_range():
@@ -13,7 +13,7 @@ def test_reward_std_flat_groups_and_length_range():
                  finish_reasons=["stop"] * 8, group_size=4)
     drawn = Drawn(rows=[{"prompt": "a"}, {"prompt": "b"}], rollouts=r, rewards=[1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
                   per_fn={})
-    m = _spread_metrics(drawn, DataParallel())
+    m = spread_metrics(drawn, DataParallel())
     # mean 3/8 = .375; E[r^2] = .375; var = .375 - .140625 = .234375
     assert math.isclose(m["reward/std"], math.sqrt(0.234375), rel_tol=1e-12)
     assert m["reward/frac_zero_std_groups"] == 0.5  # the second group is all 0: no signal

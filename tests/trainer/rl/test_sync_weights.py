@@ -26,7 +26,12 @@ def policy_and_base(tiny_model_dir):
 
 
 class _Recorder:
-    """The engine protocol's load_weights, recorded (a server-like engine: no partial-update streaming)."""
+    """The engine protocol's load_weights, recorded (an engine that takes an update whole: no streaming)."""
+
+    max_model_len = None
+    pushes_weights = True
+    streams_weights = False
+    fp8_block_weights = False
 
     def __init__(self):
         self.calls = []
@@ -98,6 +103,11 @@ def test_a_server_gets_the_layers_as_a_stream_each_made_after_the_previous_was_s
         return contextlib.nullcontext()
 
     class _Server:
+        max_model_len = None
+        pushes_weights = True
+        streams_weights = True
+        fp8_block_weights = False
+
         def __init__(self):
             self.seen = []
 

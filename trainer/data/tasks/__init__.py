@@ -3,7 +3,7 @@
 ``BUILTIN_DATASETS[name](num_examples, *, seed, split, **kwargs) -> datasets.Dataset``
 backs the data source ``builtin:<name>`` (``trainer.data.datasets.load_prompt_dataset``);
 ``BUILTIN_REWARDS["<task>.<reward>"]`` backs the reward spec
-``builtin:<task>.<reward>`` (``trainer.data.rewards.resolve_reward``).
+``builtin:<task>.<reward>`` (``trainer.rewards.functions.resolve_reward``).
 """
 
 from __future__ import annotations

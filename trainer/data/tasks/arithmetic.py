@@ -1,6 +1,6 @@
 """The built-in verifiable task: one-step arithmetic word problems.
 
-Problems are tiny on purpose: the default model (``trainer.models.tiny``) has ~1M
+Problems are tiny on purpose: the default model (``trainer.builtin.tiny``) has ~1M
 parameters and the demo must show GRPO raising the reward within minutes on a
 2-core CPU. Each problem is one addition or one subtraction of small operands
 dressed in a template sentence::

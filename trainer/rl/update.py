@@ -1,0 +1,139 @@
+"""The update passes of a step: pi_old's scores, the policy-gradient pass, and several updates per batch.
+
+Every pass takes the ``Learner`` (trainer/rl/learner.py): the model (and its critic), the
+recipe, how a micro-batch's loss is backpropagated and how an optimizer step is taken.
+
+The loss of each micro-batch is normalised by the WHOLE batch's token/sequence counts
+(``LossNormalizer``; with data parallel, of every rank's batch), so accumulating micro-batch
+gradients (and summing them over ranks) equals one full-batch gradient.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from parity.correction import importance_weights
+from trainer.algorithms import LossInputs, kl_k3
+from trainer.config import RunConfig, correction_config
+from trainer.models.batch import TokenBatch
+from trainer.rl.learner import Learner
+from trainer.rl.scoring import Scores, forward, reference_logprobs, score_batch
+
+
+def updates_per_batch(cfg: RunConfig) -> int:
+    """Optimizer steps on one rollout batch: ``epochs`` x ``mini_batches``."""
+    return cfg.algorithm.epochs * cfg.algorithm.mini_batches
+
+
+def score_pass(learner: Learner, batch: TokenBatch, *, reference: bool = False) -> Scores:
+    """The trainer's scores of the batch under the current policy (with the critic's values), no gradient.
+
+    With several optimizer steps per rollout batch this is pi_old: the policy that
+    generated the batch (if the last sync worked), scored once before any update. It is
+    the input of the parity metrics and the denominator of every update's ratio.
+    ``reference`` adds the reference policy's log-probs (``Scores.ref_logprobs``).
+    """
+    cfg = learner.cfg
+    return score_batch(learner.model, batch, micro_batch_size=cfg.train.micro_batch_size,
+                       temperature=cfg.rollout.temperature, chunk_size=cfg.parity.chunk_size,
+                       value_head=learner.value_head, reference=reference, exact=learner.exact)
+
+
+def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.Tensor,
+                         old: Optional[Scores] = None,
+                         returns: Optional[torch.Tensor] = None) -> tuple[Scores, dict[str, float]]:
+    """Forward, loss and backward over micro-batches of ``batch``: (this pass's scores, its metrics).
+
+    ``old``: pi_old's scores (``score_pass``; its values with a critic) when this is one of
+    several updates on the batch; None = the single on-policy update, where pi_old is the policy
+    being differentiated (ratio 1, its log-probs detached) and this pass's detached log-probs
+    serve the parity metrics: no extra forward. ``returns`` [S, C]: PPO's value targets
+    (``trainer.rl.critic.ppo_targets``). Gradients are left summed over the ranks on return.
+    """
+    cfg, model, dp, exact = learner.cfg, learner.model, learner.dp, learner.exact
+    a = cfg.algorithm
+    loss_fn, options = a.record.loss, a.options
+    use_ref = a.record.uses_reference(options)
+    temperature, chunk_size = cfg.rollout.temperature, cfg.parity.chunk_size
+    norm = dp.global_normalizer(batch.mask, max_len=cfg.rollout.max_new_tokens)
+    correction = correction_config(cfg)
+    mb = cfg.train.micro_batch_size
+    scores = Scores.zeros(batch, values=learner.value_head is not None)
+    totals: dict[str, float] = {}
+    loss_total = 0.0
+    for start in range(0, len(batch), mb):
+        rows = slice(start, start + mb)
+        micro = batch.select(rows)
+        c = micro.targets.shape[1]
+        lp, ent, top, values = forward(model, micro, temperature=temperature, chunk_size=chunk_size,
+                                       value_head=learner.value_head, exact=exact)
+        old_lp = lp.detach() if old is None else old.logprobs[rows, :c]
+        ref_lp = None
+        if use_ref:
+            ref_lp = reference_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size, exact=exact)
+        # Rollout/trainer mismatch correction between pi_old (the trainer's view of the
+        # behaviour policy) and the engine that sampled: weights are local to a token (tis,
+        # mis) or a row (seq_mis), so computing them per micro-batch equals doing it once.
+        is_w = None
+        if correction.mode != "none":
+            is_w, _ = importance_weights(old_lp, micro.rollout_logprobs, micro.mask, correction)
+        critic = {} if learner.value_head is None else {"values": values, "old_values": old.values[rows, :c],
+                                                         "returns": returns[rows, :c], "entropy": ent}
+        out = loss_fn(LossInputs(logprobs=lp, old_logprobs=old_lp, advantages=advantages[rows, :c], mask=micro.mask,
+                                 ref_logprobs=ref_lp, is_weights=is_w, normalizer=norm, **critic), options)
+        learner.backward(out.loss)
+        loss_total += out.loss.item()
+        # Each metric, like the loss, is this micro-batch's share of the whole-batch value
+        # (global normaliser), so the sum over micro-batches is the batch value.
+        for k, v in out.metrics.items():
+            totals[k] = totals.get(k, 0.0) + v
+        scores.put(rows, lp, ent, top, values)
+    dp.all_reduce_grads(p for group in learner.param_groups() for p in group)
+    # Loss terms are contributions under the global normaliser: they sum over ranks.
+    metrics = dp.sum_metrics({**totals, "train/loss": loss_total})
+    if correction.mode != "none":  # the fractions and ESS of the batch (averaged over ranks)
+        old_all = scores.logprobs if old is None else old.logprobs
+        metrics.update(dp.mean_metrics(importance_weights(old_all, batch.rollout_logprobs, batch.mask, correction)[1]))
+    return scores, metrics
+
+
+def mini_batch_rows(num_samples: int, cfg: RunConfig, step: int, epoch: int) -> list[torch.Tensor]:
+    """Row indices of each mini-batch of one epoch: a seeded shuffle split into equal parts.
+
+    The shuffle depends on (train.seed, step, epoch) only, so a resumed run repeats it.
+    """
+    g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * 1009 + epoch)
+    perm = torch.randperm(num_samples, generator=g)
+    return list(perm.chunk(cfg.algorithm.mini_batches))
+
+
+def several_updates(learner: Learner, batch: TokenBatch, advantages: torch.Tensor, old: Scores, step: int,
+                    returns: Optional[torch.Tensor] = None) -> tuple[dict[str, float], Scores]:
+    """``epochs`` x ``mini_batches`` optimizer steps on one rollout batch, ratios against pi_old (``old``).
+
+    ``learner.backward(loss)`` per micro-batch and ``learner.step()`` per mini-batch. Returns the
+    metrics, means over the updates (``train/approx_kl_last`` is k3(pi_old || pi_theta) on the
+    last mini-batch before its step: how far the epochs moved the policy), and the last pass's
+    scores (with one update: pi_theta before its step, on every row).
+    """
+    cfg = learner.cfg
+    sums: dict[str, float] = {}
+    for epoch in range(cfg.algorithm.epochs):
+        for idx in mini_batch_rows(len(batch), cfg, step, epoch):
+            idx = idx.sort().values.to(batch.mask.device)
+            sub = batch.select(idx)
+            c = sub.targets.shape[1]
+            last, metrics = policy_gradient_pass(learner, sub, advantages[idx, :c], old=old.rows(idx, c),
+                                                 returns=None if returns is None else returns[idx, :c])
+            metrics["train/grad_norm"] = learner.step()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+    n = updates_per_batch(cfg)
+    metrics = {k: v / n for k, v in sums.items()}
+    # tokens were sampled from pi_old: k3 with log r = log(pi_theta / pi_old) estimates KL(pi_old || pi_theta)
+    k3 = kl_k3(old.logprobs[idx, :c] * sub.mask, last.logprobs * sub.mask) * sub.mask
+    kl = learner.dp.sum_metrics({"k3": float(k3.sum()), "n": float(sub.mask.sum())})
+    metrics["train/approx_kl_last"] = kl["k3"] / max(kl["n"], 1.0)
+    metrics["train/updates"] = float(n)
+    return metrics, last
