@@ -1,8 +1,9 @@
-"""Benchmark: parity.logprobs.fused_logprobs vs the naive full-logits reference (bf16, CPU).
+"""Benchmark: parity.logprobs.fused_logprobs vs the naive full-logits reference (bf16; CPU, or CUDA).
 
     .venv/bin/python bench/bench_logprobs.py            # N=4096,H=1024,V=32768 and N=2048,H=1024,V=131072
     .venv/bin/python bench/bench_logprobs.py --quick    # smaller shapes, ~1 minute
     .venv/bin/python bench/bench_logprobs.py --threads 1  # one thread: fair on a loaded machine
+    .venv/bin/python bench/bench_logprobs.py --device cuda  # GPU table: see cuda_main
 
 Variants (each measurement runs in its own subprocess, so one variant's allocations
 cannot hide or inflate another's peak):
@@ -140,14 +141,224 @@ def report(shape, res) -> None:
           "Goals: fused/naive <= 1.2, fused peak <= 1/8 of naive.")
 
 
+# ----------------------------------------------------------------------------------
+# --device cuda: one process, every implementation, the table of issue 25
+# ----------------------------------------------------------------------------------
+#
+# Qwen2.5-7B's lm_head in bf16; per-token log-probs and a per-token upstream gradient.
+# Modes: values (no_grad), frozen (grad to hidden: LoRA), full (hidden and lm_head),
+# entropy (frozen, entropy differentiable and in the loss: PPO with ent_coef > 0),
+# entropy_logged (frozen, entropy returned detached: what the loop needs when it only logs it).
+# Time: median of --reps (default 5) after 2 warm-ups, CUDA-synchronised wall time. Memory:
+# peak allocated during one call minus allocated before it (includes the returned gradients,
+# the same for every variant). Accuracy on the first ACC_ROWS rows against float64:
+# max |log-prob error| (values) and the relative error of grad_hidden (frozen; row i of
+# grad_hidden depends only on row i, so a row subset has an exact reference).
+CUDA_H, CUDA_V = 3584, 152064
+CUDA_NS = (16384, 65536)
+CUDA_MODES = ("values", "frozen", "full", "entropy", "entropy_logged")
+ACC_ROWS = 1024
+CUDA_DEVICE = "cuda"  # a name, so the table code can be dry-run on CPU with small shapes
+
+
+def _cuda_variants():
+    """name -> fn(hidden, weight, targets, entropy: None | "grad" | "detached") -> (logprob, entropy or None)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import parity.logprobs as lpmod  # late: after the sys.path insert, as child() does
+
+    def naive(h, w, t, ent):
+        return lpmod.naive_logprobs(h, w, t, return_entropy=ent is not None)
+
+    def ours(backend):
+        def run(h, w, t, ent):
+            saved = lpmod._backend_for
+            lpmod._backend_for = lambda _h: backend  # pin the backend for this variant
+            try:
+                return lpmod.fused_logprobs(h, w, t, return_entropy=ent is not None, entropy_grad=ent == "grad")
+            finally:
+                lpmod._backend_for = saved
+        return run
+
+    out = {"naive": naive, "torch": ours(lpmod._ChunkedLogProbs)}
+    if lpmod.logprobs_triton is not None:
+        out["triton"] = ours(lpmod.logprobs_triton.TritonLogProbs)
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def liger(h, w, t, ent):
+            if ent is not None:
+                return None
+            loss = liger_fused_linear_cross_entropy(h, w, t, reduction="none")
+            return -(loss[0] if isinstance(loss, tuple) else loss), None
+
+        out["liger"] = liger
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        def cce(h, w, t, ent):
+            return None if ent is not None else (-linear_cross_entropy(h, w, t, reduction="none"), None)
+
+        out["cce"] = cce
+    except ImportError:
+        pass
+    return out
+
+
+def _cuda_once(fn, mode, hidden, weight, targets, a, b):
+    """One call of ``fn`` in ``mode``; returns (logprob, entropy) or None if the variant lacks the mode."""
+    import torch
+
+    hidden.grad = weight.grad = None
+    hidden.requires_grad_(mode != "values")
+    weight.requires_grad_(mode == "full")
+    ent = {"entropy": "grad", "entropy_logged": "detached"}.get(mode)
+    with torch.set_grad_enabled(mode != "values"):
+        res = fn(hidden, weight, targets, ent)
+        if res is None:
+            return None
+        lp, e = res
+        if mode != "values":
+            loss = (a * lp).sum()
+            if mode == "entropy":
+                loss = loss + (b * e).sum()
+            loss.backward()
+    return lp.detach(), e
+
+
+def _cuda_measure(fn, mode, inputs, reps):
+    import torch
+
+    try:
+        for _ in range(2):
+            if _cuda_once(fn, mode, *inputs) is None:
+                return None
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            _cuda_once(fn, mode, *inputs)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lp, _ = _cuda_once(fn, mode, *inputs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"oom": True}
+    r = ACC_ROWS
+    res = {"oom": False, "time": statistics.median(times), "peak": peak, "lp": lp[:r].double()}
+    if mode == "frozen":
+        res["grad_h"] = inputs[0].grad[:r].double()
+    inputs[0].grad = inputs[1].grad = None
+    torch.cuda.empty_cache()
+    return res
+
+
+def _cuda_reference(hidden, weight, targets, a):
+    """float64 log-probs and grad_hidden of the first ACC_ROWS rows (exact: rows are independent)."""
+    import torch
+
+    from parity.logprobs import naive_logprobs  # late: _cuda_variants() put the checkout on sys.path
+
+    r = ACC_ROWS
+    h = hidden[:r].detach().double().requires_grad_()
+    lp, _ = naive_logprobs(h, weight.detach().double(), targets[:r])
+    (a[:r].double() * lp).sum().backward()
+    out = lp.detach(), h.grad
+    del h, lp
+    torch.cuda.empty_cache()
+    return out
+
+
+def cuda_main(ns, reps, json_path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible to torch")
+    reps = reps or 5
+    variants = _cuda_variants()
+    dev = torch.device(CUDA_DEVICE)
+    print(f"{torch.cuda.get_device_name(dev)}; torch {torch.__version__}; bf16, H={CUDA_H}, V={CUDA_V}; "
+          f"variants: {', '.join(variants)}; median of {reps} after 2 warm-ups", flush=True)
+    everything = []
+    for n in ns or CUDA_NS:
+        torch.manual_seed(0)
+        hidden = torch.randn(n, CUDA_H, device=dev, dtype=torch.bfloat16)
+        weight = (torch.randn(CUDA_V, CUDA_H, device=dev, dtype=torch.bfloat16) * CUDA_H**-0.5)
+        targets = torch.randint(0, CUDA_V, (n,), device=dev)
+        a, b = torch.randn(n, device=dev), 0.01 * torch.randn(n, device=dev)
+        ref_lp, ref_gh = _cuda_reference(hidden, weight, targets, a)
+        inputs = (hidden, weight, targets, a, b)
+        res = {}
+        for mode in CUDA_MODES:
+            for name, fn in variants.items():
+                r = _cuda_measure(fn, mode, inputs, reps)
+                res[(name, mode)] = r
+                if r is not None and not r["oom"]:
+                    r["lp_err"] = (r.pop("lp") - ref_lp).abs().max().item()
+                    if "grad_h" in r:
+                        r["gh_rel"] = ((r.pop("grad_h") - ref_gh).norm() / ref_gh.norm()).item()
+                everything.append({"n": n, "variant": name, "mode": mode, **(r or {"missing": True})})
+        _cuda_report(n, res, list(variants))
+        del hidden, weight, inputs
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(everything, f, indent=1)
+
+
+def _cuda_report(n, res, names) -> None:
+    flops = 2 * n * CUDA_H * CUDA_V
+    print(f"\n=== N={n} H={CUDA_H} V={CUDA_V} bf16: median ms (ratio to naive), peak extra GiB ===")
+    print(f"{'mode':15s}" + "".join(f"{name:>24s}" for name in names))
+    for mode in CUDA_MODES:
+        naive = res.get(("naive", mode))
+        base = naive["time"] if naive and not naive["oom"] else None
+        cells = []
+        for name in names:
+            r = res[(name, mode)]
+            if r is None:
+                cells.append("—")
+            elif r["oom"]:
+                cells.append("OOM")
+            else:
+                ratio = f" ({r['time'] / base:.2f}x)" if base else ""
+                cells.append(f"{r['time'] * 1e3:.0f} ms{ratio}, {r['peak'] / 2**30:.2f} G")
+        print(f"{mode:15s}" + "".join(f"{c:>24s}" for c in cells))
+    print("values TFLOP/s: " + ", ".join(
+        f"{name} {flops / res[(name, 'values')]['time'] / 1e12:.0f}" for name in names
+        if res[(name, "values")] and not res[(name, "values")]["oom"]))
+    print("accuracy vs float64 (first rows): " + ", ".join(
+        f"{name} lp {res[(name, 'values')]['lp_err']:.1e} / grad_h rel {res[(name, 'frozen')].get('gh_rel', float('nan')):.1e}"
+        for name in names
+        if res[(name, "values")] and not res[(name, "values")]["oom"]
+        and res[(name, "frozen")] and not res[(name, "frozen")]["oom"]))
+    if "liger" in names and "triton" in names:
+        print("triton / liger: " + ", ".join(
+            f"{mode} {res[('triton', mode)]['time'] / res[('liger', mode)]['time']:.2f}" for mode in CUDA_MODES
+            if all(res[(x, mode)] and not res[(x, mode)]["oom"] for x in ("triton", "liger"))))
+    print("goals (issue 25): triton values and frozen <= 0.9x liger, full <= 1.0x liger, "
+          "entropy_logged <= 1.15x frozen, grad_h rel <= 3e-3")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small shapes (about a minute)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per variant (default 3, quick 2)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (default: torch's default)")
     p.add_argument("--json", default=None, help="also write all raw results to this file")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: naive, parityrl's torch and Triton paths, Liger / cut-cross-entropy, in one process")
+    p.add_argument("--n", type=int, nargs="*", default=None, help="with --device cuda: token counts (default 16384 65536)")
     p.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        cuda_main(args.n, args.reps, args.json)
+        return
     if args.child:
         variant, mode, n, h, v, reps, threads = args.child
         print(json.dumps(child(variant, mode, int(n), int(h), int(v), int(reps), int(threads))))

@@ -56,9 +56,17 @@ References: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models
 (arXiv:2411.09009) for the recompute-in-tiles idea; Liger-Kernel's
 fused_linear_cross_entropy for the chunked CPU/GPU layout.
 
-Backends: only the chunked torch implementation exists. ``_backend_for`` is the single
-place where a CUDA/Triton kernel would be chosen later; it must keep the same
-contract (inputs, outputs, O(N) saved state).
+Entropy as a by-product: ``entropy_grad=False`` returns the entropy computed in the same
+forward pass but detached, so a caller that only logs it keeps the log-prob-only backward
+(and, with a frozen lm_head, the precomputed-G shortcut above); with ``entropy_grad=True``
+the backward carries the entropy term and recomputes every tile.
+
+Backends: ``_backend_for`` picks the implementation from the inputs' device, in one place:
+CUDA tensors in float32/bf16/fp16 go to the Triton kernels of ``parity.logprobs_triton``
+(when triton imports), everything else to the chunked torch implementation here, which
+is also the reference the Triton kernels are tested against. Both take the same
+``apply()`` arguments and keep O(N) state between forward and backward. On CUDA the torch
+path sizes its tiles from free GPU memory (``_memory_budget``), not the CPU budget.
 """
 
 from __future__ import annotations
@@ -68,6 +76,11 @@ import warnings
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+
+try:
+    from parity import logprobs_triton
+except ImportError:  # triton is optional: without it every device uses the torch path
+    logprobs_triton = None
 
 __all__ = [
     "IGNORE_INDEX",
@@ -89,6 +102,12 @@ IGNORE_INDEX = -100
 # N = 4096, V = 32k (107-166 MiB vs 1033-1547 MiB).
 DEFAULT_MEMORY_BUDGET_BYTES = 64 * 2**20
 
+# The torch path's budget on CUDA: 640 MiB of float32 tile is ~1024 rows at V = 152k, the
+# chunk at which that path's GEMMs ran at full rate on an H100 (issue 25: 54 ms values /
+# 99 ms frozen with chunk_size=1024, against 105 / 196 ms with 96-row tiles from the CPU
+# budget); an eighth of free memory caps it, leaving room for the tile's twins (~2.5x).
+CUDA_MEMORY_BUDGET_BYTES = 640 * 2**20
+
 # Out-of-memory retries halve the tile down to this many rows (or vocabulary entries)
 # and then give up by re-raising: smaller tiles only waste time.
 MIN_CHUNK_ROWS = 16
@@ -109,6 +128,7 @@ def fused_logprobs(
     bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    entropy_grad: bool = True,
     chunk_size: Optional[int] = None,
     vocab_chunk_size: Optional[int] = None,
     ignore_index: int = IGNORE_INDEX,
@@ -125,10 +145,15 @@ def fused_logprobs(
             and cost no compute.
         bias: optional [V] lm_head bias, added in float32.
         temperature: T > 0; the sampler's temperature, so log-probs match the engine's.
-        return_entropy: also return the per-token entropy (differentiable).
+        return_entropy: also return the per-token entropy.
+        entropy_grad: with ``return_entropy``, whether the entropy is differentiable. False:
+            it comes from the same forward pass, detached, and the backward is the one of
+            the log-probs alone (the fast path when the entropy is only logged).
         chunk_size: tokens per tile in both passes; None sizes tiles from
-            ``DEFAULT_MEMORY_BUDGET_BYTES`` (forward ``budget // (4 V)`` rows; backward
-            see ``_backward_tile_shape``).
+            ``_memory_budget`` (on CPU ``DEFAULT_MEMORY_BUDGET_BYTES``: forward
+            ``budget // (4 V)`` rows; backward see ``_backward_tile_shape``); on the Triton
+            backend, rows per chunk of the [C, V] buffer that the backward and the frozen-lm_head
+            forward use (None: ``parity.logprobs_triton._chunk_rows``).
         vocab_chunk_size: vocabulary entries per backward tile (also bounds the float32
             weight-gradient accumulator to ``vocab_chunk_size x H``); None: automatic.
         ignore_index: target value meaning "no token here".
@@ -137,7 +162,8 @@ def fused_logprobs(
 
     Returns:
         (logprobs, entropy): both shaped like ``targets``, float32 (float64 for float64
-        inputs); entropy is None unless ``return_entropy``.
+        inputs); entropy is None unless ``return_entropy``, and carries no gradient when
+        ``entropy_grad`` is False.
 
     Out of memory in a tile (``torch.OutOfMemoryError``, or a RuntimeError saying "out of
     memory" / "can't allocate memory") halves the tile and redoes the pass with a
@@ -159,11 +185,12 @@ def fused_logprobs(
         idx = valid.nonzero().squeeze(1)
         rows_h, rows_t = flat_h.index_select(0, idx), flat_t.index_select(0, idx)
 
+    entropy_grad = bool(return_entropy and entropy_grad)
     if rows_t.numel() == 0:
         # Still route through hidden/weight (empty slices: free) so that backward() works.
         zero = (flat_h[:0].sum() + weight[:0].sum()).to(compute_dtype)
         lp = zero.expand(n_tokens).clone()
-        ent = lp.clone() if return_entropy else None
+        ent = (lp.clone() if entropy_grad else lp.detach().clone()) if return_entropy else None
         return lp.reshape(out_shape), (ent.reshape(out_shape) if ent is not None else None)
 
     needs_grad = torch.is_grad_enabled() and any(
@@ -175,11 +202,11 @@ def fused_logprobs(
         and rows_h.requires_grad
         and not weight.requires_grad
         and not (bias is not None and bias.requires_grad)
-        and not return_entropy
+        and not entropy_grad
     )
     fn = _backend_for(rows_h)
     lp, ent = fn.apply(
-        rows_h, weight, bias, rows_t, xf, bool(return_entropy),
+        rows_h, weight, bias, rows_t, xf, bool(return_entropy), entropy_grad,
         chunk_size or 0, vocab_chunk_size or 0, bool(precompute),
     )
     if not return_entropy:
@@ -213,9 +240,10 @@ def fused_gather_logprobs(
         ``log softmax((hidden @ weight.T + bias) / T)[ids]`` (with the logit transform, as
         ``fused_logprobs``).
 
-    The logits tile is computed by the same code as ``fused_logprobs``'s forward
-    (``_scaled_logits``: matmul in the input dtype, then float32), so a token's value here
-    equals the one ``fused_logprobs`` gives it. Used for the top-k KL metric only.
+    The logits tile is computed by the same code as ``fused_logprobs``'s forward on the same
+    backend (torch: ``_scaled_logits``, matmul in the input dtype, then float32; Triton: the
+    forward kernel's own tiles), so a token's value here equals the one ``fused_logprobs``
+    gives it. Used for the top-k KL metric only.
     """
     if not isinstance(ids, torch.Tensor) or ids.dim() != hidden.dim() or ids.shape[:-1] != hidden.shape[:-1]:
         raise ValueError(f"ids: expected shape {tuple(hidden.shape[:-1])} + (k,), got {tuple(getattr(ids, 'shape', ()))}")
@@ -232,7 +260,12 @@ def fused_gather_logprobs(
     out = torch.empty(n, k, dtype=cd, device=hidden.device)
     if n == 0 or k == 0:
         return out.reshape(ids.shape)
-    rows = min(n, chunk_size or _auto_chunk_rows(vocab, DEFAULT_MEMORY_BUDGET_BYTES))
+    if _backend_for(flat_h) is not _ChunkedLogProbs:
+        return logprobs_triton.gather_logprobs_triton(
+            flat_h, weight, flat_ids, bias=bias, temperature=temperature, logit_softcap=logit_softcap,
+            logit_scale=logit_scale,
+        ).reshape(ids.shape)
+    rows = min(n, chunk_size or _auto_chunk_rows(vocab, _memory_budget(hidden.device)))
     buf = _Buffers(rows, vocab, weight.shape[1], hidden.dtype, cd, hidden.device, exp=False, grad_h=False, grad_w=False,
                    dcap=False)
     bias_c = bias.to(cd) if bias is not None else None
@@ -366,6 +399,14 @@ def _validate(hidden, weight, targets, bias, temperature, chunk_size, vocab_chun
     return flat_h, flat_t, bias, targets.shape
 
 
+def _memory_budget(device: torch.device) -> int:
+    """Bytes of float32 tile for the torch path on ``device`` (see the two budget constants)."""
+    if device.type != "cuda":
+        return DEFAULT_MEMORY_BUDGET_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(DEFAULT_MEMORY_BUDGET_BYTES, min(CUDA_MEMORY_BUDGET_BYTES, free // 8))
+
+
 def _auto_chunk_rows(cols: int, budget_bytes: int) -> int:
     """Rows per tile so that one float32 [rows, cols] tile fits ``budget_bytes`` (multiple of 16)."""
     rows = budget_bytes // (4 * cols)
@@ -377,7 +418,9 @@ def _auto_vocab_block(hidden_size: int, budget_bytes: int) -> int:
     return max(1024, budget_bytes // 4 // (4 * hidden_size))
 
 
-def _backward_tile_shape(n: int, vocab: int, hidden_size: int, chunk: int, vblock: int) -> Tuple[int, int]:
+def _backward_tile_shape(
+    n: int, vocab: int, hidden_size: int, chunk: int, vblock: int, budget: int = DEFAULT_MEMORY_BUDGET_BYTES
+) -> Tuple[int, int]:
     """(rows, vocab_block) of the backward tiles; ``chunk``/``vblock`` of 0 mean automatic.
 
     Backward tiles are independent given lse, so the vocabulary is always blocked. The
@@ -386,12 +429,12 @@ def _backward_tile_shape(n: int, vocab: int, hidden_size: int, chunk: int, vbloc
     written straight into the gradient, with no float32 accumulator and no cast.
     Otherwise the float32 accumulator [vocab_block, H] gets a quarter of the budget.
     """
-    tile_budget = DEFAULT_MEMORY_BUDGET_BYTES // 2
+    tile_budget = budget // 2
     if not chunk and not vblock:
         one_chunk_block = tile_budget // (4 * n)
         if one_chunk_block >= min(1024, vocab):
             return n, min(vocab, one_chunk_block)
-    vblock = min(vocab, vblock or _auto_vocab_block(hidden_size, DEFAULT_MEMORY_BUDGET_BYTES))
+    vblock = min(vocab, vblock or _auto_vocab_block(hidden_size, budget))
     rows = min(n, chunk or _auto_chunk_rows(vblock, tile_budget))
     return rows, vblock
 
@@ -436,8 +479,8 @@ def _retry_halving(run, rows: int, vblock: int, what: str, split_vocab: bool):
 # Tiles (module-level so tests can inject failures)
 # ----------------------------------------------------------------------------------
 #
-# Every pass allocates its tile buffers once and reuses them: on this class of machine a
-# fresh 64 MiB tensor costs more in page faults than the arithmetic done on it (measured:
+# Every pass allocates its tile buffers once and reuses them: on a CPU a
+# fresh 64 MiB tensor costs more in page faults than the arithmetic done on it (measured on a 2-core CPU:
 # bf16 matmul into a new [256, 65536] tensor 113 ms, into a reused one 49 ms; exp 80 ms
 # vs 8 ms), which is also why the naive version pays more than its FLOPs suggest.
 
@@ -657,16 +700,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, xf, want_entropy, chunk, vblock, precompute):
+    def forward(ctx, hidden, weight, bias, targets, xf, want_entropy, entropy_grad, chunk, vblock, precompute):
         vocab, hsize = weight.shape
-        rows = chunk or _auto_chunk_rows(vocab, DEFAULT_MEMORY_BUDGET_BYTES)
+        rows = chunk or _auto_chunk_rows(vocab, _memory_budget(hidden.device))
         run = lambda r, _v: _forward_pass(hidden, weight, bias, targets, xf, want_entropy, precompute, r)
         lp, lse, ent, gh = _retry_halving(run, min(rows, hidden.shape[0]), vocab, "forward", split_vocab=False)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, gh)
+        keep_ent = ent if entropy_grad else None  # a detached entropy plays no part in the backward
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, keep_ent, gh)
         ctx.xf, ctx.chunk, ctx.vblock, ctx.precompute = xf, chunk, vblock, precompute
         ctx.set_materialize_grads(False)
         if ent is None:
             ent = torch.zeros(0, dtype=lp.dtype, device=lp.device)
+        if keep_ent is None:
             ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -675,7 +720,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         hidden, weight, bias, targets, lse, ent, gh = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
-        none = (None,) * 6
+        none = (None,) * 7
         if ent is None or (g_ent is not None and g_ent.numel() == 0):
             g_ent = None
         g_lp = g_lp.to(lse.dtype) if g_lp is not None else None
@@ -688,7 +733,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
             return (grad_h, None, None) + none
 
         vocab, hsize = weight.shape
-        rows, vblock = _backward_tile_shape(hidden.shape[0], vocab, hsize, ctx.chunk, ctx.vblock)
+        rows, vblock = _backward_tile_shape(
+            hidden.shape[0], vocab, hsize, ctx.chunk, ctx.vblock, _memory_budget(hidden.device)
+        )
         run = lambda r, v: _backward_pass(
             hidden, weight, bias, targets, lse, ent, g_lp, g_ent, ctx.xf, need, r, v
         )
@@ -699,10 +746,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
 
 def _backend_for(hidden: torch.Tensor):
-    """The autograd Function implementing the kernel for ``hidden``'s device.
+    """The autograd Function implementing the kernel for ``hidden``'s device and dtype.
 
-    Only the chunked torch implementation exists; a Triton kernel for CUDA would be
-    returned here for ``hidden.is_cuda`` and must honour the same apply() signature.
+    CUDA tensors in a dtype the Triton kernels handle (not float64) go to
+    ``parity.logprobs_triton.TritonLogProbs`` when triton imports; everything else to the
+    chunked torch implementation. Both take the same apply() arguments.
     """
-    del hidden
+    if hidden.is_cuda and logprobs_triton is not None and logprobs_triton.supports(hidden.dtype):
+        return logprobs_triton.TritonLogProbs
     return _ChunkedLogProbs

@@ -119,6 +119,41 @@ def test_frozen_lm_head_backward_does_no_tile_work(monkeypatch):
     assert torch.allclose(hidden.grad, ref_h.grad, atol=1e-5)
 
 
+def test_detached_entropy_keeps_the_frozen_shortcut(monkeypatch):
+    # entropy_grad=False: the entropy of the same forward, no gradient, and the backward is
+    # the precomputed-G one (no tile recomputed), as when the loop only logs the entropy.
+    hidden, weight, bias, targets = _inputs(seed=4)
+    g = torch.randn(19, dtype=torch.float64)
+    h_ref = hidden.clone().requires_grad_()
+    lp_ref, ent_ref = fused_logprobs(h_ref, weight, targets, bias=bias, temperature=0.8, return_entropy=True,
+                                     chunk_size=8)
+    (g * lp_ref).sum().backward()
+
+    monkeypatch.setattr(lpmod, "_backward_tile", lambda *a, **k: pytest.fail("backward tile on the frozen path"))
+    h = hidden.clone().requires_grad_()
+    lp, ent = fused_logprobs(h, weight, targets, bias=bias, temperature=0.8, return_entropy=True,
+                             entropy_grad=False, chunk_size=8)
+    assert ent_ref.requires_grad and not ent.requires_grad
+    assert torch.equal(ent, ent_ref.detach()) and torch.equal(lp.detach(), lp_ref.detach())
+    (g * lp).sum().backward()
+    assert torch.allclose(h.grad, h_ref.grad, atol=1e-12)
+    _, ent64 = naive_logprobs(hidden, weight, targets, bias=bias, temperature=0.8, return_entropy=True)
+    assert torch.allclose(ent, ent64, atol=1e-12)
+
+
+def test_detached_entropy_full_path_gradcheck():
+    # With the lm_head trained the backward recomputes tiles, but without the entropy term.
+    hidden, weight, bias, targets = _inputs(seed=5)
+
+    def f(h, w):
+        lp, ent = fused_logprobs(h, w, targets, bias=bias, return_entropy=True, entropy_grad=False, chunk_size=7,
+                                 vocab_chunk_size=10)
+        assert not ent.requires_grad
+        return lp
+
+    assert torch.autograd.gradcheck(f, (hidden.requires_grad_(), weight.requires_grad_()), eps=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("entropy", [False, True])
 def test_non_scalar_upstream_gradient_matches_naive(entropy):
     # Per-token weighted loss (Liger-Kernel issue #1298 shipped wrong gradients here).

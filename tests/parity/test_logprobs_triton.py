@@ -1,0 +1,81 @@
+"""The Triton backend's place in parity.logprobs: which backend runs where, tile sizing, and the interpreter tier.
+
+The kernels themselves are checked in ``test_logprobs_triton_interpret.py``, which needs
+``TRITON_INTERPRET=1`` before ``parity`` is imported: ``test_interpreter_tier`` runs it in
+a fresh process (see that module's docstring).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import parity.logprobs as lpmod
+
+lt = pytest.importorskip("parity.logprobs_triton")
+
+REPO = Path(__file__).resolve().parents[2]
+GiB = 2**30
+
+
+def _fake(device_type: str, dtype: torch.dtype):
+    # _backend_for reads only .is_cuda and .dtype; a stand-in avoids needing a GPU.
+    return SimpleNamespace(is_cuda=device_type == "cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_tensors_go_to_triton(dtype):
+    assert lpmod._backend_for(_fake("cuda", dtype)) is lt.TritonLogProbs
+
+
+def test_cpu_float64_and_no_triton_go_to_torch(monkeypatch):
+    assert lpmod._backend_for(torch.zeros(2, 3)) is lpmod._ChunkedLogProbs
+    assert lpmod._backend_for(torch.zeros(2, 3, dtype=torch.bfloat16)) is lpmod._ChunkedLogProbs
+    assert lpmod._backend_for(_fake("cuda", torch.float64)) is lpmod._ChunkedLogProbs
+    monkeypatch.setattr(lpmod, "logprobs_triton", None)
+    assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lpmod._ChunkedLogProbs
+
+
+def test_memory_budget_cpu_is_unchanged_and_cuda_follows_free_memory(monkeypatch):
+    assert lpmod._memory_budget(torch.device("cpu")) == lpmod.DEFAULT_MEMORY_BUDGET_BYTES
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GiB, 80 * GiB))
+    assert lpmod._memory_budget(cuda) == lpmod.CUDA_MEMORY_BUDGET_BYTES
+    # 640 MiB of float32 at V = 152064: 1103 -> 1088 rows (multiple of 16)
+    assert lpmod._auto_chunk_rows(152064, lpmod._memory_budget(cuda)) == 1088
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * GiB, 80 * GiB))
+    assert lpmod._memory_budget(cuda) == 256 * 2**20  # free / 8
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**20, 80 * GiB))
+    assert lpmod._memory_budget(cuda) == lpmod.DEFAULT_MEMORY_BUDGET_BYTES  # never below the CPU budget
+
+
+def test_triton_backward_chunk_rows(monkeypatch):
+    cuda = torch.device("cuda")
+    assert lt._chunk_rows(5000, 152064, 2, torch.device("cpu"), 16) == 5000  # interpreter: one chunk
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GiB, 80 * GiB))
+    assert lt._chunk_rows(16384, 152064, 2, cuda, 128) == lt.CUDA_CHUNK_ROWS
+    assert lt._chunk_rows(300, 152064, 2, cuda, 128) == 300
+    # 1 GiB free: a quarter is 256 MiB = 882 bf16 rows at V = 152064 -> 768 (multiple of 128)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GiB, 80 * GiB))
+    assert lt._chunk_rows(16384, 152064, 2, cuda, 128) == 768
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * GiB))
+    assert lt._chunk_rows(16384, 152064, 2, cuda, 128) == 128  # at least one row block
+
+
+def test_supported_dtypes():
+    assert all(lt.supports(d) for d in (torch.float32, torch.bfloat16, torch.float16))
+    assert not lt.supports(torch.float64)
+
+
+def test_interpreter_tier():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           str(REPO / "tests" / "parity" / "test_logprobs_triton_interpret.py")]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    tail = (out.stdout + out.stderr)[-6000:]
+    assert out.returncode == 0, tail
+    assert " passed" in tail and "skipped" not in tail, tail
