@@ -96,17 +96,12 @@ class SFTTrainConfig(SupervisedTrainConfig):
     batch_size: int = 32  # rows per optimizer step: pairs (padded) or blocks (packed)
 
 
-@dataclass
-class SFTConfig:
-    name: str = "sft"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
-    output_dir: str = "runs/{name}/model"
-    # merged: a plain HF model (LoRA folded in); adapter: the LoRA adapter only (for `parityrl merge`)
-    output_format: Literal["merged", "adapter"] = "merged"
-    print_every: int = 20
-    logging: StageLoggingConfig = field(default_factory=StageLoggingConfig)
+class StageOutputs:
+    """Where a supervised stage writes: its run directory and its output model, both named by the recipe's name."""
+
+    name: str
+    output_dir: str
+    logging: StageLoggingConfig
 
     @property
     def run_dir(self) -> Path:
@@ -117,12 +112,23 @@ class SFTConfig:
         return Path(self.output_dir.format(name=self.name))
 
 
+@dataclass
+class SFTConfig(StageOutputs):
+    name: str = "sft"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
+    output_dir: str = "runs/{name}/model"
+    # merged: a plain HF model (LoRA folded in); adapter: the LoRA adapter only (for `parityrl merge`)
+    output_format: Literal["merged", "adapter"] = "merged"
+    print_every: int = 20
+    logging: StageLoggingConfig = field(default_factory=StageLoggingConfig)
+
+
+
 def read_sft_recipe(path, overrides=()) -> SFTConfig:
     """Read, override, type-check and apply the rules an SFT recipe can be checked by on its own."""
-    data, where = load_recipe_dict(path, overrides)
-    cfg = build_config(SFTConfig, data, where)
-    validate_sft(cfg, where)
-    return cfg
+    return _read_stage_recipe(SFTConfig, validate_sft, path, overrides)
 
 
 def validate_sft(cfg: SFTConfig, where: str) -> None:
@@ -177,7 +183,7 @@ class RMTrainConfig(SupervisedTrainConfig):
 
 
 @dataclass
-class RMConfig:
+class RMConfig(StageOutputs):
     name: str = "rm"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: RMDataConfig = field(default_factory=RMDataConfig)
@@ -186,20 +192,17 @@ class RMConfig:
     print_every: int = 10
     logging: StageLoggingConfig = field(default_factory=StageLoggingConfig)
 
-    @property
-    def out_path(self) -> Path:
-        return Path(self.output_dir.format(name=self.name))
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.logging.run_dir.format(name=self.name))
 
 
 def read_rm_recipe(path, overrides=()) -> RMConfig:
     """Read, override, type-check and apply the rules a reward-model recipe can be checked by on its own."""
+    return _read_stage_recipe(RMConfig, validate_rm, path, overrides)
+
+
+def _read_stage_recipe(cls, validate, path, overrides):
     data, where = load_recipe_dict(path, overrides)
-    cfg = build_config(RMConfig, data, where)
-    validate_rm(cfg, where)
+    cfg = build_config(cls, data, where)
+    validate(cfg, where)
     return cfg
 
 
