@@ -70,7 +70,6 @@ BF16 and the master weights are never quantized in place.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -91,9 +90,7 @@ __all__ = [
     "fake_quant_weight_shards",
     "fake_quant_act",
     "fp8_linear",
-    "FP8_BACKENDS",
     "FP8_TARGETS",
-    "verify_scaled_mm",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -102,7 +99,6 @@ BLOCK = 128  # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
 EPS = 1e-10  # amax floor: zero blocks get a finite scale (same as vLLM's kernels)
 # fp32(1/448), multiplied rather than divided: vLLM computes ``absmax * (1.0 / fp8_max)``.
 _INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
-FP8_BACKENDS = ("emulated", "scaled_mm")
 # Hugging Face leaf names of the decoder linear layers both phases quantize (Llama, Mistral, Qwen2/3).
 # lm_head, embeddings, norms and attention stay BF16 (trainer/models/precision.py says why).
 FP8_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -239,7 +235,7 @@ def _ste(t: torch.Tensor, quantizer: Callable[[torch.Tensor], torch.Tensor]) -> 
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-               weight_is_quantized: bool = False, backend: str = "emulated") -> torch.Tensor:
+               weight_is_quantized: bool = False) -> torch.Tensor:
     """The FP8 linear layer of both phases: fake_quant_act(x) @ fake_quant_weight(W)^T + b, in x's dtype.
 
     x [..., K]; weight [N, K]; bias [N] or None. Returns [..., N] in x's dtype.
@@ -248,90 +244,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     result is bitwise the same as passing the raw weight.
     Gradients: straight-through to x and weight (module docstring).
 
-    backend: "emulated" (quantize -> dequantize -> matmul in x's dtype; any device)
-    or "scaled_mm" (CUDA SM90+ only: the forward GEMM runs in FP8 with block
-    scales via ``torch.nn.functional.scaled_mm``; the backward stays BF16 on the
-    same fake-quantized operands). Untested on the CPU machine this was written on;
-    ``verify_scaled_mm`` checks it against the emulation on the device first.
+    Any device: quantize -> dequantize -> matmul in x's dtype. This is the CPU path and the
+    oracle of the CUDA FP8 GEMM (``parity.fp8_gemm.fp8_linear_scaled_mm``, same codes and scales).
     """
-    if backend not in FP8_BACKENDS:
-        raise ValueError(f"backend = {backend!r}: expected one of {FP8_BACKENDS}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                          "(expected x [..., K], weight [N, K])")
-    if backend == "scaled_mm":
-        return _ScaledMMLinear.apply(x, weight, bias, weight_is_quantized)
     xq = _ste(x, fake_quant_act)
     wq = weight if weight_is_quantized else _ste(weight, fake_quant_weight)
     return F.linear(xq, wq.to(x.dtype), None if bias is None else bias.to(x.dtype))
-
-
-# ---- CUDA: real FP8 GEMM behind the same interface (not runnable on a CPU machine) ---------------
-def _scaled_mm_forward(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """FP8 GEMM of x2 [M, K] and weight [N, K] with 1x128 / 128x128 block scales (cuBLASLt, SM90+, CUDA >= 12.9).
-
-    Layouts follow PyTorch's own OpInfo samples for ``scaled_mm`` with
-    (BlockWise1x128, BlockWise128x128): scale_a [M, K/128] column-major,
-    scale_b [K/128, N/128] as the transpose of a contiguous [N/128, K/128];
-    mat_b = W^T, column-major by construction.
-    """
-    from torch.nn.functional import ScalingType, SwizzleType
-
-    m, k = x2.shape
-    n = weight.shape[0]
-    if k % BLOCK or n % BLOCK:
-        raise ValueError(f"backend='scaled_mm' needs K and N multiples of {BLOCK}, got K={k}, N={n}; "
-                         "use backend='emulated' for this layer")
-    xq, xs = quantize_act_groups(x2)
-    wq, ws = quantize_weight_blocks(weight)
-    return F.scaled_mm(xq, wq.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128,
-                       ws.contiguous().t(), ScalingType.BlockWise128x128,
-                       swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE,
-                       bias=bias, output_dtype=x2.dtype)
-
-
-class _ScaledMMLinear(torch.autograd.Function):
-    """Forward in FP8 (``_scaled_mm_forward``); backward as the emulated STE path, in BF16."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, weight_is_quantized):
-        if not x.is_cuda:
-            raise RuntimeError("fp8_linear(backend='scaled_mm') needs CUDA tensors; use backend='emulated' on CPU")
-        x2 = x.reshape(-1, x.shape[-1])
-        y = _scaled_mm_forward(x2, weight, None if bias is None else bias.to(x.dtype))
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.weight_is_quantized = bias is not None, weight_is_quantized
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        wq = (weight if ctx.weight_is_quantized else fake_quant_weight(weight)).to(grad.dtype)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gx = (g2 @ wq).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        gw = (g2.t() @ fake_quant_act(x).reshape(-1, x.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None
-
-
-def verify_scaled_mm(device: str | torch.device = "cuda", *, rtol: float = 2e-2) -> float:
-    """Run one FP8 GEMM on ``device`` and compare it with the emulation; raise if they disagree.
-
-    The two compute the same products of the same FP8 operands; only the
-    accumulation (FP8 tensor cores with FP32 accumulation vs a BF16 GEMM of the
-    dequantized operands) differs, so the relative Frobenius error is of the
-    order of BF16 rounding. Returns that error.
-    """
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(64, 256, generator=g).to(device=device, dtype=torch.bfloat16)
-    w = (torch.randn(384, 256, generator=g) * 0.05).to(device=device, dtype=torch.bfloat16)
-    ref = fp8_linear(x, w).float()
-    got = fp8_linear(x, w, backend="scaled_mm").float()
-    err = ((got - ref).norm() / ref.norm()).item()
-    if not math.isfinite(err) or err > rtol:
-        raise RuntimeError(f"fp8_linear(backend='scaled_mm') disagrees with the emulation on {device}: "
-                           f"relative error {err:.3g} > {rtol}; use backend='emulated'")
-    return err
 
 
 def host_has_native_bf16() -> bool:

@@ -9,6 +9,7 @@ Bounds asserted (module docstring derives them):
 import pytest
 import torch
 
+from parity.fp8_gemm import fp8_linear_scaled_mm
 from parity.precision import (
     EPS,
     FP8_MAX,
@@ -203,10 +204,8 @@ def test_fp8_linear_is_the_fake_quant_matmul():
     assert not torch.equal(ref, plain)  # quantization is visible
     with pytest.raises(ValueError, match="do not match"):
         fp8_linear(x, w.t())
-    with pytest.raises(ValueError, match="backend"):
-        fp8_linear(x, w, backend="fp4")
-    with pytest.raises(RuntimeError, match="CUDA"):
-        fp8_linear(x, w, backend="scaled_mm")
+    with pytest.raises(RuntimeError, match="CUDA"):  # the FP8-GEMM backend, same contract, CUDA only
+        fp8_linear_scaled_mm(x, w)
 
 
 def test_straight_through_gradients():

@@ -39,32 +39,54 @@ Cost of merging, per LoRA layer and micro-batch: one extra [N, r] x [r, K]
 GEMM and an [N, K] float32 temporary plus its quantization in the forward, and
 in the backward the full weight gradient dL/dW' (tokens x N x K FLOPs, as much
 as the forward GEMM: the weight-gradient cost of full fine-tuning) before it is
-reduced to A and B. LoRA dropout cannot be applied to a merged weight (the
+reduced to A and B. On the FP8-GEMM backend (``scaled_mm``, CUDA) the merged weight is
+quantized once per change of W, A or B (``parity.fp8_gemm.Fp8WeightCache``: once per optimizer
+step) and the merge is recomputed only in the backward, for the adapters' gradients.
+LoRA dropout cannot be applied to a merged weight (the
 engine has none either): ``convert_to_fp8`` refuses adapters with dropout > 0.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
+from parity.fp8_gemm import FP8_BACKENDS, Fp8WeightCache, fp8_cached_linear, scaled_mm_supported, verify_scaled_mm
 from parity.lora import merged_lora_weight
-from parity.precision import FP8_BACKENDS, FP8_TARGETS, fake_quant_weight, fp8_linear, verify_scaled_mm
+from parity.precision import FP8_TARGETS, fake_quant_weight, fp8_linear
 from trainer.config.schema import RecipeError
 from trainer.models.architecture import decoder_layers, decoder_linear_leaves
 
-__all__ = ["FP8_TARGETS", "Fp8Linear", "convert_to_fp8", "fp8_targets", "fp8_weights", "is_fp8_module",
-           "lora_merged_weight"]
+__all__ = ["FP8_TARGETS", "Fp8Linear", "convert_to_fp8", "fp8_targets", "fp8_weights", "invalidate_fp8_caches",
+           "is_fp8_module", "lora_merged_weight"]
+
+
+def _weight_cache(module: nn.Module) -> Fp8WeightCache:
+    """The layer's quantized-weight cache (a plain attribute: not a parameter, buffer or state-dict entry)."""
+    cache = module.__dict__.get("_fp8_cache")
+    if cache is None:
+        cache = module.__dict__["_fp8_cache"] = Fp8WeightCache()
+    return cache
 
 
 class Fp8Linear(nn.Linear):
-    """``nn.Linear`` whose forward is ``fp8_linear`` (same parameters, same state dict)."""
+    """``nn.Linear`` whose forward is ``fp8_linear`` (same parameters, same state dict).
+
+    backend "scaled_mm": FP8 GEMM on a weight quantized once per change of the weight
+    (``parity.fp8_gemm.Fp8WeightCache``); "emulated": ``fp8_linear``, quantizing on every call.
+    """
 
     fp8_backend: str = "emulated"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, backend=self.fp8_backend)
+        if self.fp8_backend != "scaled_mm":
+            return fp8_linear(x, self.weight, self.bias)
+        w = self.weight
+        return fp8_cached_linear(x, _weight_cache(self), (w,), (), lambda: w.detach(), self.bias,
+                                 params=(w,) if w.requires_grad else (),
+                                 weight_grad=lambda gw: (gw.to(w.dtype),))
 
 
 def lora_merged_weight(module: nn.Module) -> torch.Tensor:
@@ -97,13 +119,41 @@ def fp8_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _lora_sources(module: nn.Module) -> tuple[list[torch.Tensor], tuple]:
+    """The tensors and values ``lora_merged_weight(module)`` is computed from (the weight cache's key)."""
+    sources = [module.get_base_layer().weight]
+    extra: list = [bool(module.disable_adapters), tuple(module.merged_adapters)]
+    if not module.disable_adapters:
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A and adapter not in module.merged_adapters:
+                sources += [module.lora_A[adapter].weight, module.lora_B[adapter].weight]
+                extra.append((adapter, float(module.scaling[adapter])))
+    return sources, tuple(extra)
+
+
 def _fp8_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     self._check_forward_args(x, *args, **kwargs)
     if kwargs.get("adapter_names") is not None:
         raise NotImplementedError("fp8 LoRA layers do not support per-sample adapter_names (mixed-batch LoRA)")
     base = self.get_base_layer()
-    w = lora_merged_weight(self)
-    return fp8_linear(x, w.to(x.dtype), base.bias, backend=self.fp8_backend)
+    if self.fp8_backend != "scaled_mm":
+        w = lora_merged_weight(self)
+        return fp8_linear(x, w.to(x.dtype), base.bias)
+    if self.disable_adapters and self.merged:
+        lora_merged_weight(self)  # raises: the base weight holds disabled adapters
+    sources, extra = _lora_sources(self)
+    params = [p for p in sources if p.requires_grad]
+    dtype = x.dtype
+
+    def merged_grads(gw: torch.Tensor):
+        # dL/dW' (the STE's weight gradient, in x's dtype) -> the adapters' gradients, through the
+        # same merge and rounding as the forward's weight (autograd of lora_merged_weight).
+        with torch.enable_grad():
+            w = lora_merged_weight(self).to(dtype)
+            return torch.autograd.grad(w, params, gw, allow_unused=True)
+
+    return fp8_cached_linear(x, _weight_cache(self), sources, extra + (dtype,),
+                             lambda: lora_merged_weight(self).to(dtype), base.bias, params, merged_grads)
 
 
 _LORA_FP8_CLASSES: dict[type, type] = {}
@@ -143,7 +193,7 @@ def fp8_targets(model: nn.Module) -> tuple[str, ...]:
     other = [leaf for leaf in leaves if leaf not in FP8_TARGETS]
     if other:
         root = model.get_base_model() if hasattr(model, "get_base_model") else model
-        raise RecipeError(f"precision.recipe = 'fp8_unified': {type(root).__name__}'s decoder linear layers {other} "
+        raise RecipeError(f"the trainer's FP8 layers: {type(root).__name__}'s decoder linear layers {other} "
                          f"are not ones the engine's FP8 method quantizes per Hugging Face module ({list(FP8_TARGETS)}); "
                          "fused HF modules (e.g. Phi3's qkv_proj) would be quantized on different block grids by "
                          "the engine and the trainer")
@@ -160,7 +210,7 @@ def _check_lora(name: str, module: nn.Module) -> None:
     for adapter in module.lora_A:
         dropout = module.lora_dropout[adapter]
         if not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 0.0) > 0:
-            raise ValueError(f"{name}: adapter {adapter!r} has LoRA dropout p={dropout.p}; fp8_unified merges "
+            raise ValueError(f"{name}: adapter {adapter!r} has LoRA dropout p={dropout.p}; the trainer's FP8 layers merge "
                              "the adapter into the quantized weight, where dropout cannot apply: set "
                              "model.lora.dropout = 0")
         if adapter in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(adapter):
@@ -170,7 +220,36 @@ def _check_lora(name: str, module: nn.Module) -> None:
             raise NotImplementedError(f"{name}: adapter {adapter!r} has lora_bias=True; not supported by fp8")
 
 
-def convert_to_fp8(model: nn.Module, *, targets: Optional[Iterable[str]] = None, backend: str = "emulated") -> list[str]:
+def invalidate_fp8_caches(model: nn.Module) -> int:
+    """Drop every converted layer's cached quantized weight (after writing weights through ``.data``,
+    which tensor version counters do not see). Returns the number of caches dropped."""
+    dropped = 0
+    for m in model.modules():
+        cache = m.__dict__.get("_fp8_cache")
+        if cache is not None:
+            cache.invalidate()
+            dropped += 1
+    return dropped
+
+
+def _auto_backend(device: torch.device) -> str:
+    """ "scaled_mm" where torch's block-scaled FP8 GEMM runs and passes ``verify_scaled_mm``, else "emulated"."""
+    if device.type != "cuda":
+        return "emulated"
+    if not scaled_mm_supported(device):
+        warnings.warn(f"fp8: no block-scaled FP8 GEMM on {device} (torch's needs CUDA SM 9.x and F.scaled_mm); "
+                      "the trainer's FP8 layers run emulated (quantize -> dequantize -> BF16 GEMM)", stacklevel=3)
+        return "emulated"
+    try:
+        verify_scaled_mm(device)
+    except Exception as exc:  # noqa: BLE001 -- any failure of the check (cuBLASLt, Triton compile) means: emulate
+        warnings.warn(f"fp8: the FP8 GEMM failed its check on {device} ({exc}); running emulated", stacklevel=3)
+        return "emulated"
+    return "scaled_mm"
+
+
+def convert_to_fp8(model: nn.Module, *, targets: Optional[Iterable[str]] = None,
+                   backend: Optional[str] = None) -> list[str]:
     """Make every targeted linear layer of the decoder run ``fp8_linear``, in place; returns their names.
 
     model: a Hugging Face causal LM, or a PEFT model wrapping one; call it
@@ -179,19 +258,24 @@ def convert_to_fp8(model: nn.Module, *, targets: Optional[Iterable[str]] = None,
     targets: leaf names of the linear layers to quantize, inside ``<prefix>.layers``
         only (lm_head and embeddings are never touched). Every target must exist.
         None: ``fp8_targets(model)`` (which refuses architectures the engine would quantize differently).
-    backend: "emulated" (quantize -> dequantize -> BF16 GEMM; any device) or
-        "scaled_mm" (CUDA SM90+: FP8 GEMMs; checked once against the emulation here).
+    backend: "emulated" (quantize -> dequantize -> BF16 GEMM; any device), "scaled_mm"
+        (CUDA SM 9.x: FP8 GEMMs on weights quantized once per optimizer step; checked once
+        against the emulation here, refused if it fails), or None: "scaled_mm" on a CUDA
+        model where it passes that check, else "emulated" (CPU: always; with a warning on CUDA).
     Names returned are relative to the Hugging Face model (e.g.
     ``model.layers.0.self_attn.q_proj``), i.e. the names the engine sync uses.
     """
-    if backend not in FP8_BACKENDS:
-        raise ValueError(f"backend = {backend!r}: expected one of {FP8_BACKENDS}")
+    if backend is not None and backend not in FP8_BACKENDS:
+        raise ValueError(f"backend = {backend!r}: expected one of {FP8_BACKENDS} or None (the device decides)")
     from peft.tuners.lora import LoraLayer
 
     targets = fp8_targets(model) if targets is None else tuple(targets)
     prefix, layers = decoder_layers(model)
-    if backend == "scaled_mm":
-        verify_scaled_mm(next(layers.parameters()).device)
+    device = next(layers.parameters()).device
+    if backend is None:
+        backend = _auto_backend(device)
+    elif backend == "scaled_mm":
+        verify_scaled_mm(device)
     found: set[str] = set()
     converted: list[str] = []
     for name, module in layers.named_modules():
@@ -207,6 +291,7 @@ def convert_to_fp8(model: nn.Module, *, targets: Optional[Iterable[str]] = None,
         else:
             raise TypeError(f"{full}: expected nn.Linear or a PEFT LoRA Linear, got {type(module).__name__}")
         module.fp8_backend = backend
+        module.__dict__.pop("_fp8_cache", None)
         found.add(leaf)
         converted.append(full)
     missing = [t for t in targets if t not in found]

@@ -148,3 +148,106 @@ def test_convert_refuses_what_it_cannot_run_and_is_idempotent():
     q = policy.get_base_model().model.layers[0].self_attn.q_proj
     assert is_fp8_module(q) and hasattr(q, "lora_A")
     assert set(FP8_TARGETS) == {n.rsplit(".", 1)[-1] for n in first}
+
+
+# ---- the FP8-GEMM backend ("scaled_mm") on CPU: its GEMM swapped for an emulation of it ------------
+def _emulated_gemm(xq, sa, fw, m, dtype, bias):
+    """What cuBLAS's block-scaled GEMM computes, in the emulation's order: deq(codes) @ deq(W codes)^T."""
+    import torch.nn.functional as F
+
+    from parity.precision import dequantize_act_groups
+
+    x = dequantize_act_groups(xq[:m, : fw.k], sa[:m, : -(-fw.k // 128)], dtype)
+    return F.linear(x, fw.dequantize(dtype), None if bias is None else bias.to(dtype))
+
+
+def _to_gemm_backend(model):
+    for m in model.modules():
+        if is_fp8_module(m):
+            m.fp8_backend = "scaled_mm"
+
+
+def _caches(model):
+    return {n: m.__dict__["_fp8_cache"] for n, m in model.named_modules() if "_fp8_cache" in m.__dict__}
+
+
+def test_gemm_backend_forward_and_backward_equal_the_emulated_path(monkeypatch):
+    import parity.fp8_gemm as fg
+
+    monkeypatch.setattr(fg, "_GEMM", _emulated_gemm)
+    ref = with_lora(small_llama())
+    convert_to_fp8(ref)
+    got = copy.deepcopy(ref)
+    _to_gemm_backend(got)
+    ref.train(), got.train()
+    x = ids(4)
+    out_ref, out_got = ref(x, labels=x), got(x, labels=x)
+    assert torch.equal(out_ref.logits, out_got.logits)  # same FP8 codes and scales: bitwise
+    out_ref.loss.backward()
+    out_got.loss.backward()
+    grads_ref = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    grads_got = {n: p.grad for n, p in got.named_parameters() if p.requires_grad}
+    assert grads_ref.keys() == grads_got.keys() and grads_ref
+    for n in grads_ref:
+        assert torch.equal(grads_ref[n], grads_got[n]), n
+
+
+def test_weights_are_quantized_once_per_optimizer_step(monkeypatch):
+    import parity.fp8_gemm as fg
+
+    monkeypatch.setattr(fg, "_GEMM", _emulated_gemm)
+    policy = with_lora(small_llama())
+    convert_to_fp8(policy)
+    _to_gemm_backend(policy)
+    policy.train()
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(3):  # three micro-batches of one step: each weight quantized once
+        policy(ids(5), labels=ids(5)).loss.backward()
+    caches = _caches(policy)
+    assert len(caches) == 2 * 7 and all(c.quantizations == 1 for c in caches.values())
+    opt.step()  # LoRA A/B change in place -> the LoRA layers' caches are stale, the others not
+    with torch.no_grad():
+        policy(ids(6))
+    lora_layers = {n for n, m in policy.named_modules() if n in caches and hasattr(m, "lora_A")}
+    assert lora_layers and all(c.quantizations == (2 if n in lora_layers else 1) for n, c in caches.items())
+    for name, module in policy.named_modules():  # the cached weights equal a fresh quantization
+        if name in lora_layers:
+            fresh = fg.quantize_weight_for_gemm(lora_merged_weight(module).detach().to(torch.bfloat16))
+            cached = caches[name].value
+            assert torch.equal(cached.codes.view(torch.uint8), fresh.codes.view(torch.uint8))
+            assert torch.equal(cached.scale, fresh.scale)
+    # The forward after the step equals the emulated path on the updated weights.
+    ref = copy.deepcopy(policy)
+    for m in ref.modules():
+        if is_fp8_module(m):
+            m.fp8_backend = "emulated"
+    with torch.no_grad():
+        assert torch.equal(policy(ids(7)).logits, ref(ids(7)).logits)
+
+
+def test_writes_through_data_need_the_explicit_invalidation(monkeypatch):
+    import parity.fp8_gemm as fg
+    from trainer.models.precision import invalidate_fp8_caches
+
+    monkeypatch.setattr(fg, "_GEMM", _emulated_gemm)
+    model = small_llama()
+    convert_to_fp8(model)
+    _to_gemm_backend(model)
+    q = model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        model(ids(8))
+        q.weight.data.mul_(2.0)  # .data: a fresh version counter, invisible to the cache key
+        model(ids(8))
+    assert _caches(model)["model.layers.0.self_attn.q_proj"].quantizations == 1
+    assert invalidate_fp8_caches(model) == 2 * 7
+    with torch.no_grad():
+        model(ids(8))
+    assert _caches(model)["model.layers.0.self_attn.q_proj"].quantizations == 2
+    assert torch.equal(_caches(model)["model.layers.0.self_attn.q_proj"].value.dequantize(torch.bfloat16),
+                       fake_quant_weight(q.weight))
+
+
+def test_default_backend_is_emulated_on_cpu():
+    model = small_llama()
+    convert_to_fp8(model)
+    assert all(m.fp8_backend == "emulated" for m in model.modules() if is_fp8_module(m))
