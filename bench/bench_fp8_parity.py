@@ -139,7 +139,6 @@ def pairs(engine_kind: str, fp8_trainer, bf16_trainer, rollouts, pad_id, tempera
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from rollout.engine_options import engine_llm_kwargs
     from rollout.types import SamplingSpec
     from rollout.vllm_engine import VLLMEngine
     from rollout.weight_export import merged_lora_weights
@@ -148,12 +147,14 @@ def main(argv=None) -> dict:
     from trainer.data.tasks.arithmetic import arithmetic_dataset
     from trainer.models.policy import add_lora, load_base_model, load_tokenizer
     from trainer.models.precision import convert_to_fp8
+    from trainer.precision import recipe_for
 
     path = model_dir(args)
     tok = load_tokenizer(path)
     prompts = encode_prompts(tok, list(arithmetic_dataset(args.prompts, seed=args.seed, split="test")["prompt"]))
     spec = SamplingSpec(n=args.n, temperature=args.temperature, max_new_tokens=args.new_tokens, seed=args.seed)
-    kwargs = engine_llm_kwargs("fp8_unified" if args.engine == "fp8" else "bf16", cuda=torch.cuda.is_available())
+    engine_recipe = recipe_for("fp8_unified" if args.engine == "fp8" else "bf16")
+    kwargs = engine_recipe.engine_options(torch.cuda.is_available())
     max_len = max(len(p) for p in prompts) + args.new_tokens + 8
 
     t0 = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The precision-recipe comparison: bf16, fp16, fp8_rollout, fp8_unified, measured by parity and by reward.
+"""The precision-recipe comparison: every recipe `parityrl compare` takes (``trainer.precision.compare_choices``),
+measured by parity and by reward.
 
     python bench/precision_table.py                     # everything (~15 min on 2 idle CPU cores)
     python bench/precision_table.py --skip-train        # parity only
@@ -25,13 +26,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from trainer.precision import compare_choices, recipe_for
+
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ("bf16", "fp16", "fp8_rollout", "fp8_unified")
+RECIPES = tuple(compare_choices())
 WIDE = {"hidden_size": 512, "intermediate_size": 1536, "num_heads": 4, "num_kv_heads": 2, "num_layers": 4}
 
 
 def dtype_of(recipe: str) -> str:
-    return "float16" if recipe == "fp16" else "bfloat16"
+    """The model dtype the recipe runs in first (its record's ``dtypes``)."""
+    return recipe_for(recipe).dtypes[0]
 
 
 def write_prompts(path: Path, n: int) -> Path:

@@ -1,7 +1,7 @@
 """The CUDA FP8 recipes' weight format: vLLM's block-FP8 checkpoint and the tensors each sync pushes.
 
-On CUDA, ``fp8_rollout``/``fp8_unified`` run vLLM's own block-FP8 linear layers
-(``quantization="fp8"``, ``rollout.engine_options``: ``Fp8LinearMethod`` with
+On CUDA, the recipes with an FP8 engine run vLLM's own block-FP8 linear layers
+(``quantization="fp8"``, ``rollout.engine_options.block_fp8_kwargs``: ``Fp8LinearMethod`` with
 ``weight_block_size=[128, 128]`` and dynamic 1x128 activation groups,
 ``per_token_group_quant_fp8``), started from an FP8 checkpoint written by
 ``write_fp8_checkpoint`` and synced with ``fp8_block_weights``. Needs no vLLM import.

@@ -27,11 +27,13 @@ PACKAGES = ("trainer", "rollout", "parity")
 ENTRY_POINTS = {"trainer/__init__.py", "trainer/__main__.py", "trainer/cli.py", "trainer/train.py"}
 # Highest first. commands: thin entry points over everything; rl: the RL run; builtin: the models the project
 # builds itself (the warm start runs the supervised stage); supervised: SFT and reward-model training; rewards:
-# reward functions and the reward-model scorer; models: loading and running a policy; io: run directories,
-# checkpoints, logs; data: prompt datasets and tasks; distributed: process groups, DDP, DeepSpeed; config: the
-# recipes' schema (it reads the algorithms' option types); algorithms: pure tensor functions and their records.
-TRAINER_ORDER = ("commands", "rl", "builtin", "supervised", "rewards", "models", "io", "data", "distributed",
-                 "config", "algorithms")
+# reward functions and the reward-model scorer; precision: the precision recipes' records (they hold the
+# trainer's model transform and the engine's options, and add their rules to the recipe's validation); models:
+# loading and running a policy; io: run directories, checkpoints, logs; data: prompt datasets and tasks;
+# distributed: process groups, DDP, DeepSpeed; config: the recipes' schema (it reads the algorithms' option
+# types); algorithms: pure tensor functions and their records.
+TRAINER_ORDER = ("commands", "rl", "builtin", "supervised", "rewards", "precision", "models", "io", "data",
+                 "distributed", "config", "algorithms")
 
 
 def module_name(path: Path) -> str:

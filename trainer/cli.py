@@ -25,6 +25,7 @@ import sys
 import yaml
 
 from trainer.config import RecipeError, to_dict
+from trainer.precision import DEFAULT_RECIPE, compare_choices
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -132,8 +133,8 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="engine context (default: longest prompt + max new tokens)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="vLLM CPU KV cache, e.g. 256MiB")
     p.add_argument("--batch-size", type=int, default=16, help="samples per trainer scoring micro-batch")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp8_rollout", "fp8_unified"], default="bf16",
-                   help="precision recipe of both sides (fp16 needs --dtype float16; docs/precision.md)")
+    p.add_argument("--precision", choices=compare_choices(), default=DEFAULT_RECIPE,
+                   help="precision recipe of both sides (--dtype must be one it runs in; docs/precision.md)")
     p.add_argument("--topk", type=int, default=0,
                    help="also compare the engine's k most likely tokens per position: parity/topk_kl (0 = off)")
     p.add_argument("--self-check", action="store_true",

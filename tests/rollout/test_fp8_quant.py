@@ -27,7 +27,7 @@ from parity.precision import (
     fake_quant_weight_shards,
     fp8_linear,
 )
-from rollout.engine_options import engine_llm_kwargs
+from rollout.engine_options import block_fp8_kwargs, emulated_fp8_kwargs
 from rollout.fp8_weights import (
     FP8_BLOCK_QUANT_CONFIG,
     check_cuda_block_shapes,
@@ -117,13 +117,10 @@ def test_tensor_parallel_shards_must_cover_whole_blocks(no_tp):
 
 
 # ---- fast: engine options and the CUDA weight format -----------------------------------------------
-def test_engine_llm_kwargs():
-    assert engine_llm_kwargs("bf16", cuda=False) == {} and engine_llm_kwargs("fp16", cuda=True) == {}
-    assert engine_llm_kwargs("fp8_unified", cuda=False) == {"quantization": EMULATED_FP8}
-    assert engine_llm_kwargs("fp8_rollout", cuda=False) == {"quantization": EMULATED_FP8}
-    assert engine_llm_kwargs("fp8_unified", cuda=True) == {"quantization": "fp8"}
-    with pytest.raises(ValueError, match="precision.recipe"):
-        engine_llm_kwargs("fp4", cuda=False)
+def test_fp8_engine_options():
+    """The building blocks the FP8 recipes compose (each recipe's: tests/trainer/precision/test_records.py)."""
+    assert emulated_fp8_kwargs() == {"quantization": EMULATED_FP8}
+    assert block_fp8_kwargs() == {"quantization": "fp8"}
 
 
 def test_fp8_block_weights_format():

@@ -29,7 +29,7 @@ from rollout.hf_engine import HFEngine
 from rollout.types import Rollouts, SamplingSpec
 from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.policy import load_base_model, load_tokenizer
-from trainer.models.precision import convert_to_fp8
+from trainer.precision import DEFAULT_RECIPE, recipe_for
 from trainer.rl.compare_inputs import (
     CompareError,
     chat_template_info,
@@ -63,7 +63,7 @@ Progress = Optional[Callable[[str], None]]
 
 
 def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len: int, seed: int,
-                  kv_cache_bytes: Optional[int], work_dir, topk: int = 0, precision: str = "bf16"):
+                  kv_cache_bytes: Optional[int], work_dir, topk: int = 0, precision: str = DEFAULT_RECIPE):
     if kind == "hf":
         # The scoring model itself: one copy of the weights, and identical weights by construction.
         return HFEngine(model)
@@ -74,7 +74,7 @@ def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len
 
 
 def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_len, seed, kv_cache_bytes, say,
-              work_dir, precision="bf16"):
+              work_dir, precision=DEFAULT_RECIPE):
     """Rollouts from ``engine`` (an object: used as is; a name: started here and closed after)."""
     if not isinstance(engine, str):
         engine_len = getattr(engine, "max_model_len", None)
@@ -155,7 +155,7 @@ def run_compare(
     chunk_size: Optional[int] = None,
     self_check: bool = False,
     topk: int = 0,
-    precision: str = "bf16",
+    precision: str = DEFAULT_RECIPE,
     system_prompt: Optional[str] = None,
     overwrite: bool = False,
     num_examples: int = 5,
@@ -180,9 +180,9 @@ def run_compare(
         max_model_len: engine context; None = longest prompt + max_new_tokens.
         kv_cache_bytes: vLLM's CPU KV cache size (None: the engine's default).
         batch_size, chunk_size: samples per scoring micro-batch; fused kernel rows per tile.
-        precision: a precision recipe (bf16, fp16, fp8_rollout, fp8_unified;
-            docs/precision.md): the engine started here and the trainer's scoring model follow it; a given
-            engine object must have been started with it. fp16 needs dtype="float16".
+        precision: a precision recipe's name (``trainer.precision.compare_choices()``; docs/precision.md):
+            the engine started here and the trainer's scoring model follow its record; a given engine object
+            must have been started with it. ``dtype`` must be one the recipe runs in.
         topk: k > 0 asks the engine for its k most likely tokens per position and adds
             ``parity/topk_kl`` (a lower bound on the full KL, ``parity.metrics.topk_kl``).
         self_check: the engine side is the trainer's scoring too; every metric must then be exact
@@ -222,10 +222,10 @@ def run_compare(
     t0 = time.monotonic()
     rollouts = _generate(kind, model_dir, hf, prompt_ids, spec, dtype=dtype, max_model_len=context, seed=seed,
                          kv_cache_bytes=kv_cache_bytes, say=say, work_dir=out, precision=precision)
-    if precision == "fp8_unified":
-        # The scoring side runs the engine's FP8 linears (after generation: an "hf" engine
-        # shares this model object, and the HF engine has no FP8 path, see check_settings).
-        convert_to_fp8(hf)
+    # The scoring side is the recipe's trainer model (FP8 linears where both phases run the same FP8
+    # forward), transformed after generation: an "hf" engine shares this model object, and the records
+    # that transform it refuse the HF engine (check_settings).
+    hf = recipe_for(precision).transform(hf)
     t_gen = time.monotonic() - t0
 
     say(f"scoring: {len(rollouts)} samples, {rollouts.num_completion_tokens} tokens with the trainer's forward")

@@ -43,6 +43,8 @@ from rollout.server_engine import parse_server_url
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig
 from trainer.io.child_processes import run_supervised
+from trainer.precision import recipe_for
+from trainer.precision.checks import server_problem
 
 WORKER_EXTENSION = "rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension"
 BACKENDS = ("auto", "parityrl_file", "nccl")
@@ -88,9 +90,9 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
     where = "parityrl serve"
     if r.engine != "vllm":
         raise RecipeError(f"{where}: rollout.engine = {r.engine!r}: expected 'vllm' (the server is vLLM)")
-    if cfg.precision.recipe.startswith("fp8"):
-        raise RecipeError(f"{where}: precision.recipe = {cfg.precision.recipe!r}: expected 'bf16' or 'fp16' in server "
-                          "mode (FP8 recipes run colocated)")
+    refused = server_problem(recipe_for(cfg.precision.recipe))
+    if refused:
+        raise RecipeError(f"{where}: {refused}")
     if not (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1):
         raise RecipeError(f"{where}: --tensor-parallel-size = {tensor_parallel_size!r}: expected an integer >= 1")
     try:

@@ -7,14 +7,14 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import yaml
 
 from trainer.algorithms import ALGORITHMS, OptionError
 from trainer.config.schema import AlgorithmConfig, RecipeError, RunConfig
 from trainer.config.strict_yaml import DuplicateKey, load_unique
-from trainer.config.validate import validate
+from trainer.config.validate import Check, validate
 
 
 def _describe(tp: Any) -> str:
@@ -252,10 +252,11 @@ def build_config(cls: type, data: dict, where: str = "<recipe>"):
     return _build(cls, data, "", where)
 
 
-def read_recipe(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
+def read_recipe(path: str | os.PathLike, overrides: list[str] = (), checks: Iterable[Check] = ()) -> RunConfig:
     """Read, override, type-check and validate a training recipe on its own (``trainer.rl.preflight.load_recipe``
-    also checks the files and models it names)."""
+    also checks the files and models it names). ``checks``: validation sections of the caller's, reported
+    with this package's own (``trainer.config.validate.validate``)."""
     data, where = load_recipe_dict(path, overrides)
     cfg = build_config(RunConfig, data, where)
-    validate(cfg, where)
+    validate(cfg, where, checks)
     return cfg

@@ -51,7 +51,7 @@ class ModelConfig:
     # Local HF directory, a hub id, or "builtin:tiny" (the project's own tiny Llama,
     # warm-started with recipes/sft_tiny.yaml; built and cached on first use).
     path: str = "builtin:tiny"
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # float16: with precision.recipe fp16 only
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # the precision recipe says which it runs in
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -239,14 +239,11 @@ class ParityConfig:
 
 @dataclass
 class PrecisionConfig:
-    # Both phases' numerics (docs/precision.md):
-    #   bf16        both phases BF16 (model.dtype bfloat16)
-    #   fp16        both phases FP16 (model.dtype float16)
-    #   fp8_rollout BF16 trainer, FP8 engine (the common verl/slime/NeMo-RL setup; the baseline)
-    #   fp8_unified both phases the same FP8 linear layers, one quantizer (parity.precision; Jet-RL)
-    #   exact       the engine's log-probs and the trainer's bit for bit (model.dtype float32 or bfloat16;
-    #               colocated vLLM on CPU, Llama family; trainer/models/exact.py)
-    recipe: Literal["bf16", "fp16", "fp8_rollout", "fp8_unified", "exact"] = "bf16"
+    # Both phases' numerics: a recipe registered in trainer/precision/ (one record per name: its model
+    # dtypes, engine options, trainer model transform and refusals; docs/precision.md). The name is checked
+    # against the registry when the recipe loads (trainer.rl.preflight.load_recipe): the registry sits above
+    # this package. The default is trainer.precision.registry.DEFAULT_RECIPE (a test holds them equal).
+    recipe: str = "bf16"
 
 
 @dataclass

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
-
-import torch
+from typing import Any, Callable, Iterable
 
 from parity.correction import CorrectionConfig
 from rollout.server_engine import parse_server_url
 from trainer.config.schema import RecipeError, RunConfig
 
 Need = Callable[[bool, str, Any, str], None]
+# One section of the validation: raises RecipeError (through ``need`` or its own) for its problems.
+Check = Callable[[RunConfig, Need], None]
 # (ok, key, value, expected): one rule's verdict, reported as "key = value: expected ..." when not ok.
 Rule = tuple[bool, str, Any, str]
 
@@ -43,43 +43,10 @@ def topk_range(topk: int, *, key: str = "parity.topk") -> Rule:
             "an integer in [0, 256] (0 = off)")
 
 
-def precision_dtype(recipe: str, dtype: str, *, recipe_key: str = "precision.recipe",
-                    dtype_key: str = "model.dtype") -> list[Rule]:
-    """The model dtype a precision recipe runs in: FP16 exactly with fp16, BF16 master weights with FP8."""
-    return [
-        (recipe != "fp16" or dtype == "float16", dtype_key, dtype,
-         f"float16 with {recipe_key} fp16 (both phases run in FP16)"),
-        (dtype != "float16" or recipe == "fp16", dtype_key, dtype,
-         f"bfloat16 or float32 unless {recipe_key} is fp16 (set {recipe_key}: fp16 to run in FP16)"),
-        (not recipe.startswith("fp8") or dtype == "bfloat16", dtype_key, dtype,
-         f"bfloat16 with {recipe_key} {recipe} (BF16 master weights; the FP8 layers dequantize to BF16)"),
-    ]
-
-
-def fp8_engine(recipe: str, engine: Any, *, recipe_key: str = "precision.recipe",
-               engine_key: str = "rollout.engine") -> Rule:
-    """An FP8 recipe needs the vLLM engine: the HF engine has no FP8 path."""
-    return (not (recipe.startswith("fp8") and engine == "hf"), engine_key, engine,
-            f"'vllm' with {recipe_key} {recipe} (the HF engine has no FP8 path)")
-
-
-def exact_requirements(cfg: RunConfig, cuda: bool | None = None) -> list[Rule]:
-    """Each recipe-level condition of ``precision.recipe: exact`` (trainer.models.exact)."""
-    r = cfg.rollout
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    return [
-        (cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", cfg.model.dtype,
-         "float32 or bfloat16 with precision.recipe exact"),
-        (r.engine == "vllm", "rollout.engine", r.engine, "'vllm' with precision.recipe exact (it reruns vLLM's kernels)"),
-        (r.mode == "colocate", "rollout.mode", r.mode, "'colocate' with precision.recipe exact (the trainer reads "
-         "the engine's rotary tables and kernel choices in-process)"),
-        (not cuda, "precision.recipe", "exact", "a CPU run: on CUDA the engine's kernels are vLLM's batch-invariant "
-         "Triton ops and GPU attention, which the trainer side does not call (trainer/models/exact.py)"),
-    ]
-
-
-def validate(cfg: RunConfig, where: str = "<recipe>") -> None:
-    """Value ranges and cross-field rules, one function per section.
+def validate(cfg: RunConfig, where: str = "<recipe>", checks: Iterable[Check] = ()) -> None:
+    """Value ranges and cross-field rules, one function per section, then ``checks``: the sections of a
+    caller above this package (``trainer.rl.preflight.load_recipe``: the precision recipe's record, which
+    ``trainer.precision`` holds), so that their problems join the same report.
 
     Raises one RecipeError naming every section's first problem (a section stops at its first:
     its later rules may assume the earlier values are sound).
@@ -104,7 +71,7 @@ def validate(cfg: RunConfig, where: str = "<recipe>") -> None:
 
     errors: list[RecipeError] = []
     for check in (_check_name, _check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
-                  _check_parity, _check_precision, _check_checkpoint_and_logging, correction, server_url):
+                  _check_parity, _check_checkpoint_and_logging, correction, server_url, *checks):
         try:
             check(cfg, need)
         except RecipeError as e:
@@ -143,7 +110,7 @@ def _check_algorithm(cfg: RunConfig, need: Need) -> None:
 
 
 def _check_rollout(cfg: RunConfig, need: Need) -> None:
-    r, rec = cfg.rollout, cfg.precision.recipe
+    r = cfg.rollout
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "an integer >= 1")
     need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0 (greedy decoding has no log-probs to learn from)")
     need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a number in (0, 1]")
@@ -165,14 +132,10 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
              "false with rollout.max_staleness 1 (a prefetched batch is drawn once, not refilled)")
         need(not a.record.critic, "algorithm.name", a.name,
              "a critic-free algorithm with rollout.max_staleness 1 (the critic's values are not kept per behaviour policy)")
-        need(rec != "exact", "precision.recipe", rec, "not exact with rollout.max_staleness 1 (exact mode is on-policy)")
-    need(*fp8_engine(rec, r.engine))
-    # A server is a vLLM server started by `parityrl serve` from the BF16 model: it has neither
-    # the FP8 export nor the emulated FP8 layers, and the HF engine cannot be served.
+    # A server is a vLLM server started by `parityrl serve`: the HF engine cannot be served (what a
+    # precision recipe cannot run on a server, its record says: trainer.precision).
     need(r.mode != "server" or r.engine == "vllm", "rollout.mode", r.mode,
          f"'colocate' with rollout.engine {r.engine} (server mode runs a vLLM server)")
-    need(r.mode != "server" or not rec.startswith("fp8"), "rollout.mode", r.mode,
-         f"'colocate' with precision.recipe {rec} (the server is started without the FP8 weights and layers)")
 
 
 def _check_train(cfg: RunConfig, need: Need) -> None:
@@ -251,15 +214,6 @@ def _check_parity(cfg: RunConfig, need: Need) -> None:
     need(p.probe_prompts >= 0, "parity.probe_prompts", p.probe_prompts, "an integer >= 0 (0 = off)")
     need(p.probe_every >= 1, "parity.probe_every", p.probe_every, "an integer >= 1 (syncs between probes)")
     need(p.probe_first >= 0, "parity.probe_first", p.probe_first, "an integer >= 0 (first syncs always probed)")
-
-
-def _check_precision(cfg: RunConfig, need: Need) -> None:
-    rec, dt = cfg.precision.recipe, cfg.model.dtype
-    for rule in precision_dtype(rec, dt):
-        need(*rule)
-    if rec == "exact":
-        for rule in exact_requirements(cfg):
-            need(*rule)
 
 
 def _check_checkpoint_and_logging(cfg: RunConfig, need: Need) -> None:

@@ -68,22 +68,6 @@ def deepspeed_stage(accelerator) -> int:
     return stage
 
 
-def check_deepspeed_recipe(cfg, stage: int) -> None:
-    """Refuse, at start and naming the key, what the loop does not run under DeepSpeed ZeRO ``stage``.
-
-    ``precision.recipe: fp8_unified`` under ZeRO-3: the trainer's FP8 LoRA layers
-    (``trainer.models.precision``) read ``base_layer.weight`` and the adapters' weights directly
-    to merge and quantize them, without calling those submodules, so ZeRO-3's per-module
-    hooks would leave them partitioned (empty). ZeRO-2 does not partition weights: allowed
-    (tested against data parallel). No-op when ``stage`` is 0.
-    """
-    if stage == 3 and cfg.precision.recipe == "fp8_unified":
-        raise NotImplementedError(
-            "DeepSpeed ZeRO-3 does not support precision.recipe = 'fp8_unified' (the trainer's FP8 LoRA layers read "
-            "their sharded weights directly to merge and quantize them). Use ZeRO-2 "
-            "(recipes/accelerate/zero2.yaml) or data parallel (ddp.yaml / torchrun) for it.")
-
-
 def accelerator_kwargs() -> dict:
     """Keyword arguments for ``Accelerator(...)`` that enable DeepSpeed on CPU-only hosts too.
 

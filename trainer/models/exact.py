@@ -16,9 +16,9 @@ The merged weights are rebuilt when a trainable parameter changed (tensor versio
 i.e. once per optimizer step. Cost: one more no-grad forward per micro-batch (bench/RESULTS.md
 "Exact mode" has the measured step-time ratio).
 
-Scope (refused at start otherwise, ``check_exact``): the colocated vLLM engine on CPU, one
-process, Llama-family decoders (``rollout.engine_forward.SUPPORTED_MODEL_TYPES``), float32 or
-bfloat16. CUDA: vLLM's route there is its batch-invariant mode (``VLLM_BATCH_INVARIANT=1``,
+Scope (refused at load and setup otherwise, by the recipe's record in ``trainer/precision/exact.py``):
+the colocated vLLM engine on CPU, one process, Llama-family decoders
+(``rollout.engine_forward.SUPPORTED_MODEL_TYPES``), float32 or bfloat16. CUDA: vLLM's route there is its batch-invariant mode (``VLLM_BATCH_INVARIANT=1``,
 Triton kernels for mm/log_softmax/RMSNorm); the trainer would have to call those kernels and
 the GPU attention backend in the same way this module calls the CPU ones. That path is not
 written: exact mode refuses CUDA with that reason rather than ship an unrun copy.
@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine_forward import EngineForward, check_supported
+from rollout.engine_forward import EngineForward
 from rollout.weight_export import effective_state
-from trainer.config.schema import RecipeError
 from trainer.models.batch import TokenBatch
 
 
@@ -53,17 +52,6 @@ def straight_through(value: torch.Tensor, differentiable: torch.Tensor) -> torch
     if not differentiable.requires_grad:
         return value
     return _Value.apply(value.to(differentiable.dtype), differentiable)
-
-
-def check_exact(model_config, *, stage: int = 0, world_size: int = 1) -> None:
-    """RecipeError naming what exact mode does not cover in this model or launch (at setup, before the engine)."""
-    if stage or world_size > 1:
-        raise RecipeError(f"precision.recipe = 'exact': launched with {world_size} processes, DeepSpeed ZeRO stage "
-                          f"{stage}; expected one process without ZeRO (exact mode is single-process for now)")
-    try:
-        check_supported(model_config)
-    except ValueError as e:
-        raise RecipeError(f"precision.recipe = 'exact': {e}") from None
 
 
 class ExactLogprobs:

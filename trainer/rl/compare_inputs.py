@@ -12,11 +12,12 @@ from typing import Optional
 
 import datasets
 
-from rollout.engine_options import PRECISION_RECIPES
 from trainer.builtin.resolve import resolve_model_path
-from trainer.config.validate import fp8_engine, precision_dtype, topk_range, untruncated_sampling
+from trainer.config.validate import topk_range, untruncated_sampling
 from trainer.data.datasets import encode_prompts, load_prompt_dataset
 from trainer.models.policy import DTYPES
+from trainer.precision import DEFAULT_RECIPE
+from trainer.precision.checks import compare_rules
 
 ENGINES = ("vllm", "hf")
 PROMPT_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
@@ -27,7 +28,7 @@ class CompareError(ValueError):
 
 
 def check_settings(*, engine, temperature, top_p, top_k, max_new_tokens, n, dtype, batch_size, num_prompts,
-                    max_model_len, max_prompt_tokens, topk, precision="bf16") -> None:
+                    max_model_len, max_prompt_tokens, topk, precision=DEFAULT_RECIPE) -> None:
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
     checks = [
         (engine is None or engine in ENGINES or hasattr(engine, "generate"), "engine", engine,
@@ -38,11 +39,8 @@ def check_settings(*, engine, temperature, top_p, top_k, max_new_tokens, n, dtyp
         (is_int(n) and n >= 1, "n", n, "an integer >= 1"),
         topk_range(topk, key="topk"),
         (dtype in DTYPES, "dtype", dtype, f"one of {sorted(DTYPES)}"),
-        (precision in PRECISION_RECIPES, "precision", precision, f"one of {PRECISION_RECIPES}"),
-        (precision != "exact", "precision", precision, "not 'exact' here: compare scores with the trainer's HF "
-         "forward; exact mode's figures are the training run's parity/* (docs/precision.md \"Exact mode\")"),
-        *precision_dtype(precision, dtype, recipe_key="precision", dtype_key="dtype"),
-        fp8_engine(precision, engine, recipe_key="precision", engine_key="engine"),
+        # the precision recipe's record: its name, what it refuses in compare, its dtypes and engines
+        *compare_rules(precision, engine=engine, dtype=dtype),
         (is_int(batch_size) and batch_size >= 1, "batch_size", batch_size, "an integer >= 1"),
         (num_prompts is None or (is_int(num_prompts) and num_prompts >= 1), "num_prompts", num_prompts,
          "an integer >= 1 or None (all)"),

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from rollout.base import RolloutEngine
-from rollout.engine_options import engine_llm_kwargs
 from rollout.fp8_weights import fp8_block_weights, write_fp8_checkpoint
 from rollout.hf_engine import HFEngine
 from rollout.server_engine import ServerEngine
@@ -20,17 +19,23 @@ from rollout.vllm_engine import VLLMEngine
 from rollout.weight_export import iter_merged_lora_weights, layer_chunks, payload_bytes
 from trainer.config import RunConfig
 from trainer.distributed.data_parallel import DataParallel
+from trainer.precision import PrecisionRecipe, recipe_for
 
 
-def engine_model_dir(precision: str, model_dir: str, work_dir) -> str:
-    """The directory a vLLM engine starts from: the model's, or on CUDA with an FP8 recipe a block-FP8 copy.
+def block_fp8_engine(recipe: PrecisionRecipe) -> bool:
+    """Whether this process's engine runs vLLM's block-FP8 layers: the recipe's on CUDA."""
+    return recipe.block_fp8_on_cuda and torch.cuda.is_available()
+
+
+def engine_model_dir(recipe: PrecisionRecipe, model_dir: str, work_dir) -> str:
+    """The directory a vLLM engine starts from: the model's, or a block-FP8 copy (``block_fp8_engine``).
 
     vLLM's CUDA ``fp8`` method loads FP8 weights + scales from a checkpoint whose
     config.json says so (``rollout.fp8_weights.write_fp8_checkpoint``); written once
     into ``<work_dir>/engine_fp8`` (the run directory, or compare's report directory),
     quantized by ``parity.precision``.
     """
-    if not (precision.startswith("fp8") and torch.cuda.is_available()):
+    if not block_fp8_engine(recipe):
         return model_dir
     out = Path(work_dir) / "engine_fp8"
     return str(out if (out / "config.json").is_file() else write_fp8_checkpoint(model_dir, out))
@@ -38,20 +43,21 @@ def engine_model_dir(precision: str, model_dir: str, work_dir) -> str:
 
 def start_vllm(model_dir: str, *, precision: str, dtype: str, max_model_len: int, seed: int, work_dir,
                max_logprobs: int = 20, **engine_kwargs) -> RolloutEngine:
-    """A colocated vLLM engine for ``precision``: how training (``make_engine``) and ``parityrl compare``
-    both start one, so that compare measures the engine training runs.
+    """A colocated vLLM engine for the precision recipe named ``precision``: how training (``make_engine``) and
+    ``parityrl compare`` both start one, so that compare measures the engine training runs.
 
     ``engine_kwargs``: VLLMEngine's memory and scheduling options (kv_cache_memory_bytes, ...).
     """
-    return VLLMEngine(engine_model_dir(precision, model_dir, work_dir), dtype=dtype, max_model_len=max_model_len,
+    recipe = recipe_for(precision)
+    return VLLMEngine(engine_model_dir(recipe, model_dir, work_dir), dtype=dtype, max_model_len=max_model_len,
                       seed=seed, max_logprobs=max_logprobs, **engine_kwargs,
-                      **engine_llm_kwargs(precision, cuda=torch.cuda.is_available()))
+                      **recipe.engine_options(torch.cuda.is_available()))
 
 
 def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None) -> RolloutEngine:
     """The rollout engine of this process. ``dp``: the data-parallel group (server mode: see ``_server_engine``).
 
-    The recipe was validated at load: a server runs vLLM in BF16/FP16, the HF engine has no FP8 path.
+    The recipe was validated at load: its precision recipe's record refused the engines it cannot run on.
     """
     r = cfg.rollout
     if r.mode == "server":
@@ -105,8 +111,8 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp):
     return engine
 
 
-def sync_weights(engine: RolloutEngine, policy, recipe: str = "bf16", gather=None, dtype: torch.dtype = torch.bfloat16,
-                 chunk_bytes: int | None = None) -> dict[str, float]:
+def sync_weights(engine: RolloutEngine, policy, *, block_fp8: bool = False, gather=None,
+                 dtype: torch.dtype = torch.bfloat16, chunk_bytes: int | None = None) -> dict[str, float]:
     """Push the policy's current weights (LoRA merged, changed modules only) into the engine.
 
     ``dtype``: the engine's (``model.dtype``): the merge is computed in float32 and rounded
@@ -123,10 +129,10 @@ def sync_weights(engine: RolloutEngine, policy, recipe: str = "bf16", gather=Non
     (``ServerEngine.load_weight_chunks``). Any other engine gets the whole update in one
     ``load_weights``. An engine that does not push its own weights (``pushes_weights`` False)
     only follows the push of the rank that does.
-    FP8 recipes on CUDA push the block-FP8 weights + scales computed by the trainer's own
-    quantizer (``rollout.fp8_weights.fp8_block_weights``) to an engine running vLLM's
-    block-FP8 layers (``fp8_block_weights``); on CPU the emulating engine quantizes the merged
-    BF16 weights with the same function (``rollout.vllm_plugins.fp8_quant``).
+    ``block_fp8`` (``block_fp8_engine`` of the run's precision recipe): push the block-FP8 weights + scales
+    computed by the trainer's own quantizer (``rollout.fp8_weights.fp8_block_weights``) to an engine
+    running vLLM's block-FP8 layers (``fp8_block_weights``); on CPU an emulating FP8 engine quantizes the
+    merged BF16 weights with the same function (``rollout.vllm_plugins.fp8_quant``).
     """
     merged = iter_merged_lora_weights(policy, gather=gather, dtype=dtype)
     if not engine.pushes_weights:
@@ -138,7 +144,7 @@ def sync_weights(engine: RolloutEngine, policy, recipe: str = "bf16", gather=Non
                 pass
         engine.follow_push()
         return {}
-    fp8_cuda = recipe.startswith("fp8") and torch.cuda.is_available() and engine.fp8_block_weights
+    fp8_cuda = block_fp8 and engine.fp8_block_weights
     streams = engine.streams_weights
     totals = {"perf/sync_bytes": 0.0, "perf/sync_tensors": 0.0, "perf/sync_chunks": 0.0}
 

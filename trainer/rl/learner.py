@@ -16,7 +16,7 @@ from trainer.distributed.deepspeed import fill_deepspeed_config, model_load_cont
 from trainer.models.exact import ExactLogprobs
 from trainer.models.policy import add_lora, load_base_model
 from trainer.models.policy_forward import unwrap_policy, wrap_for_prepare
-from trainer.models.precision import convert_to_fp8
+from trainer.precision import recipe_for
 from trainer.rl.value_head import ValueHead
 
 
@@ -36,7 +36,7 @@ class Learner:
     step: Optional[Callable[[], float]] = None
     value_head: Optional[ValueHead] = None
     dp: DataParallel = field(default_factory=DataParallel)
-    exact: Optional[ExactLogprobs] = None  # when precision.recipe is exact
+    exact: Optional[ExactLogprobs] = None  # when the precision recipe's log-probs are the engine's own
 
     def param_groups(self) -> list[list[torch.nn.Parameter]]:
         """The trainable parameters: the adapters, then the critic's."""
@@ -45,14 +45,11 @@ class Learner:
 
 
 def load_policy(cfg: RunConfig, accelerator, model_dir: str):
-    """The base model with the recipe's LoRA adapter on the accelerator's device (and the FP8 layers of fp8_unified)."""
+    """The base model with the recipe's LoRA adapter on the accelerator's device, transformed as its precision
+    recipe says (``PrecisionRecipe.transform``: FP8 layers where both phases run the same FP8 forward)."""
     with model_load_context(accelerator):
         model = add_lora(load_base_model(model_dir, cfg.model.dtype, accelerator.device), cfg.model.lora)
-    if cfg.precision.recipe == "fp8_unified":
-        # The trainer's decoder linears run the engine's FP8 forward (quantized merged
-        # LoRA weight, quantized activations): one quantizer, parity.precision.
-        convert_to_fp8(model)
-    return model
+    return recipe_for(cfg.precision.recipe).transform(model)
 
 
 def prepare_policy(cfg: RunConfig, accelerator, stage: int, model, optimizer, value_head=None):

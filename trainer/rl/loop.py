@@ -34,7 +34,6 @@ from trainer.data.datasets import PromptBatcher, apply_prompt_budget, encode_pro
 from trainer.distributed.data_parallel import DataParallel
 from trainer.distributed.deepspeed import (
     accelerator_kwargs,
-    check_deepspeed_recipe,
     deepspeed_stage,
     make_backward,
     optimizer_step,
@@ -43,15 +42,17 @@ from trainer.distributed.deepspeed import (
 from trainer.io import checkpoint as ckpt
 from trainer.io.run_logger import RunLogger
 from trainer.models.batch import TokenBatch, batch_from_rollouts
-from trainer.models.exact import ExactLogprobs, check_exact
+from trainer.models.exact import ExactLogprobs
 from trainer.models.optim import make_scheduler
 from trainer.models.policy import load_tokenizer
+from trainer.precision import recipe_for
+from trainer.precision.checks import check_launch, check_model_config
 from trainer.rewards.sources import build_reward_sources
 from trainer.rl import samples
 from trainer.rl.async_rollout import Prefetch, behaviour_weights, snapshot
 from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
-from trainer.rl.engines import make_engine, sync_weights
+from trainer.rl.engines import block_fp8_engine, make_engine, sync_weights
 from trainer.rl.learner import Learner, load_policy, prepare_policy
 from trainer.rl.parity_limits import enforce_parity_limits
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
@@ -113,7 +114,7 @@ class Run:
     logger: Optional[RunLogger] = None
     probe: Optional[Probe] = None
     ratio_limit: Optional[MaeRatioLimit] = None  # its baseline: the first mae measured (the probe before step 1)
-    exact: Optional[ExactLogprobs] = None  # when precision.recipe is exact
+    exact: Optional[ExactLogprobs] = None  # when the precision recipe's log-probs are the engine's own
     start_step: int = 0
     tokens_seen: float = 0.0  # completion tokens trained on so far (checkpointed)
     truncation: TruncationWatch = field(default_factory=TruncationWatch)
@@ -214,11 +215,12 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     accelerator = Accelerator(**accelerator_kwargs())
     # DeepSpeed ZeRO-2/3 (accelerate config recipes/accelerate/zero{2,3}.yaml) or not (0).
     stage = deepspeed_stage(accelerator)
-    check_deepspeed_recipe(cfg, stage)
     # N processes: each holds a prompt shard and its own engine; gradients and metrics are
     # reduced explicitly (trainer/distributed/data_parallel.py explains why not DDP's wrapper), the
     # gradients by the DeepSpeed engine under ZeRO.
     dp = DataParallel.current(reduce_grads=not stage)
+    precision = recipe_for(cfg.precision.recipe)
+    check_launch(precision, stage=stage, world_size=dp.world)  # before the model loads (and is transformed)
     set_seed(cfg.train.seed)
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
@@ -226,8 +228,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     if cfg.rollout.max_staleness and dp.world > 1:
         raise RecipeError(f"rollout.max_staleness = {cfg.rollout.max_staleness} with {dp.world} processes: expected "
                           "one process (the prefetch of several ranks sharing a server is not synchronised yet)")
-    if cfg.precision.recipe == "exact":  # before the engine starts: refuse what exact mode does not cover
-        check_exact(model.config, stage=stage, world_size=dp.world)
+    check_model_config(precision, model.config)  # before the engine starts
     d = cfg.data
     dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
@@ -261,7 +262,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
         cfg, model_dir, max_model_len=d.max_prompt_tokens + cfg.rollout.max_new_tokens, dp=dp)
-    if cfg.precision.recipe == "exact":
+    if precision.engine_logprobs:
         run.exact = run.probe.exact = ExactLogprobs(run.engine, policy, getattr(torch, cfg.model.dtype))
     # Always align the engine with the policy being trained (fresh adapter = base weights,
     # resumed adapter = its merge), so a reused engine never carries another run's weights.
@@ -478,8 +479,9 @@ def _sync(run: Run) -> dict:
     # wait for it before their next generate; a failed push stops every rank.
     out, error = {}, None
     try:
-        out = sync_weights(run.engine, run.policy, run.cfg.precision.recipe, gather=run.gather,
-                           dtype=getattr(torch, run.cfg.model.dtype), chunk_bytes=run.cfg.rollout.sync_chunk_bytes)
+        out = sync_weights(run.engine, run.policy, block_fp8=block_fp8_engine(recipe_for(run.cfg.precision.recipe)),
+                           gather=run.gather, dtype=getattr(torch, run.cfg.model.dtype),
+                           chunk_bytes=run.cfg.rollout.sync_chunk_bytes)
     except Exception as e:  # noqa: BLE001 - re-raised by raise_together on this rank
         error = e
     run.dp.raise_together(error)

@@ -18,19 +18,21 @@ import datasets
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rollout.engine_forward import check_supported
 from trainer.builtin.model_path import check_model_path, model_max_positions
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig, read_recipe
 from trainer.data.datasets import load_prompt_dataset, looks_like_path
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
+from trainer.precision import recipe_for
+from trainer.precision.checks import check_model_config, check_recipe
 from trainer.rewards.functions import resolve_reward
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_paths: bool = True) -> RunConfig:
-    """Read, override, type-check and validate a training recipe (``trainer.config.read_recipe``), then check
-    the paths it names (``check_paths``)."""
-    cfg = read_recipe(path, overrides)
+    """Read, override, type-check and validate a training recipe (``trainer.config.read_recipe``, with the
+    rules of its precision recipe's record, ``trainer.precision``, in the same report), then check the paths it
+    names (``check_paths``)."""
+    cfg = read_recipe(path, overrides, checks=(check_recipe,))
     if check_paths:  # files only once the values are sound
         check_paths_exist(cfg, str(Path(path)))
     return cfg
@@ -71,21 +73,19 @@ def preflight(cfg: RunConfig, where: str) -> None:
     if columns is not None:
         check_reward_signatures(reward_fns, columns, where)
     check_lora_targets(cfg, where)
-    check_exact_architecture(cfg, where)
+    check_precision_model(cfg, where)
 
 
-def check_exact_architecture(cfg: RunConfig, where: str) -> None:
-    """precision.recipe exact: the model's config against what ``rollout.engine_forward`` reproduces."""
-    if cfg.precision.recipe != "exact":
+def check_precision_model(cfg: RunConfig, where: str) -> None:
+    """The model's config against what the precision recipe can run (its record's ``check_model``)."""
+    recipe = recipe_for(cfg.precision.recipe)
+    if recipe.check_model is None:
         return
     try:
         config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     except (OSError, ValueError):  # a hub id without network: setup checks it again with the loaded model
         return
-    try:
-        check_supported(config)
-    except ValueError as e:
-        raise RecipeError(f"{where}: precision.recipe = 'exact' with model.path = {cfg.model.path!r}: {e}") from None
+    check_model_config(recipe, config, where=where, model_path=cfg.model.path)
 
 
 def check_run_dir(cfg: RunConfig, where: str) -> None:

@@ -58,7 +58,7 @@ class Probe:
         self.prompt_ids, self.cfg, self.pad_id, self.device = prompt_ids, cfg, pad_id, device
         self.dp = dp or DataParallel()
         self.fixed: Optional[Rollouts] = None  # prompt + completion token ids, scored by every later probe
-        self.exact = None  # trainer.models.exact.ExactLogprobs when precision.recipe is exact
+        self.exact = None  # trainer.models.exact.ExactLogprobs when the recipe's log-probs are the engine's
 
     def __call__(self, engine, model) -> dict[str, float]:
         """``probe/*`` parity metrics of ``engine`` vs ``model`` (empty without probe prompts).

@@ -6,8 +6,8 @@ The update passes, which need gradients, call the same ``forward`` and fill the 
 
 A forward is ``completion_hidden`` (the backbone, and PPO's critic on the same hidden states),
 then the chunked fused kernel for log-probs, entropy and the log-probs of the engine's top-k ids.
-``exact`` (``trainer.models.exact.ExactLogprobs``, precision.recipe exact) replaces those numbers by
-the engine's own; gradients stay this forward's.
+``exact`` (``trainer.models.exact.ExactLogprobs``, for a precision recipe whose log-probs are the
+engine's own forward) replaces those numbers by the engine's own; gradients stay this forward's.
 """
 from __future__ import annotations
 

@@ -197,11 +197,11 @@ def test_fp8_module_sets_of_trainer_and_engine_are_the_same(arch):
 
 def test_fp8_on_fused_hf_modules_is_refused():
     from trainer.builtin.zoo import build_arch_model
-    from trainer.models.precision import convert_to_fp8
+    from trainer.precision.registry import recipe_for
 
     model, _ = build_arch_model("phi3")
     with pytest.raises(ValueError, match=r"fp8_unified.*\['gate_up_proj', 'qkv_proj'\].*block grids"):
-        convert_to_fp8(model)
+        recipe_for("fp8_unified").transform(model)
 
 
 # ---- slow: the real vLLM engine per architecture ----------------------------------------------------

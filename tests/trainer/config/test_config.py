@@ -70,7 +70,7 @@ def test_defaults_and_overrides(tmp_path):
     ("parity: {topk: 1000}\n", ["parity.topk = 1000", "[0, 256]"]),
     ("parity: {probe_prompts: -2}\n", ["parity.probe_prompts = -2", ">= 0"]),
     ("precision: {recipe: fp16}\n", ["model.dtype = 'bfloat16'", "float16 with precision.recipe fp16"]),
-    ("model: {dtype: float16}\n", ["model.dtype = 'float16'", "unless precision.recipe is fp16"]),
+    ("model: {dtype: float16}\n", ["model.dtype = 'float16'", "float16 runs with precision.recipe fp16"]),
     ("precision: {recipe: fp8_unified}\nmodel: {dtype: float32}\n", ["model.dtype = 'float32'", "BF16 master"]),
     ("precision: {recipe: fp8_rollout}\nrollout: {engine: hf}\n", ["rollout.engine = 'hf'", "no FP8 path"]),
     ("precision: {recipe: fp4}\n", ["precision.recipe = 'fp4'", "fp8_unified"]),
@@ -183,15 +183,17 @@ def test_every_problem_of_a_recipe_at_once(tmp_path, capsys):
 
 def test_rules_shared_with_compare_take_the_callers_key_names():
     """The rules `parityrl compare` shares with a recipe's validation name the caller's own keys."""
-    from trainer.config.validate import fp8_engine, precision_dtype, topk_range, untruncated_sampling
+    from trainer.config.validate import topk_range, untruncated_sampling
+    from trainer.precision import recipe_for
+    from trainer.precision.checks import dtype_rule, hf_engine_rule
 
     assert [key for ok, key, *_ in untruncated_sampling(0.9, 5, top_p_key="top_p", top_k_key="top_k") if not ok] \
         == ["top_p", "top_k"]
     assert all(ok for ok, *_ in untruncated_sampling(1.0, 0))
     assert topk_range(257, key="topk")[:3] == (False, "topk", 257) and topk_range(0)[0]
-    broken = [(key, expected) for ok, key, _, expected in precision_dtype("fp8_unified", "float32", recipe_key="precision",
-                                                                          dtype_key="dtype") if not ok]
+    broken = [(key, expected) for ok, key, _, expected in [dtype_rule(recipe_for("fp8_unified"), "float32",
+                                                                      recipe_key="precision", dtype_key="dtype")] if not ok]
     assert broken == [("dtype", "bfloat16 with precision fp8_unified (BF16 master weights; the FP8 layers dequantize "
-                                "to BF16)")]
-    assert fp8_engine("fp8_rollout", "hf", engine_key="engine")[:3] == (False, "engine", "hf")
-    assert fp8_engine("bf16", "hf")[0]
+                                "to BF16); float32 runs with precision bf16 or exact")]
+    assert hf_engine_rule(recipe_for("fp8_rollout"), "hf", engine_key="engine")[:3] == (False, "engine", "hf")
+    assert hf_engine_rule(recipe_for("bf16"), "hf")[0]

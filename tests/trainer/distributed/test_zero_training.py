@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from parity.precision import host_has_native_bf16
-from trainer.distributed.deepspeed import check_deepspeed_recipe
+from trainer.config import RecipeError
 from trainer.io import checkpoint as ckpt
+from trainer.precision import recipe_for
+from trainer.precision.checks import check_launch
 from trainer.rl.preflight import load_recipe
 
 # 1e-3 where the CPU computes BF16 natively; emulated BF16 (AVX2-only hosts) differs by shard: measured 1.7e-3
@@ -33,11 +35,16 @@ COMMON = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4
 
 
 # ------------------------------------------------------------------ fast: refusals
+def check_deepspeed_recipe(cfg, stage: int) -> None:
+    """What the loop's setup asks the run's precision recipe under DeepSpeed ZeRO ``stage`` (one process)."""
+    check_launch(recipe_for(cfg.precision.recipe), stage=stage, world_size=1)
+
+
 def test_zero3_refuses_fp8_unified_naming_the_key():
     cfg = load_recipe(RECIPE, ["precision.recipe=fp8_unified"])
     check_deepspeed_recipe(cfg, 0)  # without DeepSpeed: allowed
     check_deepspeed_recipe(cfg, 2)  # ZeRO-2 does not partition weights: allowed
-    with pytest.raises(NotImplementedError, match="ZeRO-3") as e:
+    with pytest.raises(RecipeError, match="ZeRO-3") as e:
         check_deepspeed_recipe(cfg, 3)
     assert "precision.recipe = 'fp8_unified'" in str(e.value) and "zero2.yaml" in str(e.value)
 

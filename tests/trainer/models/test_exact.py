@@ -6,7 +6,9 @@ import torch
 
 from trainer.config.schema import RecipeError
 from trainer.models.batch import build_token_batch
-from trainer.models.exact import check_exact, sequences_of, straight_through
+from trainer.models.exact import sequences_of, straight_through
+from trainer.precision import recipe_for
+from trainer.precision.checks import check_launch, check_model_config, recipe_rules
 from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
@@ -48,15 +50,15 @@ def test_exact_recipe_refuses_what_it_does_not_cover_at_load(sets, words):
 def test_exact_refuses_cuda_several_processes_and_other_architectures():
     from transformers import LlamaConfig, MixtralConfig
 
-    from trainer.config.validate import exact_requirements
-
     cfg = load_recipe(REPO / "recipes" / "grpo_tiny.yaml", ["precision.recipe=exact"])
-    assert all(ok for ok, *_ in exact_requirements(cfg, cuda=False))
-    assert [key for ok, key, *_ in exact_requirements(cfg, cuda=True) if not ok] == ["precision.recipe"]
+    exact = recipe_for("exact")
+    assert all(ok for ok, *_ in recipe_rules(cfg, cuda=False))
+    assert [key for ok, key, *_ in recipe_rules(cfg, cuda=True) if not ok] == ["precision.recipe"]
     with pytest.raises(RecipeError, match="2 processes"):
-        check_exact(LlamaConfig(), world_size=2)
+        check_launch(exact, stage=0, world_size=2)
     with pytest.raises(RecipeError, match="ZeRO stage 3"):
-        check_exact(LlamaConfig(), stage=3)
+        check_launch(exact, stage=3, world_size=1)
     with pytest.raises(RecipeError, match="model_type 'mixtral'"):
-        check_exact(MixtralConfig())
-    check_exact(LlamaConfig())
+        check_model_config(exact, MixtralConfig())
+    check_launch(exact, stage=0, world_size=1)
+    check_model_config(exact, LlamaConfig())

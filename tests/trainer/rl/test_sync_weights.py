@@ -60,7 +60,7 @@ def test_the_engine_gets_the_merge_in_its_own_dtype_one_layer_per_call(policy_an
     calls = []
     real = engine.load_weights
     monkeypatch.setattr(engine, "load_weights", lambda named: (calls.append(len(named)), real(named)))
-    out = sync_weights(engine, policy, "bf16", dtype=torch.float32)
+    out = sync_weights(engine, policy, dtype=torch.float32)
     exact = dict(merged_lora_weights(policy, dtype=torch.float32))
     params = dict(engine.model.named_parameters())
     assert all(torch.equal(params[n], t) for n, t in exact.items())
@@ -85,7 +85,7 @@ def test_layer_chunks_fill_a_byte_budget_with_whole_layers(policy_and_base):
 def test_an_engine_without_partial_updates_gets_one_push(policy_and_base):
     policy, _ = policy_and_base
     engine = _Recorder()
-    out = sync_weights(engine, policy, "bf16")
+    out = sync_weights(engine, policy)
     assert len(engine.calls) == 1 and len(engine.calls[0]) == 28 and out["perf/sync_tensors"] == 28.0
     assert out["perf/sync_chunks"] == 1.0
 
@@ -116,7 +116,7 @@ def test_a_server_gets_the_layers_as_a_stream_each_made_after_the_previous_was_s
                 self.seen.append((len(chunk), len(merged_modules)))
 
     engine = _Server()
-    out = sync_weights(engine, policy, "bf16", gather=gather, chunk_bytes=1)
+    out = sync_weights(engine, policy, gather=gather, chunk_bytes=1)
     layers = policy.config.num_hidden_layers
     # a layer ends where the next begins: its first module is merged (looked at) before the chunk is sent
     assert engine.seen == [(7, min(7 * (i + 1) + 1, 7 * layers)) for i in range(layers)]
@@ -132,5 +132,5 @@ def test_a_follower_rank_only_follows_the_push(policy_and_base):
         engine.followed += 1
 
     engine.follow_push = follow
-    assert sync_weights(engine, policy, "bf16") == {}
+    assert sync_weights(engine, policy) == {}
     assert engine.calls == [] and engine.followed == 1

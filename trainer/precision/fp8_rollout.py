@@ -1,0 +1,28 @@
+"""``fp8_rollout``: a BF16 trainer and an FP8 engine (the common verl / slime / NeMo-RL setup; the baseline
+``fp8_unified`` is measured against). Its FP8 engine is ``fp8_unified``'s too (``FP8_ENGINE``)."""
+from rollout.engine_options import block_fp8_kwargs, emulated_fp8_kwargs
+from trainer.precision.record import HF_ENGINE, SERVER, PrecisionRecipe
+from trainer.precision.registry import register_recipe
+
+
+def fp8_engine_options(cuda: bool) -> dict:
+    """vLLM's block-FP8 layers on CUDA; on CPU, which has no FP8 kernels, the emulating plug-in."""
+    return block_fp8_kwargs() if cuda else emulated_fp8_kwargs()
+
+
+# What every recipe with an FP8 engine shares: BF16 master weights, the engine options, the weight
+# format on CUDA, and what such an engine cannot be.
+FP8_ENGINE = dict(
+    dtypes=("bfloat16",),
+    dtype_reason="BF16 master weights; the FP8 layers dequantize to BF16",
+    engine_options=fp8_engine_options,
+    block_fp8_on_cuda=True,
+    refuses={HF_ENGINE: "the HF engine has no FP8 path",
+             SERVER: "the server is started without the FP8 weights and layers"},
+)
+
+FP8_ROLLOUT = register_recipe(PrecisionRecipe(
+    name="fp8_rollout",
+    doc="BF16 trainer, FP8 engine (E4M3, 128x128 weight blocks, 1x128 activation groups): the mismatched baseline",
+    **FP8_ENGINE,
+))
