@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from parity.precision import host_has_native_bf16
 from trainer.distributed.data_parallel import DataParallel
 
 REPO = Path(__file__).resolve().parents[3]
@@ -140,7 +141,9 @@ def test_two_rank_ppo_matches_one_process(tmp_path, tiny_model_dir, vllm_engine)
     assert two[2]["train/reward_kl_coef"] == pytest.approx(one[1]["train/reward_kl_coef"], rel=1e-6)
     assert two[2]["train/reward_kl_coef"] != two[1]["train/reward_kl_coef"]  # the controller did move it
     assert two[2]["train/kl_ref_seq"] > 0
-    assert two[2]["train/kl_ref_seq"] == pytest.approx(one[1]["train/kl_ref_seq"], rel=1e-2)
+    # 1.6% apart on an AVX2-only host (emulated BF16; measured at 0a68988 and after): 3e-2 there
+    kl_rel = 1e-2 if host_has_native_bf16() else 3e-2
+    assert two[2]["train/kl_ref_seq"] == pytest.approx(one[1]["train/kl_ref_seq"], rel=kl_rel)
     print(f"[ppo dp vs one] step 1 grad norm {s1['train/grad_norm']:.9g} / {one[0]['train/grad_norm']:.9g}; "
           f"step 2 kl_ref_seq {two[2]['train/kl_ref_seq']:.6g} / {one[1]['train/kl_ref_seq']:.6g}; beta at step 2 "
           f"{two[2]['train/reward_kl_coef']:.9g} / {one[1]['train/reward_kl_coef']:.9g}")

@@ -168,8 +168,12 @@ def test_zero_training_matches_one_process_and_resumes_exactly(stage, tmp_path, 
     mine, ref = _adapter(step1), _adapter(one_dir / "checkpoints" / "step_000001")
     assert set(mine) == set(ref)
     lr = load_recipe(RECIPE).train.learning_rate
-    worst = max(float((mine[k] - ref[k]).abs().max()) for k in ref)
-    assert worst < 0.05 * lr, worst
+    diffs = torch.cat([(mine[k] - ref[k]).abs().flatten().float() for k in ref])
+    # Adam's first step is ~lr * sign(g) per element: an element whose gradient is ~0 can take the other sign
+    # on a host that emulates BF16 (measured on an AVX2-only host at 0a68988 and after: max 3.9e-3 = 2 lr,
+    # one flip); a wrong shard or a missed all-reduce moves many elements.
+    assert (diffs > 0.05 * lr).float().mean() < 1e-3, float((diffs > 0.05 * lr).float().mean())
+    assert diffs.max() <= 2.05 * lr, float(diffs.max())
 
     # Resume from step 1 (as after a kill during step 2): step 2 is repeated exactly.
     resumed = tmp_path / "resumed"
