@@ -4,13 +4,11 @@ weight cache. CPU only: the GEMM itself needs CUDA SM 9.x (verify_scaled_mm chec
 Layout rule (torch aten/src/ATen/native/cuda/ScaledBlas.cpp, _scaled_block1x128_block128x128):
 scale_b is [round_up(ceil(K/128), 4), ceil(N/128)] with strides (1, that first dim).
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from interpreter_tier import run_interpreter_tier  # this folder is on sys.path (pytest rootdir-less import)
 
 import parity.fp8_gemm as fg
 from parity.precision import EPS, quantize_act_groups, quantize_weight_blocks
@@ -104,10 +102,4 @@ def test_scaled_mm_support_is_false_off_cuda():
 def test_triton_interpreter_tier():
     """The fused Triton activation quantizer, bitwise against quantize_act_groups, in a fresh interpreter process."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           str(REPO / "tests" / "parity" / "test_fp8_triton_interpret.py")]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    tail = (out.stdout + out.stderr)[-6000:]
-    assert out.returncode == 0, tail
-    assert " passed" in tail and "skipped" not in tail, tail
+    run_interpreter_tier("test_fp8_triton_interpret.py")

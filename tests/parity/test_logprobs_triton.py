@@ -5,14 +5,12 @@ The kernels themselves are checked in ``test_logprobs_triton_interpret.py``, whi
 a fresh process (see that module's docstring).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from interpreter_tier import run_interpreter_tier  # this folder is on sys.path (pytest rootdir-less import)
 
 import parity.logprobs as lpmod
 
@@ -72,10 +70,4 @@ def test_supported_dtypes():
 
 
 def test_interpreter_tier():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           str(REPO / "tests" / "parity" / "test_logprobs_triton_interpret.py")]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    tail = (out.stdout + out.stderr)[-6000:]
-    assert out.returncode == 0, tail
-    assert " passed" in tail and "skipped" not in tail, tail
+    run_interpreter_tier("test_logprobs_triton_interpret.py")
