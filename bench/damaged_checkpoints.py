@@ -1,4 +1,4 @@
-"""The damaged-checkpoint corpus: what a resume does with a checkpoint broken ten ways.
+"""The damaged-checkpoint corpus: what a resume does with a checkpoint broken thirteen ways (fourteen when not root).
 
     PYTHONPATH=<checkout> python bench/damaged_checkpoints.py --work /tmp/corpus
 
@@ -7,7 +7,8 @@ schedule are saved as checkpoints 1 and 2 by that checkout's ``save_checkpoint``
 damage a copy of the run has ``step_000002`` broken and goes through that checkout's own
 ``trainer.rl.loop._restore`` (what ``parityrl train --resume`` runs before any step; no engine,
 so a damage that loads is reported as loaded, whatever the engine would later make of it).
-The outcome is classified as `parityrl train` would show it:
+A run resumed from step 1 then writes its retrained step 2 over the damaged one, as the
+training loop would. The outcome is classified as `parityrl train` would show it:
 
   clean      resumed from step 1 and the output names step_000002 as skipped, or a one-line
              exit 2 (FileNotFoundError / FileExistsError, trainer/commands/train.py)
@@ -15,6 +16,9 @@ The outcome is classified as `parityrl train` would show it:
   traceback  any other exception: a raw traceback reaches the user
   silent     resumed from step 1 (older) without a word about step_000002
   loaded     resumed from the damaged step 2 itself
+  save-fails resumed, but writing the retrained step 2 over the damaged one raised
+
+The folder made unreadable (chmod 000) is only in the corpus when not run as root (root reads it anyway).
 
 Prints one row per damage and the tally.
 """
@@ -48,6 +52,27 @@ def _random(p: Path) -> None:
     p.write_bytes(os.urandom(p.stat().st_size))
 
 
+def _replace_by_file(ck: Path) -> None:
+    shutil.rmtree(ck)
+    ck.write_text("not a checkpoint")
+
+
+def _replace_by_link_to_itself(ck: Path) -> None:
+    shutil.rmtree(ck)
+    os.symlink(ck.name, ck)
+
+
+def _state_of_step_1(ck: Path) -> None:
+    """state.json says step 1 and the manifest is recomputed to match: only the step tells."""
+    import json
+
+    from trainer.io import checkpoint as ckpt  # late: the checkout under test, from PYTHONPATH
+
+    state = json.loads((ck / "state.json").read_text())
+    (ck / "state.json").write_text(json.dumps({**state, "step": 1}))
+    (ck / "manifest.json").write_text(json.dumps(ckpt._manifest(ck)))
+
+
 DAMAGES = {
     "weights_truncated": lambda ck: _truncate(_weights(ck)),
     "weights_emptied": lambda ck: _empty(_weights(ck)),
@@ -59,7 +84,12 @@ DAMAGES = {
     "state_unreadable": lambda ck: (ck / "state.json").write_bytes(b"\x00{not json"),
     "state_missing": lambda ck: (ck / "state.json").unlink(),
     "adapter_config_missing": lambda ck: (ck / "adapter" / "adapter_config.json").unlink(),
+    "step_replaced_by_file": _replace_by_file,
+    "step_symlink_to_itself": _replace_by_link_to_itself,
+    "state_of_another_step": _state_of_step_1,
 }
+if os.geteuid() != 0:
+    DAMAGES["folder_unreadable"] = lambda ck: ck.chmod(0)
 
 
 def _policy(cfg):
@@ -75,12 +105,21 @@ def _policy(cfg):
     return model, opt, make_scheduler(opt, "constant", 0, 10)
 
 
+class _NotDamaged:
+    """The run's parts whose checkpointed state this corpus leaves alone (probe, parity limit, prefetch)."""
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
 def _run(cfg, model, opt, sched):
     from trainer.data.datasets import PromptBatcher
+    from trainer.distributed.data_parallel import DataParallel
 
     batcher = PromptBatcher([{"prompt": str(i)} for i in range(8)], 2)
     return SimpleNamespace(cfg=cfg, stage=0, policy=model, optimizer=opt, scheduler=sched, modules={},
-                           kl_controller=None, batcher=batcher, is_main=True, accelerator=None)
+                           kl_controller=None, batcher=batcher, is_main=True, accelerator=None, dp=DataParallel(),
+                           probe=_NotDamaged(), ratio_limit=_NotDamaged(), prefetch=_NotDamaged())
 
 
 def _save(cfg, run, step):
@@ -108,7 +147,13 @@ def classify(run, cfg) -> tuple[str, str]:
     text = out.getvalue()
     if step == 2:
         return "loaded", text.strip().splitlines()[-1]
-    return ("clean" if "step_000002" in text else "silent"), " | ".join(text.strip().splitlines())[:200]
+    try:
+        with contextlib.redirect_stdout(out):
+            _save(cfg, run, 2)  # the retrained step, written where the damaged one is
+    except Exception as e:  # noqa: BLE001 - the classification
+        return "save-fails", f"{type(e).__name__}: {str(e)[:160]}"
+    text = out.getvalue()
+    return ("clean" if "step_000002" in text else "silent"), " | ".join(text.strip().splitlines())[:300]
 
 
 def main() -> int:

@@ -9,11 +9,12 @@ from rollout.types import Rollouts, SamplingSpec, Scored
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine cannot be reached (a server not started, dead, or not answering in time).
+    """The engine cannot be reached (a server not started, dead, or not answering in time), or what it
+    answers is not the protocol at all (a body cut short: ``rollout.server_engine.MalformedAnswer``).
 
     Not a wrong answer: the run stops, keeps its last checkpoint, and continues with
     ``parityrl train <recipe> --resume`` once the engine is back; the message names the engine
-    and the action that failed.
+    and the action that failed. `parityrl train` exits with status 4 (the engine's).
     """
 
 

@@ -46,7 +46,10 @@ layers (``load_weight_chunks``), each its own transfer round, under one weight v
 Failures: startup waits for ``GET /health`` up to ``timeout_s`` and then raises
 ``EngineUnavailable`` naming the URL; so does any connection failure or timeout later,
 naming the action (generate, weight push step, ...). An HTTP error answer raises
-``ServerEngineError`` with the status and the server's message.
+``ServerEngineError`` with the status and the server's message. An answer whose body is not
+JSON at all (cut short: a server or proxy that died mid-answer; or not a vLLM server) raises
+``MalformedAnswer``, an ``EngineUnavailable`` too: nothing of it is usable and the way back is
+the same, so the run stops with the engine's exit status (4), naming the URL and the route.
 """
 from __future__ import annotations
 
@@ -87,6 +90,22 @@ def _check_version(choice: dict, version: str, bad) -> None:
 class ServerEngineError(RuntimeError):
     """The vLLM server answered, but with an error or an unusable response. One that cannot be reached
     (not started, died, or not answering in time) raises ``rollout.base.EngineUnavailable`` instead."""
+
+
+class MalformedAnswer(ServerEngineError, EngineUnavailable):
+    """The server answered with a body that is not JSON (truncated, or not from a vLLM server)."""
+
+
+def _json(url: str, r, action: str, method: str, path: str) -> Any:
+    """The body of ``r`` parsed, or ``MalformedAnswer`` naming the server, the route and what came."""
+    try:
+        return r.json()
+    except ValueError as e:  # json.JSONDecodeError, or bytes that are not UTF-8
+        body = r.content
+        raise MalformedAnswer(
+            f"vLLM server at {url} answered {method} {path} ({action}) with HTTP {r.status_code} but a body that is "
+            f"not JSON ({len(body)} bytes, {type(e).__name__}: {e}; it ends {body[-60:]!r}): cut short, or not a vLLM "
+            f"server; {_RESTART_HINT}") from None
 
 
 def parse_server_url(url: str) -> tuple[str, int]:
@@ -145,7 +164,9 @@ class _Http:
             raise self.unavailable(action, method, path, e) from None
         if r.status_code >= 400:
             raise self.error(action, method, path, r.status_code, r.text)
-        return r.json() if r.content and "json" in r.headers.get("content-type", "") else None
+        if not (r.content and "json" in r.headers.get("content-type", "")):
+            return None
+        return _json(self.url, r, action, method, path)
 
     def close(self) -> None:
         self._client.close()
@@ -309,6 +330,8 @@ class ServerEngine:
         try:
             out = self.http.call("POST", "/collective_rpc", "server check",
                                  json={"method": "parityrl_server_info"})
+        except MalformedAnswer:
+            raise
         except ServerEngineError as e:
             raise ServerEngineError(f"{e}\n-> the server at {self.url} was not started by `parityrl serve` (it needs "
                                     "--worker-extension-cls rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension)") from None
@@ -461,7 +484,7 @@ class ServerEngine:
                         raise http.unavailable(action, "POST", path, e) from None
                 if r.status_code != 200:
                     raise http.error(action, "POST", path, r.status_code, r.text)
-                return r.json()
+                return _json(http.url, r, action, "POST", path)
 
             tasks = [asyncio.ensure_future(one(b)) for b in bodies]
             try:

@@ -15,15 +15,28 @@ is complete (``verify_checkpoint``); resume takes the newest such one
 (``usable_checkpoint``) and names the newer ones it skipped, with the reason.
 A failed write removes its temporary directory; so does the next start (the lock of
 trainer/io/run_lock.py guarantees no other writer is using it).
+
+Anything at a step's path that is not a readable folder holding a verified checkpoint of
+that step (a file, a symlink that loops or dangles, a folder that cannot be read, a
+``state.json`` that names another step) is skipped by resume and named with the reason.
+When that step is written again, the thing at its path is renamed aside to
+``step_NNNNNN.damaged-<time>`` rather than deleted: it may be the only copy of something the
+user wants to inspect, and a run must not fail on it either (the retrained step goes in its
+place). A write that fails -- a full disk, no permission, the damaged thing cannot be moved --
+raises ``CheckpointNotWritten``: one line naming the step, the path and why (free and needed
+bytes for a full disk, trainer/io/write_failure.py); the older checkpoints are untouched.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import stat
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,10 +44,16 @@ import numpy as np
 import torch
 
 from trainer.distributed.deepspeed import gathered_trainable
+from trainer.io import write_failure
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _STATE = "state.json"
 _COMPLETE = MANIFEST = "manifest.json"  # written last: its presence marks a complete checkpoint
+ASIDE = ".damaged-"  # step_NNNNNN.damaged-<time>: a damaged entry moved out of a step's way (not a step name)
+
+
+class CheckpointNotWritten(RuntimeError):
+    """A checkpoint could not be written: the message names the step, the path and why (one line)."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -48,9 +67,17 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     out = []
     for p in d.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and (p / _COMPLETE).is_file():
+        if m and _has_manifest(p):
             out.append((int(m.group(1)), p))
     return sorted(out)
+
+
+def _has_manifest(p: Path) -> bool:
+    # cheap (no checksums): pruning and the stop's "already checkpointed?" call it on every save
+    try:
+        return stat.S_ISDIR(os.stat(p).st_mode) and os.path.isfile(p / _COMPLETE)
+    except OSError:  # a loop, a folder that cannot be searched
+        return False
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
@@ -104,12 +131,37 @@ def _finish(tmp: Path, final: Path, run_dir: Path, step: int, *, scheduler, stat
         torch.save(module.state_dict(), tmp / f"{name}.pt")
     _write_synced(tmp / _STATE, json.dumps({"step": step, **state}, indent=2))
     _write_synced(tmp / MANIFEST, json.dumps(_manifest(tmp), indent=1))
-    if final.exists():  # re-saving the same step (e.g. the final step after a periodic one)
-        shutil.rmtree(final)
+    _make_room(final, step)
     os.replace(tmp, final)
-    for _, old in list_checkpoints(run_dir)[:-keep_last]:
+    # Only older ones: a newer step_* still there is one resume skipped as damaged; it must not push this one out.
+    older = [p for s, p in list_checkpoints(run_dir) if s < step]
+    for old in older[:max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _make_room(final: Path, step: int) -> None:
+    """Clear ``final`` for the new checkpoint of ``step``: a complete checkpoint of the same step is replaced;
+    anything else is renamed aside (nothing the user had is deleted), with a note."""
+    if not os.path.lexists(final):
+        return
+    why = verify_checkpoint(final)
+    if why is None and not final.is_symlink():  # the same step saved again: the new one holds the same state
+        shutil.rmtree(final)
+        return
+    why = why or f"a symlink to {os.readlink(final)!r}"
+    aside = final.with_name(f"{final.name}{ASIDE}{time.strftime('%Y%m%dT%H%M%S')}")
+    n = 1
+    while os.path.lexists(aside):
+        aside, n = aside.with_name(f"{final.name}{ASIDE}{time.strftime('%Y%m%dT%H%M%S')}-{n}"), n + 1
+    try:
+        os.rename(final, aside)
+    except OSError as e:
+        raise CheckpointNotWritten(f"checkpoint {step} cannot be written: {final} is in the way ({why}) and could not "
+                                   f"be moved aside ({type(e).__name__}: {e.strerror}); move or delete it, then "
+                                   "continue with --resume") from e
+    print(f"note: {final} is not a usable checkpoint ({why}); moved it aside to {aside} (delete it once "
+          f"inspected) and wrote step {step} in its place", flush=True)
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -133,9 +185,40 @@ def _manifest(ckpt_dir: Path) -> dict:
                       for p in files}}
 
 
+def _entry_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is not a readable folder (a file, a symlink that loops or dangles, no permission), or None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "gone"
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            return (f"a symlink that loops (to {target!r})" if e.errno == errno.ELOOP
+                    else f"a symlink to {target!r}, which cannot be followed ({e.strerror})")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"a {'file' if stat.S_ISREG(st.st_mode) else 'special file'} ({st.st_size} bytes), not a checkpoint folder"
+    try:
+        os.listdir(path)
+    except OSError as e:
+        return f"a folder that cannot be read ({type(e).__name__}: {e.strerror})"
+    return None
+
+
+def _folder_step(path: Path) -> Optional[int]:
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def verify_checkpoint(path: Path) -> Optional[str]:
-    """None if ``path`` is complete (its manifest is there and every file matches it), else why not."""
+    """None if ``path`` is complete (a readable folder, its manifest is there, every file matches it, and its
+    ``state.json`` is of the step its folder names), else why not."""
     path = Path(path)
+    problem = _entry_problem(path)
+    if problem:
+        return problem
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
         entries = [(str(name), int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
@@ -153,13 +236,27 @@ def verify_checkpoint(path: Path) -> Optional[str]:
             return f"{name} has {f.stat().st_size} bytes, the manifest says {size}"
         if _sha256(f) != digest:
             return f"{name} does not match its checksum"
+    return _step_mismatch(path)
+
+
+def _step_mismatch(path: Path) -> Optional[str]:
+    # A state.json of another step (copied, or its manifest recomputed) would resume that step's position on top
+    # of this folder's weights, or the other way round: neither is a state the run was ever in.
+    folder = _folder_step(path)
+    try:
+        step = json.loads((path / _STATE).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{_STATE} unreadable ({type(e).__name__})"
+    if folder is not None and step != folder:
+        return f"its {_STATE} says step {step!r}, its folder step {folder}"
     return None
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
-    """Every ``step_*`` folder, complete or not, oldest first."""
+    """Everything at a ``step_NNNNNN`` path -- folders complete or not, and whatever else sits there (a file, a
+    symlink): resume names each one it skips -- oldest first."""
     d = checkpoints_dir(run_dir)
-    found = [(_STEP_DIR.match(p.name), p) for p in (d.iterdir() if d.is_dir() else ()) if p.is_dir()]
+    found = [(_STEP_DIR.match(p.name), p) for p in (d.iterdir() if d.is_dir() else ())]
     return [p for _, p in sorted((int(m.group(1)), p) for m, p in found if m)]
 
 
@@ -197,10 +294,34 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, scheduler, st
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         return _finish(tmp, final, run_dir, step, scheduler=scheduler, state=state, keep_last=keep_last,
                        modules=modules, rng_states=rng_states)
-    except BaseException:
+    except BaseException as e:
+        failure = _not_written(e, run_dir, step, tmp)  # measured before the partial folder is removed
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"note: checkpoint {step} was not written; removed its partial folder {tmp}", flush=True)
+        if failure is not None:
+            raise failure from e
         raise
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def _not_written(e: BaseException, run_dir: Path, step: int, tmp: Path) -> Optional[CheckpointNotWritten]:
+    """The one-line error for a write that failed on the filesystem (None: not a filesystem failure, e.g. a bug)."""
+    if isinstance(e, CheckpointNotWritten) or not isinstance(e, Exception) or not write_failure.is_write_failure(e):
+        return None
+    free = write_failure.free_bytes(tmp)
+    older = latest_checkpoint(run_dir)
+    needed = None
+    if older is not None:  # the last checkpoint's size: the next one holds the same tensors
+        try:
+            needed = sum(int(f["bytes"]) for f in json.loads((older / MANIFEST).read_text())["files"].values())
+        except (OSError, ValueError, KeyError, TypeError):
+            needed = None
+    why = write_failure.describe(e, checkpoints_dir(run_dir), free=free, needed=needed, written=_bytes_under(tmp))
+    kept = f"the newest checkpoint, {older}, is intact" if older else "there is no older checkpoint"
+    return CheckpointNotWritten(f"checkpoint {step} was not written: {why}; {kept}")
 
 
 def save_deepspeed_checkpoint(run_dir: Path, step: int, *, engine, policy, scheduler, state: dict, keep_last: int,

@@ -3,7 +3,11 @@
 ``metrics.jsonl`` gets one JSON object per step with exactly the keys sent to
 wandb (plus ``step``); it is appended and flushed line by line, so a crash
 loses at most the step being written. After a resume, steps after the
-checkpoint appear twice; readers take the last occurrence of a step.
+checkpoint appear twice; readers take the last occurrence of a step. A crash in
+the middle of a write leaves a partial last line: the next run on the directory
+moves it to ``metrics.jsonl.partial-<time>`` (with a note) before appending, so
+its first record starts on a line of its own instead of being glued to the
+fragment and lost to every reader.
 
 wandb runs online when credentials exist (``WANDB_API_KEY`` or a netrc entry),
 offline otherwise (``wandb sync`` uploads it later); an online start that fails
@@ -100,6 +104,52 @@ def _define_metrics(run) -> None:
                       stacklevel=4)
 
 
+def set_aside_partial_line(path: Path) -> Optional[Path]:
+    """If ``path`` ends in a line without its newline (a crash mid-write), move that fragment to
+    ``<path>.partial-<time>`` and cut it from ``path``, with a note; the file it went to, or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size == 0:
+                return None
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return None
+            # the fragment is at most one record: read backwards in blocks to its line's start
+            start, block = size, 1 << 16
+            while start > 0:
+                f.seek(max(0, start - block))
+                chunk = f.read(start - max(0, start - block))
+                cut = chunk.rfind(b"\n")
+                if cut >= 0:
+                    start = start - len(chunk) + cut + 1
+                    break
+                start = max(0, start - block)
+            f.seek(start)
+            fragment = f.read()
+    except FileNotFoundError:
+        return None
+    aside = path.with_name(f"{path.name}.partial-{time.strftime('%Y%m%dT%H%M%S')}")
+    n = 1
+    while aside.exists():
+        aside, n = aside.with_name(f"{path.name}.partial-{time.strftime('%Y%m%dT%H%M%S')}-{n}"), n + 1
+    aside.write_bytes(fragment)  # first the copy, then the cut: a crash in between loses nothing
+    os.truncate(path, start)
+    print(f"note: {path} ended in a partial line ({len(fragment)} bytes, a crash while writing it); moved it to "
+          f"{aside} so the next record starts on its own line", flush=True)
+    return aside
+
+
+def eta_text(step: int, first_step: Optional[int], since_first_s: float, total_steps: int) -> str:
+    """'123s' from the steps after the first one logged (``since_first_s``: the time since it ended), '-' before
+    there is one (the first step's own time is mostly warm-up)."""
+    done = step - (first_step if first_step is not None else step)
+    if done <= 0 or not total_steps:
+        return "-"
+    return f"{since_first_s / done * (total_steps - step):.0f}s"
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, *, config: dict, wandb_mode: str = "auto", project: str = "parityrl",
                  entity: Optional[str] = None, name: str = "run", total_steps: int = 0, print_every: int = 1,
@@ -109,13 +159,16 @@ class RunLogger:
         self.total_steps = total_steps
         self.print_every = print_every
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self._t0 = time.time()
+        # The ETA counts from the end of the first step this process logs: that step carries the warm-up
+        # (first kernels, the engine's first batch), ~10x a later step on CPU (issue 29).
         self._first_step: Optional[int] = None
+        self._t_first: float = 0.0
         self.wandb_run = None
         self.wandb_mode = "disabled"
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        set_aside_partial_line(self.metrics_path)
         self._file = open(self.metrics_path, "a", buffering=1)
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
@@ -167,7 +220,7 @@ class RunLogger:
             self._write(step, metrics)
             return
         if self._first_step is None:
-            self._first_step = step  # t0 is the logger's creation: the first step's time counts
+            self._first_step, self._t_first = step, time.time()
         self._write(step, metrics)
         if step % self.print_every == 0 or step == self.total_steps:
             self._print(step, metrics)
@@ -179,9 +232,7 @@ class RunLogger:
             self.wandb_run.log({**metrics, STEP_METRIC: step}, step=step)
 
     def _print(self, step: int, m: dict[str, Any]) -> None:
-        done = step - (self._first_step or step) + 1
-        elapsed = time.time() - self._t0
-        eta = elapsed / done * (self.total_steps - step) if done and self.total_steps else 0.0
+        eta = eta_text(step, self._first_step, time.time() - self._t_first, self.total_steps)
 
         def f(key: str, fmt: str) -> str:
             v = m.get(key)
@@ -190,7 +241,7 @@ class RunLogger:
         print(f"step {step:>4}/{self.total_steps}  reward {f('reward/mean', '.3f')}  "
               f"parity mae {f('parity/mae', '.2e')} kl_k3 {f('parity/kl_k3', '.1e')}  "
               f"loss {f('train/loss', '+.4f')}  rollout {f('perf/rollout_tokens_per_s', '.0f')} tok/s  "
-              f"step {f('perf/step_s', '.1f')}s  ETA {eta:.0f}s", flush=True, file=sys.stdout)
+              f"step {f('perf/step_s', '.1f')}s  ETA {eta}", flush=True, file=sys.stdout)
 
     def log_histogram(self, step: int, key: str, counts: list[float], edges: list[float]) -> None:
         """A ``wandb.Histogram`` of pre-binned counts (wandb only: metrics.jsonl keeps scalars)."""

@@ -9,9 +9,11 @@ sync, the probe after it, a preemption at the step boundary) checkpoints the ste
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from trainer.io import checkpoint as ckpt
+
+T = TypeVar("T")
 
 
 class RunStopped(RuntimeError):
@@ -36,6 +38,18 @@ class ParityLimitExceeded(RunStopped):
     """The rollout/trainer mismatch broke a recipe limit with ``parity.on_violation: stop``."""
 
     exit_status = 3
+
+
+class CheckpointFailed(RunStopped):
+    """A checkpoint could not be written (a full disk, no permission, something in the way it cannot move);
+    the message names the step, the path and why; the older checkpoints are intact."""
+
+    exit_status = 6
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        # its own note: writing the checkpoint again on the way out would only fail the same way
+        self.checkpoint_note = "fix that and continue with --resume from the newest checkpoint"
 
 
 class Preempted(RunStopped):
@@ -63,6 +77,24 @@ def stop_together(dp, error: Optional[BaseException]) -> None:
         return
     first = dp.broadcast_object(error if dp.rank == failed[0] else None, src=failed[0])
     raise error if error is not None else first
+
+
+def claim_together(dp, claim: Callable[[], T]) -> T:
+    """Collective: ``claim()`` on every rank (the run lock: rank 0 takes it, the others only check), and a
+    refusal on any rank raised on every rank. Without it, the other ranks of a launch whose rank 0 was refused
+    go on to their first collective and wait there for a rank that has left."""
+    held, error = None, None
+    try:
+        held = claim()
+    except Exception as e:  # noqa: BLE001 - raised on every rank by stop_together
+        error = e
+    try:
+        stop_together(dp, error)
+    except BaseException:
+        if held is not None and hasattr(held, "release"):
+            held.release()
+        raise
+    return held
 
 
 class StepBoundary:
@@ -95,7 +127,7 @@ def checkpoint_on_stop(run_dir: Path, boundary: StepBoundary, save) -> str:
     """
     step, state = boundary.completed()
     done = dict(ckpt.list_checkpoints(run_dir))
-    if step in done:
+    if step in done and ckpt.verify_checkpoint(done[step]) is None:  # not a damaged one resume skipped
         return f"the last completed step {step} is checkpointed at {done[step]}; continue with --resume"
     if step <= 0:
         return "no step was completed, so there is nothing to checkpoint"

@@ -79,7 +79,7 @@ def test_no_usable_checkpoint_is_one_line_naming_each_reason(tmp_path):
 
 
 def test_a_failed_write_removes_its_partial_folder(tmp_path, capsys):
-    with pytest.raises(OSError):
+    with pytest.raises(ckpt.CheckpointNotWritten, match="checkpoint 1 was not written: the disk is full"):
         save(tmp_path, 1, model=FakeAdapter(fail=True))
     assert list(ckpt.checkpoints_dir(tmp_path).iterdir()) == []
     assert "partial folder" in capsys.readouterr().out

@@ -95,6 +95,7 @@ def test_nothing_to_write_before_the_first_step_or_when_already_saved(tmp_path, 
     assert "no step was completed" in checkpoint_on_stop(tmp_path, b, never)
     done = ckpt.checkpoints_dir(tmp_path) / "step_000003"
     monkeypatch.setattr(ckpt, "list_checkpoints", lambda run_dir: [(3, done)] if run_dir == tmp_path else [])
+    monkeypatch.setattr(ckpt, "verify_checkpoint", lambda path: None if path == done else "damaged")  # complete
     b.begin(4, {})
     assert f"step 3 is checkpointed at {done}" in checkpoint_on_stop(tmp_path, b, never)
 

@@ -1,0 +1,106 @@
+"""A checkpoint that cannot be written stops the run with one line and exit status 6 (CheckpointFailed), the older
+checkpoint intact; a damaged folder at the stop's step is not taken for that step's checkpoint."""
+import errno
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.distributed.data_parallel import DataParallel
+from trainer.io import checkpoint as ckpt
+from trainer.rl.loop import TrainResult, save_step
+from trainer.rl.stops import CheckpointFailed, StepBoundary, checkpoint_on_stop
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+class Adapter:
+    def __init__(self, fail: bool):
+        self.fail = fail
+
+    def save_pretrained(self, path):
+        os.makedirs(path)
+        if self.fail:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        torch.save({"w": torch.arange(8.0)}, os.path.join(path, "adapter_model.bin"))
+
+
+def _run(tmp_path, fail: bool):
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    return SimpleNamespace(cfg=SimpleNamespace(run_dir=tmp_path, checkpoint=SimpleNamespace(keep_last=2)), stage=0,
+                           dp=DataParallel(), is_main=True, policy=Adapter(fail), optimizer=opt,
+                           scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), modules={},
+                           accelerator=SimpleNamespace(wait_for_everyone=lambda: None))
+
+
+def test_a_full_disk_at_a_checkpoint_is_checkpoint_failed_with_status_6(tmp_path):
+    older = save_step(_run(tmp_path, fail=False), 1, TrainResult(run_dir=tmp_path), {"batcher": {}})
+    with pytest.raises(CheckpointFailed) as e:
+        save_step(_run(tmp_path, fail=True), 2, TrainResult(run_dir=tmp_path), {"batcher": {}})
+    assert e.value.exit_status == 6 and isinstance(e.value.__cause__, ckpt.CheckpointNotWritten)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("checkpoint 2 was not written: the disk is full at"), msg
+    assert f"the newest checkpoint, {older}, is intact" in msg and "--resume" in e.value.checkpoint_note
+    assert ckpt.verify_checkpoint(older) is None and [p.name for p in ckpt.checkpoints_dir(tmp_path).iterdir()] == [
+        "step_000001"]
+
+
+def test_a_stop_does_not_take_a_damaged_folder_for_its_steps_checkpoint(tmp_path):
+    run = _run(tmp_path, fail=False)
+    path = save_step(run, 2, TrainResult(run_dir=tmp_path), {"batcher": {}})
+    state = json.loads((path / "state.json").read_text())
+    (path / "state.json").write_text(json.dumps({**state, "step": 1}))  # its manifest no longer matches
+    boundary = StepBoundary()
+    boundary.begin(2, {"batcher": {}})
+    boundary.update_applied()
+    saved = []
+    note = checkpoint_on_stop(tmp_path, boundary, lambda s, st: saved.append(s) or path)
+    assert saved == [2] and "written to" in note, note
+
+
+def test_parityrl_train_exits_6_with_one_line(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    from trainer.commands.train import run_train_command
+    from trainer.rl import loop
+
+    def train(cfg, resume=False):
+        raise CheckpointFailed(f"checkpoint 2 was not written: the disk is full at {tmp_path} (4.1 kB free)")
+
+    monkeypatch.setattr(loop, "train", train)
+    status = run_train_command(str(REPO / "recipes" / "grpo_tiny.yaml"), [f"logging.run_dir={tmp_path / 'r'}"],
+                               resume=False)
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("parityrl:")]
+    assert status == 6 and line.startswith("parityrl: stopped: checkpoint 2 was not written: the disk is full"), line
+    assert line.endswith("fix that and continue with --resume from the newest checkpoint"), line
+
+
+@pytest.mark.slow
+def test_a_run_whose_disk_fills_at_step_2_stops_with_status_6_and_resumes(tmp_path, tiny_model_dir, monkeypatch,
+                                                                          capsys):
+    from trainer.commands.train import run_train_command
+
+    sets = [f"logging.run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "rollout.engine=hf",
+            "rollout.prompts_per_step=2", "algorithm.group_size=2", "rollout.max_new_tokens=4", "train.steps=2",
+            "checkpoint.every=1", "parity.probe_prompts=0", "data.num_examples=8"]
+    real = torch.save
+
+    def full_at_step_2(obj, f, *a, **kw):
+        if "step_000002" in str(f) and str(f).endswith("optimizer.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", full_at_step_2)
+    recipe = str(REPO / "recipes" / "grpo_tiny.yaml")
+    assert run_train_command(recipe, sets, resume=False) == 6
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("parityrl:")]
+    assert "checkpoint 2 was not written: the disk is full at" in line and "step_000001, is intact" in line, line
+    assert "failed too" not in line and "Traceback" not in err, err  # not written a second time on the way out
+    checkpoints = ckpt.checkpoints_dir(tmp_path / "run")
+    assert [p.name for p in checkpoints.iterdir()] == ["step_000001"]
+    monkeypatch.undo()
+    assert run_train_command(recipe, sets, resume=True) == 0
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [1, 2]
