@@ -38,8 +38,10 @@ def model_max_positions(model_path: str) -> Optional[int]:
     if not cfg_file.is_file():
         return None
     try:
-        conf = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError):
+        conf = json.loads(cfg_file.read_bytes())
+    except (OSError, ValueError):  # not JSON, or not UTF-8: preflight's config check names the problem
+        return None
+    if not isinstance(conf, dict):
         return None
     return conf.get("max_position_embeddings") or conf.get("n_positions") or conf.get("max_seq_len")
 

@@ -4,16 +4,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal, Optional
 
 import yaml
 
 from trainer.algorithms import ALGORITHMS, OptionError
 from trainer.config.schema import AlgorithmConfig, RecipeError, RunConfig
 from trainer.config.strict_yaml import DuplicateKey, load_unique
+from trainer.config.utf8 import decode_utf8
 from trainer.config.validate import Check, validate
 
 
@@ -35,8 +37,9 @@ def _describe(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
-def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it converted (int -> float, dict -> dataclass)."""
+def _convert(value: Any, tp: Any, key: str, where: str, salvage: Optional["_Salvage"] = None) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (int -> float, dict -> dataclass).
+    ``salvage``: a section directly under this key is built leniently (``_Salvage``)."""
 
     def bad() -> RecipeError:
         return RecipeError(f"{where}: {key} = {value!r}: expected {_describe(tp)}")
@@ -45,7 +48,7 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise bad()
-        return _build(tp, value, key, where)
+        return _build(tp, value, key, where, salvage)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None:
@@ -137,13 +140,25 @@ UNREPRODUCIBLE_SAMPLING = {
 }
 
 
-def _build(cls: type, data: dict, prefix: str, where: str):
+class _Salvage:
+    """A lenient build's record: the keys whose values were refused (left at their defaults).
+
+    A recipe with a type error or an unknown key cannot be built, but its other values can still be
+    checked: built without the refused keys, the config is validated and every problem not involving
+    a refused key is reported with the type errors (``build_and_validate``), instead of one at a time.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+
+def _build(cls: type, data: dict, prefix: str, where: str, salvage: Optional[_Salvage] = None):
     if cls is AlgorithmConfig:
-        return _build_algorithm(data, prefix, where)
-    return _build_plain(cls, data, prefix, where)
+        return _build_algorithm(data, prefix, where, salvage)
+    return _build_plain(cls, data, prefix, where, salvage)
 
 
-def _build_plain(cls: type, data: dict, prefix: str, where: str):
+def _build_plain(cls: type, data: dict, prefix: str, where: str, salvage: Optional[_Salvage] = None):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs, errors = {}, []
@@ -156,18 +171,23 @@ def _build_plain(cls: type, data: dict, prefix: str, where: str):
                                   "from (parity metrics and importance ratios would measure the sampler). Remove the key.")
             if k not in names:
                 raise RecipeError(f"{where}: unknown key {key!r}; valid keys here: {', '.join(names)}")
-            kwargs[k] = _convert(v, hints[k], key, where)
+            kwargs[k] = _convert(v, hints[k], key, where, salvage)
         except RecipeError as e:
             errors.append(e)
-    if errors:
+            if salvage is not None:
+                salvage.keys.append(key)
+    if errors and salvage is None:
         raise RecipeError.several(errors)
     return cls(**kwargs)
 
 
-def _build_algorithm(data: dict, prefix: str, where: str) -> AlgorithmConfig:
+def _build_algorithm(data: dict, prefix: str, where: str, salvage: Optional[_Salvage] = None) -> AlgorithmConfig:
     """The ``algorithm:`` section: the shared keys, and the chosen algorithm's own keys into its options."""
     name = data.get("name", AlgorithmConfig.name)
     if not isinstance(name, str) or name not in ALGORITHMS:
+        if salvage is not None:  # no record to check the rest against: the whole section is left out
+            salvage.keys.append(prefix)
+            return AlgorithmConfig()
         raise RecipeError(f"{where}: {prefix}.name = {name!r}: expected one of {', '.join(ALGORITHMS.names())}")
     record = ALGORITHMS.get(name)
     shared = [f.name for f in dataclasses.fields(AlgorithmConfig) if f.name != "options"]
@@ -183,6 +203,8 @@ def _build_algorithm(data: dict, prefix: str, where: str) -> AlgorithmConfig:
         else:
             errors.append(RecipeError(f"{where}: unknown key '{prefix}.{k}'; valid keys here: "
                                       f"{', '.join(shared + own)}"))
+    if salvage is not None:
+        return _salvage_algorithm(data, shared, own, record, prefix, where, salvage)
     section = options = None
     try:
         section = _build_plain(AlgorithmConfig, {k: v for k, v in data.items() if k in shared}, prefix, where)
@@ -198,6 +220,27 @@ def _build_algorithm(data: dict, prefix: str, where: str) -> AlgorithmConfig:
         raise RecipeError.several(errors)
     section.options = options
     return section
+
+
+def _salvage_algorithm(data: dict, shared: list[str], own: list[str], record, prefix: str, where: str,
+                       salvage: _Salvage) -> AlgorithmConfig:
+    """The section built leniently: the shared keys as ``_build_plain`` does, the options without those an
+    option type refuses (its own ``OptionError`` names one at a time)."""
+    section = _build_plain(AlgorithmConfig, {k: v for k, v in data.items() if k in shared}, prefix, where, salvage)
+    given = {k: v for k, v in data.items() if k in own}
+    while True:
+        try:
+            section.options = _build_plain(record.options, given, prefix, where, salvage)
+            return section
+        except OptionError as e:
+            salvage.keys.append(f"{prefix}.{e.key}")
+            if not given:  # the defaults refused themselves: the section keeps its default options
+                return section
+            if e.key in given:
+                given.pop(e.key)
+            else:  # a rule across options: none of the given ones can be kept
+                salvage.keys.extend(f"{prefix}.{k}" for k in given)
+                given = {}
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any, where: str) -> None:
@@ -226,13 +269,29 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def read_utf8(p: Path, where: str) -> str:
+    """The recipe's text; a file that is not UTF-8 is refused naming the first bad byte's offset and line.
+
+    Read as bytes and decoded here, not with ``read_text()``: that uses the locale's encoding, and a
+    decode error would reach the user as a traceback without the file's name.
+    """
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise RecipeError(f"{where}: cannot be read: {e.strerror or e}") from None
+    text, problem = decode_utf8(raw)
+    if problem:
+        raise RecipeError(f"{where}: {problem}")
+    return text
+
+
 def load_recipe_dict(path: str | os.PathLike, overrides: list[str] = ()) -> tuple[dict, str]:
     p = Path(path)
     where = str(p)
     if not p.is_file():
         raise RecipeError(f"{where}: recipe file not found")
     try:
-        data = load_unique(p.read_text())
+        data = load_unique(read_utf8(p, where))
     except DuplicateKey as e:
         raise RecipeError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
@@ -252,11 +311,36 @@ def build_config(cls: type, data: dict, where: str = "<recipe>"):
     return _build(cls, data, "", where)
 
 
+def build_and_validate(cls: type, data: dict, where: str, validate_fn: Callable[[Any], None]):
+    """``build_config`` then ``validate_fn(cfg)``; when the build refuses a value or a key, the recipe's other
+    problems are reported with it: the config is built again without the refused keys (``_Salvage``) and
+    validated, keeping the problems that do not name a refused key (those would judge a default, not the
+    recipe)."""
+    try:
+        cfg = build_config(cls, data, where)
+    except RecipeError as e:
+        raise RecipeError.several([e, *_problems_beside(cls, data, where, validate_fn)]) from None
+    validate_fn(cfg)
+    return cfg
+
+
+def _problems_beside(cls: type, data: dict, where: str, validate_fn: Callable[[Any], None]) -> list[RecipeError]:
+    salvage = _Salvage()
+    try:
+        validate_fn(_build(cls, data, "", where, salvage))
+    except RecipeError as e:
+        mention = re.compile(r"(?<![\w.])(" + "|".join(re.escape(k) for k in salvage.keys) + r")(?!\w)")
+        body = lambda line: line[len(where) + 2:] if line.startswith(f"{where}: ") else line
+        return [RecipeError(line) for line in e.problems if not (salvage.keys and mention.search(body(line)))]
+    except Exception:  # a rule tripping over a salvaged value: the build's own problems are reported alone
+        return []
+    return []
+
+
 def read_recipe(path: str | os.PathLike, overrides: list[str] = (), checks: Iterable[Check] = ()) -> RunConfig:
     """Read, override, type-check and validate a training recipe on its own (``trainer.rl.preflight.load_recipe``
     also checks the files and models it names). ``checks``: validation sections of the caller's, reported
-    with this package's own (``trainer.config.validate.validate``)."""
+    with this package's own (``trainer.config.validate.validate``). Every problem is reported at once, those
+    found beside a refused key included (``build_and_validate``)."""
     data, where = load_recipe_dict(path, overrides)
-    cfg = build_config(RunConfig, data, where)
-    validate(cfg, where, checks)
-    return cfg
+    return build_and_validate(RunConfig, data, where, lambda cfg: validate(cfg, where, checks))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
-from trainer.config.load import build_config, load_recipe_dict
+from trainer.config.load import build_and_validate, load_recipe_dict
 from trainer.config.schema import (
     LR_SCHEDULES,
     ModelConfig,
@@ -201,9 +201,8 @@ def read_rm_recipe(path, overrides=()) -> RMConfig:
 
 def _read_stage_recipe(cls, validate, path, overrides):
     data, where = load_recipe_dict(path, overrides)
-    cfg = build_config(cls, data, where)
-    validate(cfg, where)
-    return cfg
+    # a refused key is reported together with the recipe's other problems (as `parityrl train` does)
+    return build_and_validate(cls, data, where, lambda cfg: validate(cfg, where))
 
 
 def validate_rm(cfg: RMConfig, where: str) -> None:
@@ -226,6 +225,9 @@ def validate_rm(cfg: RMConfig, where: str) -> None:
     need(0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "a number in [0, 1)")
     need("lm_head" not in lora.target_modules, "model.lora.target_modules", lora.target_modules,
          "a list without 'lm_head' (a reward model has no lm_head: it is replaced by the score head)")
+    need(cfg.model.attn_implementation is None, "model.attn_implementation", cfg.model.attn_implementation,
+         "null: a reward model trains and scores (trainer/rewards/reward_model.py) with Transformers' default "
+         "attention, so that both run the same function")
     try:
         str(cfg.out_path)
     except (KeyError, IndexError, ValueError):

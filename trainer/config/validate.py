@@ -146,11 +146,16 @@ def _check_train(cfg: RunConfig, need: Need) -> None:
     need(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas", t.adam_betas,
          "two numbers in [0, 1)")
     need(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "an integer >= 1")
+    # transformers' flash-attention path finds packed sequences only in a one-row batch (trainer/models/packing.py)
+    need(not (t.pack_sequences and cfg.model.attn_implementation == "flash_attention_2"), "train.pack_sequences",
+         t.pack_sequences, "false with model.attn_implementation flash_attention_2 (packing needs sdpa or eager)")
     need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
     need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
     need(0 <= t.warmup_ratio < 1, "train.warmup_ratio", t.warmup_ratio, "a number in [0, 1)")
     need(not (t.warmup_steps and t.warmup_ratio), "train.warmup_ratio", t.warmup_ratio,
          f"0 when train.warmup_steps is set ({t.warmup_steps}): one of the two")
+    # accelerate's set_seed seeds NumPy, whose seeds are unsigned 32-bit (np.random.seed raises outside)
+    need(0 <= t.seed < 2**32, "train.seed", t.seed, f"an integer in [0, {2**32 - 1}] (NumPy's seed range)")
 
 
 def _check_model(cfg: RunConfig, need: Need) -> None:
@@ -196,6 +201,9 @@ def _check_reward(cfg: RunConfig, need: Need) -> None:
         longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 1
         need(rm.max_tokens is None or rm.max_tokens >= longest, f"{key}.max_tokens", rm.max_tokens,
              f"null or at least data.max_prompt_tokens + rollout.max_new_tokens + 1 (EOS) = {longest}")
+    t = rw.timeout_s
+    need(t is None or (not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(t) and t > 0),
+         "reward.timeout_s", t, "null (no limit) or a number of seconds > 0")
     sources = list(rw.functions) + list(rw.models)
     for name in rw.weights:
         need(name in sources, f"reward.weights.{name}", rw.weights[name],
@@ -209,7 +217,7 @@ def _check_parity(cfg: RunConfig, need: Need) -> None:
         v = getattr(p, key)
         need(v is None or v > 0, f"parity.{key}", v, "null or a number > 0")
     ratio = cfg.parity.max_mae_ratio
-    need(ratio is None or ratio > 1, "parity.max_mae_ratio", ratio, "null or a number > 1 (a multiple of the run's first mae)")
+    need(ratio is None or ratio > 1, "parity.max_mae_ratio", ratio, "null or a number > 1 (a multiple of the probe's level)")
     need(*topk_range(p.topk))
     need(p.probe_prompts >= 0, "parity.probe_prompts", p.probe_prompts, "an integer >= 0 (0 = off)")
     need(p.probe_every >= 1, "parity.probe_every", p.probe_every, "an integer >= 1 (syncs between probes)")

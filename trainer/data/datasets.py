@@ -26,6 +26,7 @@ from typing import Any
 import datasets
 
 from trainer.config.schema import RecipeError
+from trainer.config.utf8 import utf8_problem
 from trainer.data.tasks import BUILTIN_DATASETS, DEFAULT_NUM_EXAMPLES
 
 __all__ = ["PromptBatcher", "apply_prompt_budget", "chat_messages", "check_prompt_lengths", "encode_prompts", "load_prompt_dataset"]
@@ -75,7 +76,7 @@ def load_prompt_dataset(
     else:
         path = Path(source).expanduser()
         if path.exists() or looks_like_path(source):
-            ds = _load_local(path, split)
+            ds = _load_local(path, split, prompt_column)
         else:
             ds = _as_dataset(datasets.load_dataset(source, split=split), source, split)
         if num_examples is not None:
@@ -85,7 +86,9 @@ def load_prompt_dataset(
                     stacklevel=2,
                 )
             ds = ds.select(range(min(num_examples, len(ds))))
-    return _normalise_columns(ds, source, prompt_column, answer_column)
+    ds = _normalise_columns(ds, source, prompt_column, answer_column)
+    _check_prompt_rows(ds, source, prompt_column)
+    return ds
 
 
 def _load_builtin(source: str, split: str, num_examples: int | None, seed: int, kwargs: dict) -> datasets.Dataset:
@@ -109,7 +112,7 @@ def single_split_source(source: str) -> bool:
     return p.is_file() or not (p / "dataset_dict.json").is_file()
 
 
-def _load_local(path: Path, split: str) -> datasets.Dataset:
+def _load_local(path: Path, split: str, prompt_column: str = "prompt") -> datasets.Dataset:
     if not path.exists():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     if not path.is_dir() and path.suffix.lower() not in _FILE_BUILDERS:
@@ -123,24 +126,36 @@ def _load_local(path: Path, split: str) -> datasets.Dataset:
         raise ValueError(f"dataset {str(path)!r} is empty")
     if path.is_dir():
         return _as_dataset(datasets.load_from_disk(str(path)), str(path), split)
+    if path.suffix.lower() in (".json", ".jsonl"):
+        # Arrow's JSON reader does not validate UTF-8: a bad byte loads, then fails when its row is first read
+        # (mid-run); one pass over the file here names it (offset, line) before anything starts.
+        problem = utf8_problem(path)
+        if problem:
+            raise ValueError(f"{path}: {problem}")
     try:
         return datasets.load_dataset(_FILE_BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
     except Exception as e:  # datasets' own errors name neither the file nor the line
-        raise ValueError(_json_problem(path) or f"{str(path)!r} could not be read: {type(e).__name__}: {e}") from e
+        raise ValueError(_json_problem(path, prompt_column)
+                         or f"{str(path)!r} could not be read: {type(e).__name__}: {e}") from e
 
 
-def _json_problem(path: Path) -> str | None:
-    """'file:line: ...' for the first line of a JSON / JSON Lines file that is not a JSON object, else None."""
+def _json_problem(path: Path, prompt_column: str = "prompt") -> str | None:
+    """'file:line: ...' for the first line of a JSON / JSON Lines file that is not a JSON object, or whose
+    prompt is not a string (Arrow refuses a column whose rows change type), else None."""
     if path.suffix.lower() not in (".json", ".jsonl"):
         return None
     text = path.read_text(errors="replace")
     if path.suffix.lower() == ".json":
         try:
-            json.loads(text)
-            return None
+            rows = json.loads(text)
         except json.JSONDecodeError as e:
             if not _first_line_is_json(text):  # one document, not JSON Lines: its own error position
                 return f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+        else:
+            for i, row in enumerate(rows if isinstance(rows, list) else []):
+                if isinstance(row, dict) and prompt_column in row and not isinstance(row[prompt_column], str):
+                    return f"{path}: row {i}: {_not_a_prompt(prompt_column, row[prompt_column])}"
+            return None
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -150,6 +165,43 @@ def _json_problem(path: Path) -> str | None:
             return f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}): {line.strip()[:60]!r}"
         if not isinstance(row, dict):
             return f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}"
+        if prompt_column in row and not isinstance(row[prompt_column], str):
+            return f"{path}:{lineno}: {_not_a_prompt(prompt_column, row[prompt_column])}"
+    return None
+
+
+def _not_a_prompt(column: str, value: Any) -> str:
+    what = "null (or missing)" if value is None else f"{json.dumps(value)[:60]} ({type(value).__name__})"
+    hint = " (chat-message lists are not supported; put the user message text in the column)" if isinstance(
+        value, list) else ""
+    return f"{column} is {what}; expected strings (one in every row){hint}"
+
+
+def _check_prompt_rows(ds: datasets.Dataset, source: str, prompt_column: str) -> None:
+    """Every row has a prompt: a string column can hold nulls (a JSON ``null``, or a row without the key),
+    which would otherwise reach the engine mid-run. Named by row, and by line for a JSON Lines file."""
+    # The Arrow null count is kept per column (no scan); only a column with nulls is read row by row.
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    if table.column("prompt").null_count == 0:
+        return
+    row = next((i for i, p in enumerate(ds["prompt"]) if p is None), None)
+    if row is None:  # the nulls are in rows a num_examples selection left out
+        return
+    path = Path(source).expanduser()
+    line = _jsonl_line(path, row) if path.suffix.lower() == ".jsonl" and path.is_file() else None
+    where = f"{path}:{line}" if line else f"{source}: row {row}"
+    raise ValueError(f"{where}: {_not_a_prompt(prompt_column, None)}")
+
+
+def _jsonl_line(path: Path, row: int) -> int | None:
+    """The line number of row ``row`` of a JSON Lines file (blank lines hold no row)."""
+    seen = -1
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                seen += 1
+                if seen == row:
+                    return lineno
     return None
 
 
@@ -172,7 +224,7 @@ def _is_empty_local(path: Path) -> bool:
         return pq.ParquetFile(path).metadata.num_rows == 0
     if path.stat().st_size > 1024:
         return False
-    return path.read_text().strip() in ("", "[]")
+    return path.read_bytes().strip() in (b"", b"[]")  # bytes: a file that is not UTF-8 is named by the loader
 
 
 def _as_dataset(obj: Any, source: str, split: str) -> datasets.Dataset:
@@ -208,6 +260,10 @@ def _normalise_columns(
         raise ValueError(f"dataset {source!r} is empty")
     feature = ds.features["prompt"]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        path = Path(source).expanduser()
+        row_problem = _json_problem(path, prompt_column) if path.is_file() else None
+        if row_problem:  # the first row that is not a string, by line
+            raise ValueError(row_problem)
         raise ValueError(
             f"prompt_column={prompt_column!r} of {source!r} has type {feature}, expected strings"
             " (chat-message lists are not supported; put the user message text in the column)"

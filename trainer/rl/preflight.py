@@ -1,5 +1,6 @@
-"""Checks of a training recipe against what it names -- paths, run directory, reward functions, dataset, LoRA
-targets -- before any model loads or engine starts.
+"""Checks of a training recipe against what it names -- paths, run directory, reward functions, dataset, the
+model (its config, weights' headers and tokenizer, or a hub id's reachability), LoRA targets and rank, and the
+sizes the machine must hold -- before any model loads or engine starts.
 
 ``trainer.config`` checks the recipe on its own (types, ranges, cross-field rules); what needs a file or a
 model looked at (the paths exist, a built-in model is known, a dataset's columns, a reward module's functions,
@@ -11,14 +12,25 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import datasets
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainer.builtin.model_path import check_model_path, model_max_positions
+from trainer.builtin.hub import hub_model_problem
+from trainer.builtin.model_files import (
+    config_problem,
+    parameter_count,
+    read_json,
+    safetensors_header,
+    tokenizer_problem,
+    weight_files,
+)
+from trainer.builtin.model_path import check_model_path, looks_local, model_max_positions
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig, read_recipe
 from trainer.data.datasets import load_prompt_dataset, looks_like_path
@@ -26,6 +38,7 @@ from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_model_config, check_recipe
 from trainer.rewards.functions import resolve_reward
+from trainer.rl.capacity import Machine, ModelSize, capacity_problems, gpu_total_bytes, host_available_bytes
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_paths: bool = True) -> RunConfig:
@@ -66,14 +79,69 @@ def check_paths_exist(cfg: RunConfig, where: str) -> None:
 
 def preflight(cfg: RunConfig, where: str) -> None:
     """Every check of what the recipe names beyond its paths (``load_recipe`` checked those), cheapest first;
-    the LoRA check is last because it needs the model's config."""
+    the model's checks last: its config (or a hub id's reachability), then its layers (LoRA), its precision
+    recipe, its weights' headers and tokenizer, and the sizes the machine must hold."""
     check_run_dir(cfg, where)
     reward_fns = check_reward_functions(cfg, where)
     columns = check_dataset(cfg, where)
     if columns is not None:
         check_reward_signatures(reward_fns, columns, where)
+    check_model_source(cfg, where)
     check_lora_targets(cfg, where)
     check_precision_model(cfg, where)
+    size = check_model_files(cfg, where)
+    check_capacity(cfg, where, size)
+
+
+def check_model_source(cfg: RunConfig, where: str) -> None:
+    """A local model directory's config.json (parses, names a causal LM Transformers builds), or a hub id that
+    can be loaded from here (cached, or the hub reachable: ``trainer.builtin.hub``). Built-ins are the trainer's
+    own."""
+    mp = cfg.model.path
+    if mp.startswith("builtin:"):
+        return
+    if looks_local(mp):
+        problem = config_problem(Path(mp).expanduser())
+    else:
+        problem = hub_model_problem(mp)
+    if problem:
+        raise RecipeError(f"{where}: model.path = {mp!r}: {problem}")
+
+
+def check_model_files(cfg: RunConfig, where: str) -> Optional[ModelSize]:
+    """A local model directory's weights (present; each safetensors file's header sound and its tensors within
+    the file) and tokenizer. Returns the model's size for ``check_capacity`` (None: not known from here)."""
+    mp = cfg.model.path
+    if not (mp.startswith("builtin:") or looks_local(mp)):
+        return None
+    model_dir = Path(resolve_model_path(mp))
+    files, problem = weight_files(model_dir)
+    headers = []
+    for f in files:
+        if problem:
+            break
+        header, problem = safetensors_header(f)
+        headers.append(header)
+    problem = problem or tokenizer_problem(model_dir)
+    if problem:
+        raise RecipeError(f"{where}: model.path = {mp!r}: {problem}")
+    config, _ = read_json(model_dir / "config.json")
+    if not files or not isinstance(config, dict):  # PyTorch .bin weights: no header to count from
+        return None
+    return ModelSize(parameters=parameter_count(headers), config=config)
+
+
+def check_capacity(cfg: RunConfig, where: str, size: Optional[ModelSize],
+                   machine: Optional[Machine] = None) -> None:
+    """Sizes this machine cannot hold (``trainer.rl.capacity``): every one found, at once."""
+    if machine is None:
+        gpu = gpu_total_bytes() if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate" else None
+        machine = Machine(host_available=host_available_bytes(), gpu_total=gpu)
+    recipe = recipe_for(cfg.precision.recipe)
+    fp8 = recipe.block_fp8_on_cuda and machine.gpu_total is not None
+    problems = capacity_problems(cfg, where, machine, size, engine_weight_bytes_per_param=1 if fp8 else None)
+    if problems:
+        raise RecipeError.several([RecipeError(p) for p in problems])
 
 
 def check_precision_model(cfg: RunConfig, where: str) -> None:
@@ -145,9 +213,11 @@ def check_dataset(cfg: RunConfig, where: str) -> Optional[list[str]]:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL + 1)
     try:
-        ds = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column,
-                                 answer_column=d.answer_column, num_examples=d.num_examples, seed=cfg.train.seed,
-                                 builtin_kwargs=d.builtin_kwargs)
+        with warnings.catch_warnings():  # the loop's load says them again, once the run starts
+            warnings.simplefilter("ignore")
+            ds = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column,
+                                     answer_column=d.answer_column, num_examples=d.num_examples,
+                                     seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
     except (ValueError, TypeError, OSError) as e:
         raise RecipeError(f"{where}: data.source = {d.source!r}: {_one_line(e)}") from None
     finally:
@@ -188,15 +258,30 @@ def meta_model(model_dir: str):
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError):  # a hub id without network: left to training
         return None
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the console is for the one line of a refusal, not build notes
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _meta_model(cfg: RunConfig, where: str):
+    """``meta_model`` of the recipe's model; a config Transformers cannot build a model from is refused."""
+    model_dir = resolve_model_path(cfg.model.path)
+    try:
+        return meta_model(model_dir)
+    except Exception as e:  # noqa: BLE001 - from_config raises what each architecture's __init__ raises
+        raise RecipeError(f"{where}: model.path = {cfg.model.path!r}: its config.json does not build a model "
+                          f"({type(e).__name__}: {_one_line(e)[:200]})") from None
 
 
 def check_lora_targets(cfg: RunConfig, where: str, targets: Optional[list[str]] = None) -> None:
     """``targets`` (default ``model.lora.target_modules``) against the model's layers, resolved as training
     resolves them (``trainer.models.architecture.resolve_lora_targets``: ``all-linear``, tied embeddings)."""
     targets = cfg.model.lora.target_modules if targets is None else targets
-    model = meta_model(resolve_model_path(cfg.model.path))
+    model = _meta_model(cfg, where)
     if model is None:
         return
     types = {n: type(m).__name__ for n, m in model.named_modules() if n}
@@ -207,9 +292,39 @@ def check_lora_targets(cfg: RunConfig, where: str, targets: Optional[list[str]] 
         raise RecipeError(f"{where}: model.lora.target_modules = {targets!r}: {'; '.join(problems)} of "
                           f"{cfg.model.path}; its layers LoRA can wrap: {', '.join(leaves)}")
     try:
-        resolve_lora_targets(model, targets)
+        resolved = resolve_lora_targets(model, targets)
     except RecipeError as e:
         raise RecipeError(f"{where}: {e}") from None
+    except TypeError as e:  # no decoder layers where the trainer looks for them (an encoder, e.g. BERT)
+        raise RecipeError(f"{where}: model.path = {cfg.model.path!r}: {_one_line(e)}") from None
+    check_lora_rank(cfg, where, {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in resolved})
+
+
+def check_lora_rank(cfg: RunConfig, where: str, adapted: dict) -> None:
+    """``model.lora.r`` at most the smallest dimension of the layers it adapts ({name: module}): the update B A
+    of an (out x in) layer has rank at most min(out, in), so a larger r only adds parameters (r x (out + in)
+    each) that cannot raise it; a huge r is an allocation that cannot succeed."""
+    r = cfg.model.lora.r
+    dims = {n: _dims(m) for n, m in adapted.items()}
+    dims = {n: d for n, d in dims.items() if d}
+    if not dims:
+        return
+    name, (out_dim, in_dim) = min(dims.items(), key=lambda kv: min(kv[1]))
+    if r > min(out_dim, in_dim):
+        raise RecipeError(f"{where}: model.lora.r = {r}: expected at most {min(out_dim, in_dim)}, the smallest "
+                          f"dimension of the layers it adapts ({name}: {out_dim} x {in_dim} in {cfg.model.path}); "
+                          "a LoRA update has rank at most min(out, in), a larger r adds parameters but not rank")
+
+
+def _dims(module) -> Optional[tuple[int, int]]:
+    """(out, in) of a layer LoRA wraps: Linear, GPT-2's Conv1D (weight in x out), Embedding (num x dim)."""
+    if hasattr(module, "in_features") and hasattr(module, "out_features"):
+        return module.out_features, module.in_features
+    if hasattr(module, "nf") and hasattr(module, "nx"):  # transformers.pytorch_utils.Conv1D
+        return module.nf, module.nx
+    if hasattr(module, "num_embeddings") and hasattr(module, "embedding_dim"):
+        return module.embedding_dim, module.num_embeddings
+    return None
 
 
 def _one_line(e: BaseException) -> str:

@@ -153,8 +153,9 @@ def test_override_into_a_scalar_is_refused(tmp_path):
 
 
 def test_every_problem_of_a_recipe_at_once(tmp_path, capsys):
-    """Type errors of every key (nested sections and the algorithm's options too) in one report; then the
-    rules, each section's first problem; the CLI prints one line per problem and exits 2."""
+    """Type errors of every key (nested sections and the algorithm's options too) in one report, with the rules'
+    problems of the other keys; the rules, each section's first problem; the CLI prints one line per problem and
+    exits 2."""
     from trainer.cli import main
 
     p = tmp_path / "r.yaml"
@@ -166,7 +167,9 @@ def test_every_problem_of_a_recipe_at_once(tmp_path, capsys):
                 f"{p}: rollout.temperature = 'hot': expected a number",
                 f"{p}: algorithm.tau = 0.1: not an option of gspo; it belongs to pmd_mean",
                 f"{p}: algorithm.clip_eps_low = 'x': expected a number",
-                f"{p}: logging.wandb.mode = 'loud': expected one of 'auto', 'online', 'offline', 'disabled'"]
+                f"{p}: logging.wandb.mode = 'loud': expected one of 'auto', 'online', 'offline', 'disabled'",
+                # and the rules, on the keys whose types are sound (trainer.config.load.build_and_validate)
+                f"{p}: train.learning_rate = -1.0: expected a number > 0"]
     assert len(e.value.problems) == len(expected)
     for line, needle in zip(e.value.problems, expected):
         assert line.startswith(needle), (line, needle)

@@ -1,0 +1,136 @@
+"""Sizes the machine cannot hold, refused before the engine starts: a step's samples against host memory, and the
+colocated vLLM engine's KV cache and weights against host or GPU memory.
+
+Every estimate here is a lower bound (what the run needs at the least), so a refusal is certain and a run that
+fits is never refused; a run that passes may still need more (activations, vLLM's own buffers). Estimates that
+need the model's config or weights are skipped when those are not local (a hub id not yet downloaded).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from trainer.config import RunConfig
+
+# Host bytes of one sample's engine request before any token is generated: the colocated engine is handed a
+# step's prompts_per_step x group_size requests at once (rollout.vllm_engine.VLLMEngine.generate builds a
+# SamplingParams and a TokensPrompt for each, then vLLM queues those beyond max_num_seqs). Measured with
+# tracemalloc: 1169 bytes per sample with a 10-token prompt (vLLM in this venv); vLLM's own per-request state
+# comes on top.
+REQUEST_BYTES = 1024
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Config keys of attention whose cache is not 2 x layers x kv_heads x head_dim per token (sliding windows,
+# mixed layer types, DeepSeek's latent attention): the one-sequence estimate is skipped for them.
+_NOT_FULL_ATTENTION = ("layer_types", "sliding_window_pattern", "kv_lora_rank", "attention_chunk_size")
+
+
+@dataclass
+class Machine:
+    host_available: Optional[int]  # bytes the kernel says can be allocated without swapping (None: unknown)
+    gpu_total: Optional[int]  # the current GPU's memory (None: no GPU)
+
+
+@dataclass
+class ModelSize:
+    parameters: int  # elements of every weight tensor (safetensors headers)
+    config: dict  # config.json
+
+
+def host_available_bytes() -> Optional[int]:
+    """``MemAvailable`` of /proc/meminfo (Linux), in bytes; None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def gpu_total_bytes() -> Optional[int]:
+    """This process's GPU's memory. Its index from LOCAL_RANK (a launcher sets the device only later), and
+    read from the device's properties, which need no context on it (mem_get_info would make one)."""
+    if not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count()
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def kv_bytes_per_token(config: dict, dtype_bytes: int) -> Optional[int]:
+    """2 (K and V) x layers x KV heads x head dim x bytes, for full attention; None when the config does not say
+    or describes another kind of attention (``_NOT_FULL_ATTENTION``, an active sliding window)."""
+    c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if any(c.get(k) for k in _NOT_FULL_ATTENTION):
+        return None
+    if c.get("sliding_window") and c.get("use_sliding_window", True):
+        return None
+    layers, heads, hidden = c.get("num_hidden_layers"), c.get("num_attention_heads"), c.get("hidden_size")
+    if not all(isinstance(x, int) and x > 0 for x in (layers, heads)):
+        return None
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or (hidden // heads if isinstance(hidden, int) else None)
+    if not (isinstance(kv_heads, int) and isinstance(head_dim, int) and head_dim > 0):
+        return None
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def capacity_problems(cfg: RunConfig, where: str, machine: Machine, model: Optional[ModelSize],
+                      engine_weight_bytes_per_param: Optional[int] = None) -> list[str]:
+    """Each size of ``cfg`` that ``machine`` cannot hold, as a one-line refusal naming the key and the limit.
+
+    ``engine_weight_bytes_per_param``: the engine's bytes per weight (default: model.dtype's; 1 for FP8 weights).
+    """
+    r, problems = cfg.rollout, []
+    dtype_bytes = _DTYPE_BYTES[cfg.model.dtype]
+    samples = r.prompts_per_step * cfg.algorithm.group_size
+    avail = machine.host_available
+    if avail is not None and samples * REQUEST_BYTES > avail:
+        problems.append(
+            f"{where}: algorithm.group_size = {cfg.algorithm.group_size}: rollout.prompts_per_step x "
+            f"algorithm.group_size = {samples} samples per step; the engine is handed a step's requests at once "
+            f"(it runs rollout.max_num_seqs = {r.max_num_seqs} at a time and queues the rest), at least "
+            f"{REQUEST_BYTES} bytes each before a token is generated: {_size(samples * REQUEST_BYTES)}, more than the "
+            f"{_size(avail)} of memory available; expected at most {avail // REQUEST_BYTES} samples per step")
+    if r.engine != "vllm" or r.mode != "colocate" or model is None:
+        return problems
+    seq_len = cfg.data.max_prompt_tokens + r.max_new_tokens
+    per_token = kv_bytes_per_token(model.config, dtype_bytes)
+    one_sequence = None if per_token is None else per_token * seq_len
+    engine_weights = model.parameters * (engine_weight_bytes_per_param or dtype_bytes)
+    if machine.gpu_total is None:  # CPU: a KV cache of exactly kv_cache_memory_bytes, in host memory
+        kv = r.kv_cache_memory_bytes
+        if one_sequence is not None and one_sequence > kv:
+            problems.append(
+                f"{where}: rollout.kv_cache_memory_bytes = {kv}: one sequence of data.max_prompt_tokens + "
+                f"rollout.max_new_tokens = {seq_len} tokens needs {_size(one_sequence)} of KV cache ({per_token} "
+                f"bytes per token in {cfg.model.dtype}), more than the cache holds, so the engine would not start; "
+                f"expected at least {one_sequence}")
+        trainer_weights = model.parameters * dtype_bytes
+        if avail is not None and kv + engine_weights + trainer_weights > avail:
+            problems.append(
+                f"{where}: rollout.kv_cache_memory_bytes = {kv}: the KV cache, the engine's weights "
+                f"({_size(engine_weights)}) and the trainer's ({_size(trainer_weights)}: {model.parameters} parameters "
+                f"in {cfg.model.dtype}) need {_size(kv + engine_weights + trainer_weights)}, more than the "
+                f"{_size(avail)} of memory available; expected at most {max(0, avail - engine_weights - trainer_weights)}")
+    else:  # CUDA: the engine may take gpu_memory_utilization of the GPU, weights and KV cache included
+        share = r.gpu_memory_utilization * machine.gpu_total
+        need = engine_weights + (one_sequence or 0)
+        if need > share:
+            what = f"its weights ({_size(engine_weights)})" + (
+                f" and one sequence's KV cache ({_size(one_sequence)}, {seq_len} tokens)" if one_sequence else "")
+            problems.append(
+                f"{where}: rollout.gpu_memory_utilization = {r.gpu_memory_utilization}: the engine's share of the "
+                f"GPU, {_size(share)} of {_size(machine.gpu_total)}, does not hold {what}; expected at least "
+                f"{need / machine.gpu_total:.3f} (below 1: the trainer needs the rest)")
+    return problems
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
