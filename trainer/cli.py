@@ -25,7 +25,11 @@ import sys
 import yaml
 
 from trainer.config import RecipeError, to_dict
+from trainer.io import third_party_output
 from trainer.precision import DEFAULT_RECIPE, compare_choices
+
+VERBOSE_HELP = ("show vLLM's, torch's and transformers' expected warnings on the console too (they always go to "
+                "the run directory's engine.log)")
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(t)
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run directory")
     t.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error (or PARITYRL_DEBUG=1)")
+    t.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     s = sub.add_parser("sft", help="supervised fine-tuning (the warm start before RL)")
     _add_recipe_args(s)
     s.add_argument("--overwrite", action="store_true",
@@ -95,6 +100,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", choices=["auto", "parityrl_file", "nccl"], default="auto",
                    help="weight transfer: parityrl_file (CPU, same host), nccl (CUDA); auto picks by device")
     p.add_argument("--dry-run", action="store_true", help="print the server command and exit")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP.replace("engine.log", "server.log"))
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -147,21 +153,38 @@ def run_train(argv: list[str] | None = None, prog: str = "parityrl train") -> in
     _add_recipe_args(p)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--debug", action="store_true")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = p.parse_args(argv)
+    args.own_console = argv is None
     return _train(args)
 
 
 def _train(args) -> int:
+    if args.own_console and not args.print_config:
+        # before vLLM is imported: its expected warnings go to the run's engine.log (trainer/io/third_party_output.py)
+        third_party_output.install(verbose=args.verbose)
     # late: each subcommand loads its own stack when it runs (train's pulls in vLLM, seconds), so `parityrl
     # --help`, `--version` and a refused recipe answer at once
-    from trainer.commands.train import run_train_command
+    from trainer.io.run_lock import release_all
+    from trainer.rl.preemption import StartupStop, end_startup
 
-    if getattr(args, "print_config", False):
-        from trainer.rl.preflight import load_recipe  # late: as _train
+    # Ctrl-C / SIGTERM from here to the first step: one line, at once (trainer/rl/preemption.py); it ends the
+    # process, so only for the process's own command line (as the console filter above).
+    # cleanup before os._exit: the lock, then the console filter's pipes (the stop line must reach the console)
+    if args.own_console:
+        StartupStop(cleanup=lambda: (release_all(), third_party_output.shutdown()),
+                    announce=os.environ.get("RANK", "0") == "0").install()
+    try:
+        from trainer.commands.train import run_train_command  # late: as above
 
-        return _printed(lambda: load_recipe(args.recipe, args.overrides))
+        if getattr(args, "print_config", False):
+            from trainer.rl.preflight import load_recipe  # late: as above
 
-    return run_train_command(args.recipe, args.overrides, resume=args.resume, debug=args.debug)
+            return _printed(lambda: load_recipe(args.recipe, args.overrides))
+
+        return run_train_command(args.recipe, args.overrides, resume=args.resume, debug=args.debug)
+    finally:
+        end_startup()
 
 
 def _sft(args) -> int:
@@ -209,6 +232,8 @@ def _serve(args) -> int:
 
     try:
         cfg = load_recipe(args.recipe, args.overrides)
+        if args.own_console and not args.dry_run:  # the server inherits the filtered fds: its expected lines -> server.log
+            third_party_output.install(verbose=args.verbose)
         return run_serve(cfg, tensor_parallel_size=args.tensor_parallel_size, transfer_backend=args.transfer_backend,
                          dry_run=args.dry_run)
     except RecipeError as e:
@@ -276,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     quiet_third_party()
     args = build_parser().parse_args(argv)
+    # The console filter acts on file descriptors, i.e. the whole process: only for the process's own
+    # command line, never for an in-process call (a test, a notebook calling main([...])).
+    args.own_console = argv is None
     if args.command == "train":
         return _train(args)
     if args.command == "compare":

@@ -43,6 +43,27 @@ def _read_holder(f) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _in_use(path: Path, holder: dict) -> RunDirInUse:
+    return RunDirInUse(f"{path.parent} is in use by {_describe(holder)}: one writer per run; wait for it to end or "
+                       f"stop it (lock file {path})")
+
+
+def check_free(run_dir: Path) -> None:
+    """``RunDirInUse`` if a live process holds ``run_dir``'s lock. Reads only: a start refused for another
+    reason found later (no checkpoint to resume) creates nothing, yet a busy directory is named as such first."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        f = open(path)
+    except OSError:  # no lock file (or none readable): the claim itself decides
+        return
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(path, _read_holder(f)) from None
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 class RunLock:
     """The held lock of one run directory; ``release()`` frees it (idempotent)."""
 
@@ -61,8 +82,7 @@ class RunLock:
         except BlockingIOError:
             holder = _read_holder(f)
             f.close()
-            raise RunDirInUse(f"{self.path.parent} is in use by {_describe(holder)}: one writer per run; wait for it "
-                              f"to end or stop it (lock file {self.path})") from None
+            raise _in_use(self.path, holder) from None
         previous = _read_holder(f)
         if previous:  # released by its holder's death: a clean exit empties the file
             self.note = (f"note: took over the lock of {self.path.parent} left by {_describe(previous)}, "
@@ -73,6 +93,7 @@ class RunLock:
         f.flush()
         os.fsync(f.fileno())
         self._f = f
+        _HELD.add(self)
 
     @property
     def held(self) -> bool:
@@ -82,11 +103,22 @@ class RunLock:
         if self._f is None:
             return
         f, self._f = self._f, None
+        _HELD.discard(self)
         f.seek(0)
         f.truncate()
         f.flush()
         fcntl.flock(f.fileno(), fcntl.LOCK_UN)
         f.close()
+
+
+_HELD: set[RunLock] = set()  # the locks this process holds, for release_all
+
+
+def release_all() -> None:
+    """Release every lock this process holds: a process about to end at once (``os._exit``) leaves no holder
+    behind in the lock file, so the next run starts without a takeover note."""
+    for lock in list(_HELD):
+        lock.release()
 
 
 def claim(run_dir: Path) -> RunLock:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data.tasks import BUILTIN_REWARDS
+from trainer.rewards.time_limit import RewardError, exit_error
 
 __all__ = ["RewardFn", "compute_rewards", "resolve_reward"]
 
@@ -110,7 +111,9 @@ def compute_rewards(
     Raises:
         ValueError naming the function (and sample index) if a function returns
         the wrong length, a non-number, or NaN/inf; exceptions raised inside a
-        function propagate with a note naming it.
+        function propagate with a note naming it; a ``BaseException`` that is not an
+        ``Exception`` (``SystemExit``, ``KeyboardInterrupt`` raised by the function)
+        becomes ``RewardError`` naming it (trainer/rewards/time_limit.py says why).
     """
     if not fns:
         raise ValueError("fns is empty; at least one reward function is required")
@@ -133,9 +136,13 @@ def compute_rewards(
     for name, fn in fns.items():
         try:
             out = fn(list(prompts), list(completions), **{k: list(v) for k, v in columns.items()})
+        except RewardError:  # its message names the function
+            raise
         except Exception as e:
             e.add_note(f"raised by reward function {name!r}")
             raise
+        except BaseException as e:  # SystemExit, KeyboardInterrupt raised by the function: a failure, not an exit
+            raise exit_error(name, e) from e
         per_fn[name] = _validated(name, out, n)
     total = [sum(float(weights.get(name, 1.0)) * per_fn[name][i] for name in fns) for i in range(n)]
     return total, per_fn

@@ -7,6 +7,7 @@ import torch
 
 from trainer.rewards.functions import resolve_reward
 from trainer.rewards.reward_model import RewardModelScorer
+from trainer.rewards.time_limit import bounded
 
 
 def build_reward_sources(reward, device: torch.device | str) -> tuple[dict[str, Callable], dict[str, float]]:
@@ -22,7 +23,10 @@ def build_reward_sources(reward, device: torch.device | str) -> tuple[dict[str, 
     if both:
         raise ValueError(f"reward source name(s) {both} are used by both reward.functions and reward.models; "
                          "each name is one reward/<name> metric, so it must be unique")
-    fns: dict[str, Callable] = {name: resolve_reward(spec) for name, spec in reward.functions.items()}
+    # User functions get reward.timeout_s per call (trainer/rewards/time_limit.py); reward models are the
+    # trainer's own forward passes, bounded by their batch sizes.
+    fns: dict[str, Callable] = {name: bounded(resolve_reward(spec), name, reward.timeout_s)
+                                for name, spec in reward.functions.items()}
     for name, entry in reward.models.items():
         fns[name] = RewardModelScorer(entry.path, name=name, device=device, batch_size=entry.batch_size,
                                       baseline=entry.baseline, max_tokens=entry.max_tokens)
