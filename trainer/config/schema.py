@@ -53,6 +53,9 @@ class ModelConfig:
     path: str = "builtin:tiny"
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # the precision recipe says which it runs in
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Transformers' attention kernel (trainer/models/attention.py, checked at load): null = eager where
+    # the architecture needs it (Gemma2's attention softcap), else Transformers' default (SDPA).
+    attn_implementation: Optional[Literal["sdpa", "eager", "flash_attention_2"]] = None
 
 
 @dataclass
@@ -92,6 +95,10 @@ class RewardConfig:
     # name -> reward model; shares the name space (and reward/<name> metrics) with functions
     models: dict[str, RewardModelEntry] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)  # missing names weigh 1.0
+    # Seconds one call of a reward.functions entry may take (it scores the rank's whole batch), then the run
+    # stops (exit 5); null = no limit, called in the main thread. 300: the server engine's per-request limit
+    # (rollout.server_timeout_s); rule functions take milliseconds, batched judge / sandbox calls seconds.
+    timeout_s: Optional[float] = 300.0
 
 
 @dataclass
@@ -187,6 +194,9 @@ class StageTrainConfig:
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # instead of warmup_steps: ceil(ratio x steps) (TrainingArguments' rule)
     seed: int = 0
+    # Recompute each decoder layer's activations in the backward (trainer/models/checkpointing.py):
+    # far less activation memory for about one more forward pass.
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -196,6 +206,9 @@ class TrainConfig(StageTrainConfig):
     micro_batch_size: int = 32  # samples per forward/backward; the rest is gradient accumulation
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # Each micro-batch's sequences packed into rows as long as its longest (trainer/models/packing.py):
+    # no padding reaches the backbone. sdpa / eager attention only, checked on the model at load.
+    pack_sequences: bool = False
 
 
 @dataclass
@@ -226,14 +239,15 @@ class ParityConfig:
     # The probe runs after the first probe_first syncs, then after every probe_every-th
     # (trainer/rl/probe.py: one prefill in the engine + one forward in the trainer per probe).
     # Every 2nd: measured 3.4% of a demo step when it ran after every sync (bench/bench_exact.py's
-    # bf16 run, 30 steps), above the 3% budget; a bad sync between probes is still caught by the
-    # next step's own parity/* before its update (docs/parity-metrics.md "The probe").
+    # bf16 run, 30 steps), above the 3% budget; a sync that stays broken is caught by the next probe,
+    # one that fails once shows in the next step's parity/* (docs/parity-metrics.md "The probe").
     probe_every: int = 2
     probe_first: int = 3
-    # Relative limit (parity.guards.MaeRatioLimit): a step's or the probe's mae above this many
-    # times the run's first measurement (the probe before step 1) is a violation. On by default:
-    # what is normal depends on model depth and dtype (docs/parity-metrics.md "What is normal"),
-    # a jump relative to the run's own start does not. null = off.
+    # Relative limit (parity.guards.MaeRatioLimit): a probe's mae above this many times the probe's
+    # level (the highest of its last 5 healthy values, never below the precision recipe's floor) is a
+    # violation; the step's parity/mae drifts as the policy sharpens and is judged by max_mae only.
+    # On by default: what is normal depends on model depth and dtype (docs/parity-metrics.md "What
+    # is normal"), a jump on the same fixed sequences does not. null = off.
     max_mae_ratio: Optional[float] = 5.0
 
 

@@ -16,14 +16,15 @@ from trainer.config import LoraConfig
 from trainer.config.schema import RecipeError
 from trainer.distributed.deepspeed import full_lm_head
 from trainer.models.architecture import (
-    attention_implementation,
     frozen_expert_params,
     logit_parity_error,
     logit_transform,
     resolve_lora_targets,
     split_model,
 )
+from trainer.models.attention import attn_kwargs
 from trainer.models.batch import TokenBatch
+from trainer.models.packing import pack, packing_error, unpack
 from trainer.models.policy_forward import wrapped_policy_forward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -46,17 +47,32 @@ def load_tokenizer(model_dir: str):
 # float32 (Gemma2 matrix model: 0.009). Its softcap dropped: 0.066 in both dtypes.
 LOGIT_PROBE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.03, "float16": 0.03}
 
+# The attention implementations whose mask transformers builds from packed position ids for a batch of
+# several rows (trainer/models/packing.py); flash attention detects packing in a one-row batch only.
+PACKING_ATTENTION = ("sdpa", "eager")
+# Largest |hidden difference| packed vs padded (``packing_error``), measured on CPU: float32 <= 2.1e-6
+# on the architecture matrix, bf16 and fp16 0 (tiny, qwen2, gemma2, qwen2_moe); other kernels may round
+# other shapes differently by a few ulps of these O(1) values. Sequences that attend across: ~4.
+PACKING_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1, "float16": 0.05}
 
-def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cpu"):
+
+def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cpu",
+                    attn_implementation: Optional[str] = None, *, train_device: torch.device | str | None = None,
+                    pack_sequences: bool = False):
     """The causal LM, with the attention implementation that computes what the model defines.
 
+    ``attn_implementation``: the recipe's ``model.attn_implementation`` (trainer.models.attention: null =
+    what the architecture needs, else Transformers' default), checked for ``train_device`` (where the
+    model trains, when it loads elsewhere first; default ``device``) before the weights load.
     Refuses (ValueError) a model whose own forward's log-probs the fused kernel does not
     reproduce (an unknown logit post-processing): training it would optimise another function.
+    ``pack_sequences`` (``train.pack_sequences``): also refuses a model whose forward does not keep
+    packed sequences apart (``check_packing``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    attn = attention_implementation(AutoConfig.from_pretrained(model_dir))
-    kwargs = {"attn_implementation": attn} if attn else {}
+    kwargs = attn_kwargs(AutoConfig.from_pretrained(model_dir), attn_implementation, dtype=dtype,
+                         device=device if train_device is None else train_device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], **kwargs).to(device)
     err = logit_parity_error(model)
     if not err <= LOGIT_PROBE_TOLERANCE[dtype]:
@@ -65,7 +81,25 @@ def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cp
                          f"logit transform parityrl knows ({logit_transform(model.config)}); expected <= "
                          f"{LOGIT_PROBE_TOLERANCE[dtype]}: "
                          "its logit post-processing is not supported")
+    if pack_sequences:
+        check_packing(model, dtype)
     return model
+
+
+def check_packing(model, dtype: str) -> None:
+    """Raise RecipeError unless packed rows give this model the hidden states of padded rows."""
+    attn = getattr(model.config, "_attn_implementation", None)
+    name = type(model).__name__
+    if attn not in PACKING_ATTENTION:
+        raise RecipeError(f"train.pack_sequences = true: {name} runs attention implementation {attn!r}; packing "
+                          f"needs one of {PACKING_ATTENTION} (transformers' flash-attention path detects packed "
+                          "sequences only in a batch of one row); set train.pack_sequences = false")
+    backbone, _ = split_model(model)
+    err = packing_error(backbone, vocab_size=model.config.vocab_size)
+    if not err <= PACKING_TOLERANCE[dtype]:
+        raise RecipeError(f"train.pack_sequences = true: {name} ({attn}) gives packed sequences hidden states "
+                          f"{err:.3g} away from the same sequences padded (expected <= {PACKING_TOLERANCE[dtype]}): "
+                          "its forward lets packed sequences attend to each other; set train.pack_sequences = false")
 
 
 def add_lora(model, lora: LoraConfig):
@@ -83,8 +117,12 @@ def add_lora(model, lora: LoraConfig):
     return get_peft_model(model, cfg)
 
 
-def completion_hidden(model, batch: TokenBatch, value_head=None):
+def completion_hidden(model, batch: TokenBatch, value_head=None, *, pack_sequences: bool = False):
     """(hidden [S, C, H] of the positions that predict the completion tokens, lm_head Linear, values [S, C] or None).
+
+    ``pack_sequences``: the backbone runs on the batch's sequences packed into fewer rows
+    (``trainer.models.packing``; the model was checked at load, ``check_packing``); the
+    outputs are the same [S, C] tensors as without it.
 
     ``model``: a (PEFT) causal LM, or a DeepSpeed engine around
     ``trainer.models.policy_forward.PolicyForward``, then called as a whole (the engine's forward
@@ -95,23 +133,30 @@ def completion_hidden(model, batch: TokenBatch, value_head=None):
     must be the one ``PolicyForward`` holds (the engine's forward computes the values).
     """
     wrapped = wrapped_policy_forward(model)
+    packed = pack(batch) if pack_sequences else None
+    # Packed rows carry no attention mask: transformers reads the sequence boundaries from the position ids.
+    inputs = (dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+              if packed is None else
+              dict(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids))
     if wrapped is not None:
         if value_head is not None and value_head is not wrapped.value_head:
             raise ValueError("completion_hidden: this value head is not the one inside the DeepSpeed engine "
                              "(pass it to trainer.models.policy_forward.wrap_for_prepare)")
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        out = model(**inputs)
         hidden, values = out if wrapped.value_head is not None else (out, None)
         _, lm_head = split_model(wrapped.policy)
     else:
         backbone, lm_head = split_model(model)
-        hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                          position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        hidden = backbone(**inputs, use_cache=False).last_hidden_state
         # On every position, as the engine's forward does: the same GEMM shape, so both give the same bits.
         values = None if value_head is None else value_head(hidden)
+    config = (wrapped.policy if wrapped is not None else model).config
+    head = LogitHead(full_lm_head(lm_head), config)
+    if packed is not None:
+        return unpack(hidden, packed), head, None if values is None else unpack(values, packed)
     p, c = batch.prompt_len, batch.targets.shape[1]
     values = None if value_head is None else values[:, p - 1:p - 1 + c]
-    config = (wrapped.policy if wrapped is not None else model).config
-    return hidden[:, p - 1:p - 1 + c], LogitHead(full_lm_head(lm_head), config), values
+    return hidden[:, p - 1:p - 1 + c], head, values
 
 
 class LogitHead:
@@ -123,14 +168,15 @@ class LogitHead:
 
 
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
-                        return_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None):
+                        return_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None,
+                        pack_sequences: bool = False):
     """Log-probs [S, C] (float32) of the batch's completion tokens under softmax(logits / temperature).
 
     Gradients flow to the trainable parameters when grad is enabled. Returns
     (logprobs, entropy or None); with ``topk_ids`` [S, C, k] also, third, the
     (gradient-free) log-probs of those ids from the same forward pass.
     """
-    hidden, lm_head, _ = completion_hidden(model, batch)
+    hidden, lm_head, _ = completion_hidden(model, batch, pack_sequences=pack_sequences)
     return logprobs_from_hidden(hidden, lm_head, batch, temperature=temperature, chunk_size=chunk_size,
                                 return_entropy=return_entropy, topk_ids=topk_ids)
 

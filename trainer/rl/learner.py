@@ -13,6 +13,7 @@ import torch
 from trainer.config import RunConfig
 from trainer.distributed.data_parallel import DataParallel
 from trainer.distributed.deepspeed import fill_deepspeed_config, model_load_context
+from trainer.models.checkpointing import enable_gradient_checkpointing
 from trainer.models.exact import ExactLogprobs
 from trainer.models.policy import add_lora, load_base_model
 from trainer.models.policy_forward import unwrap_policy, wrap_for_prepare
@@ -46,10 +47,15 @@ class Learner:
 
 def load_policy(cfg: RunConfig, accelerator, model_dir: str):
     """The base model with the recipe's LoRA adapter on the accelerator's device, transformed as its precision
-    recipe says (``PrecisionRecipe.transform``: FP8 layers where both phases run the same FP8 forward)."""
+    recipe says (``PrecisionRecipe.transform``: FP8 layers where both phases run the same FP8 forward), with
+    the recipe's attention implementation and, with ``train.gradient_checkpointing``, checkpointed decoder
+    layers (set on the HF modules before any DeepSpeed wrapper, which calls them as they are)."""
     with model_load_context(accelerator):
-        model = add_lora(load_base_model(model_dir, cfg.model.dtype, accelerator.device), cfg.model.lora)
-    return recipe_for(cfg.precision.recipe).transform(model)
+        base = load_base_model(model_dir, cfg.model.dtype, accelerator.device, cfg.model.attn_implementation,
+                               pack_sequences=cfg.train.pack_sequences)
+        model = add_lora(base, cfg.model.lora)
+    model = recipe_for(cfg.precision.recipe).transform(model)
+    return enable_gradient_checkpointing(model) if cfg.train.gradient_checkpointing else model
 
 
 def prepare_policy(cfg: RunConfig, accelerator, stage: int, model, optimizer, value_head=None):

@@ -36,6 +36,7 @@ from trainer.config import RecipeError, to_dict
 from trainer.distributed.teardown import leave_process_group
 from trainer.io.run_lock import claim
 from trainer.io.run_logger import RunLogger
+from trainer.models.checkpointing import CHECKPOINT_KWARGS, enable_gradient_checkpointing
 from trainer.models.optim import HF_SCHEDULES, warmup_steps
 
 CHECKPOINTS = "checkpoints"
@@ -77,6 +78,9 @@ def training_arguments(t, run_dir: Path):
         use_cpu=not torch.cuda.is_available(),
         ddp_find_unused_parameters=False,  # every trainable parameter is in the loss (LoRA, or all of them)
         log_level="warning",
+        # the Trainer calls LossModule.gradient_checkpointing_enable (below) before training
+        gradient_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing_kwargs=dict(CHECKPOINT_KWARGS),
     )
 
 
@@ -119,6 +123,11 @@ class LossModule(torch.nn.Module):
 
     def forward(self, **inputs):
         return self.loss_fn(self.model, inputs)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        """What the Trainer calls with ``TrainingArguments.gradient_checkpointing``: the HF model's decoder layers
+        (trainer.models.checkpointing; ``training_arguments`` passes the same non-reentrant kwargs)."""
+        enable_gradient_checkpointing(self.model)
 
     def _trainable(self) -> set[str]:
         return {n for n, p in self.model.named_parameters() if p.requires_grad}
@@ -181,7 +190,10 @@ class StageLogger(TrainerCallback):
         row["perf/elapsed_s"] = round(time.time() - self.t0, 3)
         self.history.append({"step": state.global_step, **row})
         self.logger.log(state.global_step, row, echo=False)
-        if state.global_step % self.print_every == 0 or state.global_step == state.max_steps:
+        # The first step at once (print_every steps of a real model on CPU are minutes of silence), then every
+        # print_every-th and the last.
+        first = len(self.history) == 1
+        if first or state.global_step % self.print_every == 0 or state.global_step == state.max_steps:
             print(f"{self.stage} step {state.global_step:>4}/{state.max_steps}  loss {row['train/loss']:.4f}  "
                   f"lr {row.get('train/learning_rate', 0.0):.2e}  {self.line(row)}({row['perf/elapsed_s']:.0f}s)",
                   flush=True)
