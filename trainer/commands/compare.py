@@ -98,17 +98,12 @@ def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_le
 # ----------------------------------------------------------------------------------
 
 
-def _longest_first(batch: TokenBatch) -> torch.Tensor:
-    """Rows by length, the longest first: micro-batches of similar lengths keep padding (wasted compute) small."""
-    return torch.argsort(batch.attention_mask.sum(1).cpu(), descending=True, stable=True)
-
-
 def _score(model, batch: TokenBatch, *, temperature: float, batch_size: int, chunk_size: Optional[int],
            progress: Progress):
     """Trainer log-probs and entropies [S, C] (float32, CPU, 0 at masked positions) of ``batch``'s completions,
     and, when the batch carries the engine's top-k ids, the trainer's log-probs of those ids [S, C, k] (else None)."""
     scores = score_batch(model, batch, micro_batch_size=batch_size, temperature=temperature, chunk_size=chunk_size,
-                         order=_longest_first(batch), progress=progress)
+                         progress=progress)
     m = (batch.mask > 0).cpu()
     top = None if scores.topk is None else scores.topk.float().cpu() * m.unsqueeze(-1)
     return scores.logprobs.float().cpu() * m, scores.entropy.float().cpu() * m, top

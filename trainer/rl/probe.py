@@ -101,8 +101,10 @@ class Probe:
         was_training = model.training
         model.eval()
         try:  # one forward of the whole batch; the engine's prompt log-probs are unscaled (module docstring)
+            # packed as the step's scores are, so the probe measures the forward the updates use
             scores = score_batch(model, batch, micro_batch_size=len(batch), temperature=1.0,
-                                 chunk_size=self.cfg.parity.chunk_size, exact=self.exact, entropy=False)
+                                 chunk_size=self.cfg.parity.chunk_size, exact=self.exact, entropy=False,
+                                 pack_sequences=self.cfg.train.pack_sequences)
         finally:
             model.train(was_training)
         return self.dp.pooled_parity(scores.logprobs, batch.rollout_logprobs, batch.mask,

@@ -19,6 +19,7 @@ import torch
 
 from trainer.models.batch import TokenBatch
 from trainer.models.policy import completion_hidden, completion_logprobs, logprobs_from_hidden
+from trainer.rl.micro_batches import micro_batch_rows
 
 # How often (seconds) a long scoring reports its progress.
 PROGRESS_EVERY_S = 10
@@ -71,13 +72,14 @@ class Scores:
 
 
 def forward(model, micro: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None, value_head=None,
-            exact=None, entropy: bool = True):
+            exact=None, entropy: bool = True, pack_sequences: bool = False):
     """(log-probs, entropy or None, top-k log-probs or None, values or None) of one micro-batch from one forward.
 
     Entropy comes from the same kernel pass: it feeds the breakdown of the mismatch by trainer
-    entropy and PPO's entropy bonus. Gradients flow when grad is enabled.
+    entropy and PPO's entropy bonus. Gradients flow when grad is enabled. ``pack_sequences``:
+    the backbone runs on packed rows (``trainer.models.packing``), same outputs.
     """
-    hidden, lm_head, values = completion_hidden(model, micro, value_head)
+    hidden, lm_head, values = completion_hidden(model, micro, value_head, pack_sequences=pack_sequences)
     lp, ent, *top = logprobs_from_hidden(hidden, lm_head, micro, temperature=temperature, chunk_size=chunk_size,
                                          return_entropy=entropy, topk_ids=micro.topk_ids)
     top = top[0] if top else None
@@ -88,11 +90,12 @@ def forward(model, micro: TokenBatch, *, temperature: float, chunk_size: Optiona
 
 @torch.no_grad()
 def reference_logprobs(model, micro: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
-                       exact=None) -> torch.Tensor:
+                       exact=None, pack_sequences: bool = False) -> torch.Tensor:
     """The reference policy's log-probs of the micro-batch: the base model, i.e. the same weights with the
     adapter off, so that no second copy of the model is held."""
     with model.disable_adapter():
-        lp, _ = completion_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size)
+        lp, _ = completion_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size,
+                                    pack_sequences=pack_sequences)
     if exact is not None:
         lp = exact.reference(micro, lp, temperature)
     return lp
@@ -101,27 +104,27 @@ def reference_logprobs(model, micro: TokenBatch, *, temperature: float, chunk_si
 @torch.no_grad()
 def score_batch(model, batch: TokenBatch, *, micro_batch_size: int, temperature: float,
                 chunk_size: Optional[int] = None, value_head=None, reference: bool = False, exact=None,
-                entropy: bool = True, order: Optional[torch.Tensor] = None,
+                entropy: bool = True, order: Optional[torch.Tensor] = None, pack_sequences: bool = False,
                 progress: Optional[Callable[[str], None]] = None) -> Scores:
     """``Scores`` of ``batch`` under ``model``, no gradient, ``micro_batch_size`` rows per forward.
 
-    ``order``: the rows in the order they are grouped into micro-batches (None: as they are);
-    ``TokenBatch.select`` trims each micro-batch to the columns its rows need, so grouping rows
-    of similar length keeps padding small. ``reference`` adds ``ref_logprobs``; ``progress`` is
-    called with a one-line message every ``PROGRESS_EVERY_S`` seconds.
+    ``order``: the rows in the order they are grouped into micro-batches (default: the longest
+    first, ``trainer.rl.micro_batches``). ``reference`` adds ``ref_logprobs``; ``pack_sequences``
+    packs each micro-batch's sequences into fewer rows; ``progress`` is called with a one-line
+    message every ``PROGRESS_EVERY_S`` seconds.
     """
     scores = Scores.zeros(batch, entropy=entropy, values=value_head is not None, reference=reference)
-    n, last = len(batch), time.monotonic()
-    for start in range(0, n, micro_batch_size):
-        rows = (slice(start, start + micro_batch_size) if order is None else
-                order[start:start + micro_batch_size].to(batch.mask.device))
+    n, done, last = len(batch), 0, time.monotonic()
+    for rows in micro_batch_rows(batch, micro_batch_size, order):
         micro = batch.select(rows)
         scores.put(rows, *forward(model, micro, temperature=temperature, chunk_size=chunk_size,
-                                  value_head=value_head, exact=exact, entropy=entropy))
+                                  value_head=value_head, exact=exact, entropy=entropy, pack_sequences=pack_sequences))
         if reference:
-            lp = reference_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size, exact=exact)
+            lp = reference_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size, exact=exact,
+                                    pack_sequences=pack_sequences)
             scores.ref_logprobs[rows, :lp.shape[1]] = lp
+        done += len(rows)
         if progress and time.monotonic() - last > PROGRESS_EVERY_S:
             last = time.monotonic()
-            progress(f"  scored {min(start + micro_batch_size, n)}/{n} samples")
+            progress(f"  scored {done}/{n} samples")
     return scores

@@ -5,7 +5,11 @@ recipe, how a micro-batch's loss is backpropagated and how an optimizer step is 
 
 The loss of each micro-batch is normalised by the WHOLE batch's token/sequence counts
 (``LossNormalizer``; with data parallel, of every rank's batch), so accumulating micro-batch
-gradients (and summing them over ranks) equals one full-batch gradient.
+gradients (and summing them over ranks) equals one full-batch gradient. It also makes the
+grouping of rows into micro-batches free: every pass cuts them longest-first
+(``trainer.rl.micro_batches``), so little padding is computed, and with
+``train.pack_sequences`` each micro-batch's sequences are packed into fewer rows
+(``trainer.models.packing``).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from trainer.algorithms import LossInputs, kl_k3
 from trainer.config import RunConfig, correction_config
 from trainer.models.batch import TokenBatch
 from trainer.rl.learner import Learner
+from trainer.rl.micro_batches import micro_batch_rows
 from trainer.rl.scoring import Scores, forward, reference_logprobs, score_batch
 
 
@@ -37,7 +42,8 @@ def score_pass(learner: Learner, batch: TokenBatch, *, reference: bool = False) 
     cfg = learner.cfg
     return score_batch(learner.model, batch, micro_batch_size=cfg.train.micro_batch_size,
                        temperature=cfg.rollout.temperature, chunk_size=cfg.parity.chunk_size,
-                       value_head=learner.value_head, reference=reference, exact=learner.exact)
+                       value_head=learner.value_head, reference=reference, exact=learner.exact,
+                       pack_sequences=cfg.train.pack_sequences)
 
 
 def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.Tensor,
@@ -58,20 +64,20 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
     temperature, chunk_size = cfg.rollout.temperature, cfg.parity.chunk_size
     norm = dp.global_normalizer(batch.mask, max_len=cfg.rollout.max_new_tokens)
     correction = correction_config(cfg)
-    mb = cfg.train.micro_batch_size
+    pack = cfg.train.pack_sequences
     scores = Scores.zeros(batch, values=learner.value_head is not None)
     totals: dict[str, float] = {}
     loss_total = 0.0
-    for start in range(0, len(batch), mb):
-        rows = slice(start, start + mb)
+    for rows in micro_batch_rows(batch, cfg.train.micro_batch_size):
         micro = batch.select(rows)
         c = micro.targets.shape[1]
         lp, ent, top, values = forward(model, micro, temperature=temperature, chunk_size=chunk_size,
-                                       value_head=learner.value_head, exact=exact)
+                                       value_head=learner.value_head, exact=exact, pack_sequences=pack)
         old_lp = lp.detach() if old is None else old.logprobs[rows, :c]
         ref_lp = None
         if use_ref:
-            ref_lp = reference_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size, exact=exact)
+            ref_lp = reference_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size, exact=exact,
+                                        pack_sequences=pack)
         # Rollout/trainer mismatch correction between pi_old (the trainer's view of the
         # behaviour policy) and the engine that sampled: weights are local to a token (tis,
         # mis) or a row (seq_mis), so computing them per micro-batch equals doing it once.
