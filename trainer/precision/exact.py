@@ -11,6 +11,7 @@ from trainer.precision.record import (
     SERVER,
     ZERO2,
     ZERO3,
+    MaeFloor,
     PrecisionRecipe,
 )
 from trainer.precision.registry import register_recipe
@@ -33,6 +34,9 @@ EXACT = register_recipe(PrecisionRecipe(
     dtype_reason="the engine's CPU kernels, rerun by the trainer, in float32 or BF16",
     engine_options=exact_engine_options,
     engine_logprobs=True,
+    # Bitwise: every probe reads 0 (tests/trainer/rl/test_exact_tier.py), so any mae above 0 is a fault.
+    mae_floor=dict.fromkeys(("float32", "bfloat16"),
+                            MaeFloor(0.0, any_depth=True)),
     refuses={HF_ENGINE: "it reruns vLLM's kernels",
              SERVER: "the trainer reads the engine's rotary tables and kernel choices in-process",
              ASYNC: "exact mode is on-policy",

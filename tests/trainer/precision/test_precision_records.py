@@ -10,7 +10,7 @@ from rollout.vllm_plugins.names import EMULATED_FP8, EXACT
 from trainer.config import PrecisionConfig, RecipeError
 from trainer.precision import DEFAULT_RECIPE, RECIPES, compare_choices, recipe_for
 from trainer.precision.checks import check_launch, check_model_config, recipe_rules, server_problem
-from trainer.precision.record import SITUATIONS, PrecisionRecipe
+from trainer.precision.record import FLOAT32_FLOOR, SITUATIONS, MaeFloor, PrecisionRecipe
 from trainer.rl.compare_inputs import CompareError, check_settings
 from trainer.rl.preflight import load_recipe
 
@@ -37,7 +37,37 @@ def test_every_recipe_is_registered_once_and_the_schema_default_is_one():
     with pytest.raises(ValueError, match="unknown precision recipe 'fp4'; valid names: bf16, exact"):
         recipe_for("fp4")
     with pytest.raises(ValueError, match="unknown situations"):
-        PrecisionRecipe(name="x", doc="x", dtypes=("float32",), dtype_reason="x", refuses={"tpu": "no"})
+        PrecisionRecipe(name="x", doc="x", dtypes=("float32",), dtype_reason="x", mae_floor={"float32": FLOAT32_FLOOR},
+                        refuses={"tpu": "no"})
+
+
+def test_each_record_has_a_floor_per_dtype():
+    # the figures and their sources: each recipe's module; what they do: parity.guards.MaeRatioLimit
+    floors = {r.name: {d: (f.mae, f.any_depth) for d, f in r.mae_floor.items()} for r in RECIPES.values()}
+    assert floors == {"bf16": {"bfloat16": (4e-3, False), "float32": (1e-4, True)},
+                      "exact": {"float32": (0.0, True), "bfloat16": (0.0, True)},
+                      "fp16": {"float16": (5e-4, False)},
+                      "fp8_rollout": {"bfloat16": (1e-2, False)}, "fp8_unified": {"bfloat16": (1e-2, False)}}
+    with pytest.raises(ValueError, match=r"mae_floor must hold one MaeFloor for each of its dtypes \('float32', "
+                                         r"'bfloat16'\)"):
+        PrecisionRecipe(name="x", doc="x", dtypes=("float32", "bfloat16"), dtype_reason="x",
+                        mae_floor={"float32": FLOAT32_FLOOR})
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        MaeFloor(-1e-3, any_depth=False)
+
+
+def test_the_runs_ratio_limit_takes_its_recipes_floor():
+    from trainer.rl.parity_limits import ratio_limit_for
+
+    lim = ratio_limit_for(load_recipe(RECIPE, [], check_paths=False))
+    assert (lim.max_ratio, lim.floor, lim.judge_start) == (5.0, 4e-3, False)
+    lim = ratio_limit_for(load_recipe(RECIPE, ["model.dtype=float32", "parity.max_mae_ratio=3"], check_paths=False))
+    assert (lim.max_ratio, lim.floor, lim.judge_start) == (3.0, 1e-4, True)
+    lim = ratio_limit_for(load_recipe(RECIPE, ["precision.recipe=exact"], check_paths=False))
+    assert (lim.floor, lim.judge_start) == (0.0, True)
+    assert lim.violations({"probe/mae": 0.0}, "probe/", start=True) == []
+    assert lim.violations({"probe/mae": 1e-6}, "probe/") == [
+        "probe/mae = 1e-06 is more than parity.max_mae_ratio = 5 times the exact recipe's bfloat16 floor 0 (limit 0)"]
 
 
 def test_the_cli_choices_come_from_the_registry():

@@ -13,7 +13,7 @@ import torch
 import trainer.rl.engines
 from trainer.config import RecipeError
 from trainer.precision import RECIPES, PrecisionRecipe, compare_choices, register_recipe
-from trainer.precision.record import COMPARE, SERVER
+from trainer.precision.record import COMPARE, FLOAT32_FLOOR, SERVER
 from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
@@ -39,6 +39,7 @@ def toy(monkeypatch):
     CALLS.update(engine_options=0, transform=0)
     yield register_recipe(PrecisionRecipe(
         name="toy_fp32", doc="a float32 toy (this test)", dtypes=("float32",), dtype_reason="the toy runs in float32",
+        mae_floor={"float32": FLOAT32_FLOOR},
         engine_options=toy_engine_options, transform=toy_transform,
         refuses={SERVER: "the toy has no server", COMPARE: "the toy is not compared"}))
 
