@@ -340,7 +340,8 @@ class Server:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = log_dir / f"server-{self.url.rsplit(':', 1)[1]}.log"
         args = [sys.executable, "-m", "trainer.cli", "serve", str(RECIPE), "--set", f"rollout.server_url={self.url}",
-                "--set", "parity.topk=5", "--set", "rollout.kv_cache_memory_bytes=67108864"]
+                "--set", "parity.topk=5", "--set", "rollout.kv_cache_memory_bytes=67108864",
+                "--set", f"logging.run_dir={log_dir / 'run'}"]  # its server.log (vLLM's expected warnings)
         for s in sets:
             args += ["--set", s]
         with open(self.log, "w") as f:

@@ -38,6 +38,13 @@ def test_train_recipe_through_cli_then_resume(tmp_path, tiny_model_dir):
     proc = run_cli("train", str(REPO / "recipes" / "grpo_tiny.yaml"), "--set", "train.steps=2", *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "=== parityrl run summary ===" in proc.stdout and "wandb" in proc.stdout
+    assert "launch: 1 process (backend none) on cpu; model.dtype bfloat16" in proc.stdout
+    # vLLM's, torch's and transformers' expected warnings: in the run directory, not on the console
+    from trainer.io.third_party_output import is_expected
+
+    assert [x for x in (proc.stdout + proc.stderr).splitlines() if is_expected(x)] == []
+    kept = (run_dir / "engine.log").read_text()
+    assert "torch.set_num_threads" in kept and "libtcmalloc is not found" in kept, kept[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the parity probe before training
     assert {"reward/mean", "parity/mae", "parity/kl_k3", "perf/rollout_tokens_per_s", "train/loss"} <= rows[1].keys()

@@ -42,6 +42,7 @@ import torch
 from rollout.server_engine import parse_server_url
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig
+from trainer.io import third_party_output
 from trainer.io.child_processes import run_supervised
 from trainer.precision import recipe_for
 from trainer.precision.checks import server_problem
@@ -120,7 +121,12 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
     if not cuda:
         argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_bytes)]
     env = dict(os.environ)
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # mounts /init_weight_transfer_engine, /update_weights, ... and /collective_rpc
+    # Needed, not a debugging leftover: vLLM mounts its RL routes only in dev mode (vllm/entrypoints/serve/__init__.py),
+    # and the trainer uses them: /init_weight_transfer_engine and /update_weights (every weight sync),
+    # /collective_rpc (the settings check and the parityrl_file transfer), /reset_prefix_cache after a sync.
+    # vLLM then logs "SECURITY WARNING: Development endpoints are enabled!": they let any client replace the
+    # weights, so the server binds rollout.server_url's host only (docs/server-mode.md "Security").
+    env["VLLM_SERVER_DEV_MODE"] = "1"
     # `parityrl` defaults this to 0 for the colocated engine; a server wants vLLM's default
     # (its CPU platform needs the multiprocessing executor to set up OpenMP per worker).
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -150,4 +156,10 @@ def run_serve(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend
     print(f"{prefix} {shlex.join(argv)}", flush=True)
     if dry_run:
         return 0
+    # vLLM's expected warnings (the dev-mode notice above, the chat-template warm-up that fails without a
+    # tokenizer, nanobind's leak report at exit) go there when `parityrl serve` filters its console (the CLI)
+    log = third_party_output.attach(cfg.run_dir, name="server")
+    if log is not None:
+        print(f"parityrl serve: vLLM's expected warnings go to {log} (--verbose shows them here too)",
+              file=sys.stderr, flush=True)
     return run_supervised(argv, env)  # the server and its EngineCore/workers die with this process

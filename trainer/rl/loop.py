@@ -39,10 +39,13 @@ from trainer.distributed.deepspeed import (
     optimizer_step,
     zero3_gather,
 )
-from trainer.io import checkpoint as ckpt
+from trainer.distributed.launch_info import current_backend, describe_launch, device_text, launch_mismatch
+from trainer.io import checkpoint as ckpt, third_party_output
+from trainer.io.run_lock import check_free
 from trainer.io.run_logger import RunLogger
 from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.exact import ExactLogprobs
+from trainer.models.memory import peak_memory_gb
 from trainer.models.optim import make_scheduler
 from trainer.models.policy import load_tokenizer
 from trainer.precision import recipe_for
@@ -54,14 +57,22 @@ from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
 from trainer.rl.engines import block_fp8_engine, make_engine, sync_weights
 from trainer.rl.learner import Learner, load_policy, prepare_policy
-from trainer.rl.parity_limits import enforce_parity_limits
+from trainer.rl.parity_limits import enforce_parity_limits, ratio_limit_for
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
 from trainer.rl.preemption import Preemption
 from trainer.rl.probe import Probe, due
 from trainer.rl.run_state import choose_checkpoint, claim_run_dir, record_recipe
 from trainer.rl.sampling import Sampler, drawn_metrics
 from trainer.rl.scoring import Scores
-from trainer.rl.stops import Preempted, RunStopped, StepBoundary, checkpoint_on_stop
+from trainer.rl.stops import (
+    CheckpointFailed,
+    Preempted,
+    RunStopped,
+    StepBoundary,
+    checkpoint_on_stop,
+    claim_together,
+    stop_together,
+)
 from trainer.rl.summary import print_summary
 from trainer.rl.truncation import TruncationWatch
 from trainer.rl.update import policy_gradient_pass, score_pass, several_updates, updates_per_batch
@@ -113,7 +124,7 @@ class Run:
     own_engine: bool = True
     logger: Optional[RunLogger] = None
     probe: Optional[Probe] = None
-    ratio_limit: Optional[MaeRatioLimit] = None  # its baseline: the first mae measured (the probe before step 1)
+    ratio_limit: Optional[MaeRatioLimit] = None  # parity.max_mae_ratio: the probe's level (checkpointed)
     exact: Optional[ExactLogprobs] = None  # when the precision recipe's log-probs are the engine's own
     start_step: int = 0
     tokens_seen: float = 0.0  # completion tokens trained on so far (checkpointed)
@@ -150,9 +161,13 @@ class Run:
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     """Run ``cfg`` to ``cfg.train.steps``. ``engine``: an already-started engine to reuse (tests share one)."""
-    lock = claim_run_dir(cfg, resume=resume)  # one writer per run directory (trainer/rl/run_state.py)
+    _check_run_dir(cfg, resume=resume)  # before the lock and any load: a refused start reads and creates nothing
+    # The process group first (a launch of N): a refusal of the lock on rank 0 then ends every rank.
+    accelerator = Accelerator(**accelerator_kwargs())
+    # one writer per run directory (trainer/rl/run_state.py)
+    lock = claim_together(DataParallel.current(), lambda: claim_run_dir(cfg, resume=resume))
     try:
-        run = setup(cfg, resume=resume, engine=engine)
+        run = setup(cfg, resume=resume, engine=engine, accelerator=accelerator)
     except BaseException:
         lock.release()
         raise
@@ -182,6 +197,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             m["perf/train_s"] = time.perf_counter() - t
             sync_phase(run, step, m)
             m["perf/step_s"] = time.perf_counter() - t_step
+            m["perf/peak_memory_gb"] = peak_memory_gb(run.device)  # the run's peak so far (GiB; CPU: RSS)
             run.logger.log(step, m)
             unlogged = None
             _warn_truncation(run, step, m)
@@ -196,7 +212,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     except (RunStopped, EngineUnavailable) as e:
         if unlogged is not None and boundary.applied:  # the stop checkpoints this step: its record goes with it
             run.logger.log(*unlogged, echo=False)
-        e.checkpoint_note = checkpoint_on_stop(cfg.run_dir, boundary, lambda s, state: save_step(run, s, result, state))
+        e.checkpoint_note = getattr(e, "checkpoint_note", None) or checkpoint_on_stop(
+            cfg.run_dir, boundary, lambda s, state: save_step(run, s, result, state))
         raise
     finally:
         preemption.restore()
@@ -210,9 +227,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
 # ---------------------------------------------------------------- setup
 
 
-def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
+def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run:
     """Accelerator, policy (+ critic), data, rewards, optimizer, restored state, engine, logger."""
-    accelerator = Accelerator(**accelerator_kwargs())
+    accelerator = Accelerator(**accelerator_kwargs()) if accelerator is None else accelerator
     # DeepSpeed ZeRO-2/3 (accelerate config recipes/accelerate/zero{2,3}.yaml) or not (0).
     stage = deepspeed_stage(accelerator)
     # N processes: each holds a prompt shard and its own engine; gradients and metrics are
@@ -221,6 +238,9 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
     dp = DataParallel.current(reduce_grads=not stage)
     precision = recipe_for(cfg.precision.recipe)
     check_launch(precision, stage=stage, world_size=dp.world)  # before the model loads (and is transformed)
+    third_party_output.attach(cfg.run_dir, rank=dp.rank)  # the run directory is claimed: engine.log
+    if accelerator.is_main_process:
+        _print_launch(cfg, dp, accelerator)
     set_seed(cfg.train.seed)
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
@@ -256,7 +276,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules)
     run.probe = Probe(_probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
                       device=accelerator.device, dp=dp)
-    run.ratio_limit = MaeRatioLimit(cfg.parity.max_mae_ratio)
+    run.ratio_limit = ratio_limit_for(cfg)
     run.start_step = _restore(run) if resume else _refuse_existing_run(cfg)
     record_recipe(run, resumed=resume)
     run.own_engine = engine is None
@@ -272,6 +292,17 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None) -> Run:
                            total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main,
                            resume=resume, tags=run_tags(cfg))
     return run
+
+
+def _print_launch(cfg: RunConfig, dp: DataParallel, accelerator) -> None:
+    """One line with what this launch runs on (and a launch of N that started one: trainer/distributed/launch_info.py)."""
+    r = cfg.rollout
+    engine = f"vllm server {r.server_url}" if r.mode == "server" else f"{r.engine} (colocated)"
+    print(describe_launch(world=dp.world, backend=current_backend(), device=device_text(accelerator.device),
+                          dtype=cfg.model.dtype, precision=cfg.precision.recipe, engine=engine), flush=True)
+    mismatch = launch_mismatch(dp.world)
+    if mismatch:
+        print(mismatch, flush=True)
 
 
 def run_tags(cfg: RunConfig) -> tuple[str, ...]:
@@ -294,11 +325,22 @@ def _restore(run: Run) -> int:
         run.kl_controller.load_state_dict(state["kl_controller"])
     run.batcher.load_state_dict(state["batcher"])
     run.probe.load_state_dict(state.get("probe"))
+    run.ratio_limit.load_state_dict(state.get("parity_limit"))
     run.prefetch.load_state_dict(state.get("prefetch"))
     run.tokens_seen = float(state.get("tokens_seen", 0.0))  # older checkpoints: counted from the resume
     if run.is_main:
         print(f"resumed from {latest} (step {state['step']})", flush=True)
     return state["step"]
+
+
+def _check_run_dir(cfg: RunConfig, *, resume: bool) -> None:
+    """A resume needs a usable checkpoint, a fresh run a directory without one (one line each, exit status 2);
+    a directory another process runs on is named as such first."""
+    check_free(cfg.run_dir)
+    if resume:
+        choose_checkpoint(cfg.run_dir, verbose=False)
+    else:
+        _refuse_existing_run(cfg)
 
 
 def _refuse_existing_run(cfg: RunConfig) -> int:
@@ -331,7 +373,7 @@ def probe_before_training(run: Run) -> None:
             run.logger.log(0, m0, echo=False)
     # every rank sees the same pooled values and stops together
     enforce_parity_limits(run.cfg, run.start_step, m0, prefix="probe/", when=" (probe before training)",
-                           ratio=run.ratio_limit)
+                           ratio=run.ratio_limit, start=True)
 
 
 # ---------------------------------------------------------------- the phases of a step
@@ -505,6 +547,7 @@ def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:
 def _run_state(run: Run) -> dict:
     """What a checkpoint keeps besides weights, optimizer, scheduler and RNG."""
     return {"batcher": run.batcher.state_dict(), "name": run.cfg.name, "probe": run.probe.state_dict(),
+            "parity_limit": run.ratio_limit.state_dict(),
             "prefetch": run.prefetch.state_dict(), "tokens_seen": run.tokens_seen,
             **({"kl_controller": run.kl_controller.state_dict()} if run.kl_controller else {})}
 
@@ -519,10 +562,17 @@ def save_step(run: Run, step: int, result: TrainResult, state: Optional[dict] = 
             cfg.run_dir, step, engine=run.model, policy=run.policy, scheduler=run.scheduler, state=state,
             keep_last=cfg.checkpoint.keep_last, is_main=run.is_main, barrier=run.accelerator.wait_for_everyone,
             rng_states=rngs)
-    elif run.is_main:
-        result.final_checkpoint = ckpt.save_checkpoint(
-            cfg.run_dir, step, model=run.policy, optimizer=run.optimizer, scheduler=run.scheduler, state=state,
-            keep_last=cfg.checkpoint.keep_last, modules=run.modules, rng_states=rngs)
+    else:
+        error = None
+        try:
+            if run.is_main:
+                result.final_checkpoint = ckpt.save_checkpoint(
+                    cfg.run_dir, step, model=run.policy, optimizer=run.optimizer, scheduler=run.scheduler,
+                    state=state, keep_last=cfg.checkpoint.keep_last, modules=run.modules, rng_states=rngs)
+        except ckpt.CheckpointNotWritten as e:  # a full disk, ...: one line, exit status 6, on every rank
+            error = CheckpointFailed(str(e))
+            error.__cause__ = e
+        stop_together(run.dp, error)
     run.accelerator.wait_for_everyone()
     return result.final_checkpoint
 

@@ -5,7 +5,8 @@ source's value and the weighted total, the completion's length and finish reason
 sample's own parity (mean and max |lp_train - lp_rollout| over its tokens). Rows go to
 ``<run_dir>/samples.jsonl`` (one JSON object per row, with its step) and to wandb as a
 table (``samples``, as TRL logs its completions table); the first step also prints two of
-them on the console. The rows shown are the first two samples of the first groups, so the
+them on the console (``console_rows``: different prompts first, never the same prompt and completion
+twice). The rows in the table are the first two samples of the first groups, so the
 table shows both what differs between prompts and what differs within a group (where
 GRPO's signal comes from). With data parallel, rank 0's shard.
 """
@@ -60,10 +61,25 @@ def wandb_table(rows: list[dict]):
     return wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
 
 
+def console_rows(rows: list[dict], n: int = 2) -> list[dict]:
+    """Up to ``n`` rows worth reading side by side: one per prompt first, then other completions of the same
+    prompts; a (prompt, completion) already chosen is skipped (two samples of one prompt often agree)."""
+    chosen, seen, prompts = [], set(), set()
+    for new_prompt_only in (True, False):
+        for row in rows:
+            key = (row["prompt"], row["completion"])
+            if len(chosen) == n or key in seen or (new_prompt_only and row["prompt"] in prompts):
+                continue
+            chosen.append(row)
+            seen.add(key)
+            prompts.add(row["prompt"])
+    return chosen
+
+
 def console_text(rows: list[dict], n: int = 2, width: int = 160) -> str:
-    """A few rows for the console: what the policy writes, and what it was scored."""
+    """A few rows for the console (``console_rows``): what the policy writes, and what it was scored."""
     out = []
-    for row in rows[:n]:
+    for row in console_rows(rows, n):
         rewards = "  ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in row.items() if k.startswith("reward/"))
         out.append(f"  prompt     {_one_line(row['prompt'], width)}\n"
                    f"  completion {_one_line(row['completion'], width)}\n"

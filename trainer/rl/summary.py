@@ -1,33 +1,62 @@
-"""The summary a run prints (and sends to wandb) when it ends."""
+"""The summary a run prints (and sends to wandb) when it ends: over the whole run, read back from metrics.jsonl
+(a resumed process holds only its own steps)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
 from trainer.io.run_logger import RunLogger
+from trainer.models.memory import PEAK_MEMORY_NOTE
 
 
-def _mean(xs: list[float]) -> float:
+def _mean(xs: list) -> float:
+    xs = [x for x in xs if isinstance(x, (int, float))]  # metrics.jsonl writes a non-finite value as null
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def whole_run(metrics_path: Path, h: list[dict]) -> list[dict]:
+    """Every step's record, step 1 on, from ``metrics_path``; the last record of a step wins (a resume repeats
+    the steps after its checkpoint). ``h`` (this process's records) when the file cannot be read."""
+    try:
+        lines = Path(metrics_path).read_text().splitlines()
+    except OSError:
+        return h
+    by_step: dict[int, dict] = {}
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a partial last line of a killed run
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= 1 and "reward/mean" in row:
+            by_step[row["step"]] = row
+    last = h[-1]["step"] if h else None
+    rows = [by_step[k] for k in sorted(by_step) if last is None or k <= last]
+    return rows or h
+
+
 def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLogger) -> None:
-    """The run's end (``h``: its per-step records): reward at its start and end, its mean mismatch, where its
-    checkpoint and metrics are."""
+    """The run's end (``h``: this process's per-step records; the summary reads the whole run back from
+    metrics.jsonl): reward at its start and end, its mean mismatch, where its checkpoint and metrics are."""
     if not h or not logger.enabled:
         return
+    h = whole_run(logger.metrics_path, h)
     k = max(1, min(5, len(h) // 4))
     first = _mean([r["reward/mean"] for r in h[:k]])
     last = _mean([r["reward/mean"] for r in h[-k:]])
     mae = _mean([r["parity/mae"] for r in h if "parity/mae" in r])
     kl = _mean([r["parity/kl_k3"] for r in h if "parity/kl_k3" in r])
-    worst = max((r.get("parity/max_abs", 0.0) for r in h), default=0.0)
+    worst = max((r.get("parity/max_abs") or 0.0 for r in h), default=0.0)
+    # each record holds its process's peak so far (trainer/models/memory.py): the run's is the largest
+    peak = max((r.get("perf/peak_memory_gb") or 0.0 for r in h), default=0.0)
     summary = {"summary/reward_first": first, "summary/reward_last": last, "summary/parity_mae_mean": mae,
-               "summary/parity_kl_k3_mean": kl}
+               "summary/parity_kl_k3_mean": kl, "summary/peak_memory_gb": peak}
     logger.summary(summary)
     print("\n=== parityrl run summary ===")
     print(f"reward   first {k} step(s): {first:.3f}   last {k} step(s): {last:.3f}   change {last - first:+.3f}")
     print(f"parity   mean |d| over the run: {mae:.2e}   mean kl_k3: {kl:.2e}   worst token |d|: {worst:.2e}")
+    if peak:  # records written before perf/peak_memory_gb existed have none
+        print(f"memory   peak {peak:.2f} GiB ({PEAK_MEMORY_NOTE})")
     print(f"checkpoint  {final_checkpoint}")
     print(f"metrics     {logger.metrics_path}")
     print(f"wandb       {logger.wandb_location}")

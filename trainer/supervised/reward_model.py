@@ -27,6 +27,7 @@ from transformers import AutoModelForSequenceClassification, TrainerCallback
 
 from trainer.config.schema import RecipeError
 from trainer.config.supervised import RMConfig
+from trainer.distributed.launch_info import current_backend, describe_launch, device_text
 from trainer.io.outputs import atomic_output_dir
 from trainer.models.architecture import resolve_lora_targets
 from trainer.models.policy import DTYPES, load_tokenizer
@@ -79,6 +80,9 @@ def _train(cfg: RMConfig, model_dir: str, checkpoint: Optional[str], resume: boo
     out, run_dir = cfg.out_path, cfg.run_dir
     torch.manual_seed(cfg.train.seed)
     args = training_arguments(cfg.train, run_dir)
+    if is_main_process():  # what this launch runs on (args.device sets up the process group)
+        print(describe_launch(world=args.world_size, backend=current_backend(), device=device_text(args.device),
+                              dtype=cfg.model.dtype), flush=True)
     tokenizer = load_tokenizer(model_dir)
     try:  # bad data is bad input (exit status 2 in the CLI), found before any training
         train_pairs, eval_pairs = load_preference_pairs(cfg)

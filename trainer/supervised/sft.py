@@ -47,6 +47,7 @@ import torch
 from trainer.config.schema import RecipeError
 from trainer.config.supervised import SFTConfig
 from trainer.data.datasets import encode_prompts, load_prompt_dataset
+from trainer.distributed.launch_info import current_backend, describe_launch, device_text
 from trainer.models.batch import TokenBatch, build_token_batch
 from trainer.models.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
 from trainer.rewards.functions import resolve_reward
@@ -140,8 +141,11 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
     run_dir = cfg.run_dir
     torch.manual_seed(cfg.train.seed)
     args = training_arguments(cfg.train, run_dir)
+    if is_main_process():  # what this launch runs on (args.device sets up the process group)
+        print(describe_launch(world=args.world_size, backend=current_backend(), device=device_text(args.device),
+                              dtype=cfg.model.dtype), flush=True)
     tokenizer = load_tokenizer(model_dir)
-    model = load_base_model(model_dir, cfg.model.dtype, "cpu")
+    model = load_base_model(model_dir, cfg.model.dtype, "cpu", cfg.model.attn_implementation, train_device=args.device)
     if cfg.model.lora.enabled:
         model = add_lora(model, cfg.model.lora)
     prompt_ids, completion_ids = _pairs(cfg, tokenizer)
