@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from trainer.config.schema import RecipeError
 from trainer.config.supervised import SFTConfig
@@ -223,8 +224,17 @@ def save_model_dir(model, tokenizer, out: Path, extra: Optional[dict] = None) ->
     tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    # Transformers draws a bar per weight shard ("Writing model shards"): the command's own line says where
+    # the model went, and in a first `parityrl train` (the warm start is built by this function) the bar is
+    # third-party noise on the console.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if extra:
         (tmp / "parityrl_sft.json").write_text(json.dumps(extra, indent=2))
     if out.exists():
