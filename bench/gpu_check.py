@@ -17,7 +17,7 @@ Checks, in order (each row: check, status, figure):
   allocator statistics) and the step-time cost;
 - ``colocated vLLM, precision <name>`` (CUDA and vLLM's CUDA build): one step of ``grpo_tiny`` per
   precision recipe (trainer/precision/registry.py; model.dtype the recipe's first): engine start, sleep /
-  wake, weight sync, the probe and the step's parity; a recipe that refuses this machine at load (exit 2)
+  wake, weight sync, the probe and the step's parity; a recipe that refuses the machine it runs on at load (exit 2)
   is reported as skipped with its reason.
 
 On a machine without CUDA the rows that need it say ``skipped`` and why; the script exits 0 unless a
@@ -324,7 +324,7 @@ def precision_step(name: str) -> str:
     with tempfile.TemporaryDirectory(prefix=f"gpu_check_{name}_") as tmp:
         proc, rows = _train("grpo_tiny.yaml", [f"precision.recipe={name}", f"model.dtype={dtype}", "train.steps=1"],
                             Path(tmp), timeout=1200)
-    if proc.returncode == 2:  # the recipe refused this machine or setup at load: documented, not a failure
+    if proc.returncode == 2:  # the recipe refused the machine or its setup at load: documented, not a failure
         raise Skip(f"refused at load: {_tail(proc)}")
     if proc.returncode != 0 or not rows:
         raise AssertionError(f"exit {proc.returncode}: {_tail(proc)}")

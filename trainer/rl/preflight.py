@@ -133,7 +133,7 @@ def check_model_files(cfg: RunConfig, where: str) -> Optional[ModelSize]:
 
 def check_capacity(cfg: RunConfig, where: str, size: Optional[ModelSize],
                    machine: Optional[Machine] = None) -> None:
-    """Sizes this machine cannot hold (``trainer.rl.capacity``): every one found, at once."""
+    """Sizes the machine running the run cannot hold (``trainer.rl.capacity``): every one found, at once."""
     if machine is None:
         gpu = gpu_total_bytes() if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate" else None
         machine = Machine(host_available=host_available_bytes(), gpu_total=gpu)
