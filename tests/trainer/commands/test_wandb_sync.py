@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from trainer.io.run_logger import RunLogger
@@ -18,6 +19,9 @@ def test_readme_sync_command_takes_both_folders_of_a_resumed_run(tmp_path, monke
     first.log(1, {"reward/mean": 0.25}, echo=False)
     run_id = first.wandb_run.id
     first.close()
+    # wandb names an offline folder by its start time to the second (offline-run-YYYYMMDD_HHMMSS-<id>): a resume
+    # started within the same second would write into the first folder, as a real resume never does
+    time.sleep(1.1)
     resumed = RunLogger(run_dir, config={}, wandb_mode="offline", resume=True)
     resumed.log(2, {"reward/mean": 0.5}, echo=False)
     resumed.close()
