@@ -6,17 +6,32 @@ wandb 0.31 ships no reader for its transaction log. The format is LevelDB's log 
 header (CRC32C, length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4) and a fragment of one
 serialised ``wandb_internal_pb2.Record``. CRCs are not checked: a test reads what a run
 it just finished wrote.
+
+``run.finish()`` returns before wandb's service has flushed the file: right after it the file
+may hold only its 7-byte header (seen about once in eight runs). A finished run's log ends with
+its ``exit`` record, so the reader waits for that record.
 """
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32 * 1024
 HEADER = 7
 
 
-def records(path: Path) -> list:
+def records(path: Path, wait_s: float = 30.0) -> list:
+    """Every record of a finished run, once its ``exit`` record is on disk (at most ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = _read(path)
+        if (out and out[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            return out
+        time.sleep(0.05)
+
+
+def _read(path: Path) -> list:
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(path).read_bytes()

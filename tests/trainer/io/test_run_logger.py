@@ -1,4 +1,5 @@
 import json
+import time
 
 from trainer.io.run_logger import RunLogger, resolve_wandb_mode
 
@@ -72,6 +73,7 @@ def test_resume_continues_the_same_wandb_run_with_tags_and_package_versions(tmp_
     assert first.wandb_run.config["packages"]["torch"] and first.wandb_run.config["a"] == 1
     first.log(1, {"reward/mean": 0.5}, echo=False)
     first.close()
+    time.sleep(1.1)  # offline folders are named to the second: a real resume starts in a later one
     second = RunLogger(tmp_path, config={"a": 1}, wandb_mode="offline", resume=True)
     assert second.wandb_run.id == run_id
     second.log(2, {"reward/mean": 0.6}, echo=False)
