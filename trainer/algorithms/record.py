@@ -65,6 +65,14 @@ class Algorithm:
         """Whether the loss needs the reference policy's log-probs (the base, adapter disabled)."""
         return getattr(options, "kl_coef", 0.0) > 0
 
+    def entropy_in_loss(self, options: Any) -> bool:
+        """Whether the loss differentiates the policy's entropy (PPO's bonus with ``ent_coef > 0``).
+
+        Otherwise entropy is only logged: the kernel computes it in the same pass without a
+        gradient, and the backward keeps its frozen-lm_head shortcut (parity.logprobs).
+        """
+        return getattr(options, "ent_coef", 0.0) > 0
+
 
 # Rules several options types share (each message: "<Options>.<key> must be <expected>, got <value>").
 def clip_rules(o: Any) -> list[tuple[bool, str, str]]:

@@ -168,25 +168,27 @@ class LogitHead:
 
 
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
-                        return_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None,
-                        pack_sequences: bool = False):
+                        return_entropy: bool = False, entropy_grad: bool = True,
+                        topk_ids: Optional[torch.Tensor] = None, pack_sequences: bool = False):
     """Log-probs [S, C] (float32) of the batch's completion tokens under softmax(logits / temperature).
 
     Gradients flow to the trainable parameters when grad is enabled. Returns
-    (logprobs, entropy or None); with ``topk_ids`` [S, C, k] also, third, the
+    (logprobs, entropy or None); ``entropy_grad`` False: the entropy carries no gradient (only
+    logged), so the backward stays the cheap one (``parity.fused_logprobs``). With ``topk_ids`` [S, C, k] also, third, the
     (gradient-free) log-probs of those ids from the same forward pass.
     """
     hidden, lm_head, _ = completion_hidden(model, batch, pack_sequences=pack_sequences)
     return logprobs_from_hidden(hidden, lm_head, batch, temperature=temperature, chunk_size=chunk_size,
-                                return_entropy=return_entropy, topk_ids=topk_ids)
+                                return_entropy=return_entropy, entropy_grad=entropy_grad, topk_ids=topk_ids)
 
 
 def logprobs_from_hidden(hidden, lm_head, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
-                         return_entropy: bool = False, topk_ids: Optional[torch.Tensor] = None):
+                         return_entropy: bool = False, entropy_grad: bool = True,
+                         topk_ids: Optional[torch.Tensor] = None):
     """``completion_logprobs`` from already computed ``completion_hidden`` (same returns)."""
     xf = getattr(lm_head, "transform", {})  # a bare Linear: no transform
     lp, ent = fused_logprobs(hidden, lm_head.weight, batch.targets, bias=lm_head.bias, temperature=temperature,
-                             return_entropy=return_entropy, chunk_size=chunk_size, **xf)
+                             return_entropy=return_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size, **xf)
     if topk_ids is None:
         return lp, ent
     top = fused_gather_logprobs(hidden.detach(), lm_head.weight.detach(), topk_ids, temperature=temperature,

@@ -72,16 +72,17 @@ class Scores:
 
 
 def forward(model, micro: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None, value_head=None,
-            exact=None, entropy: bool = True, pack_sequences: bool = False):
+            exact=None, entropy: bool = True, entropy_grad: bool = False, pack_sequences: bool = False):
     """(log-probs, entropy or None, top-k log-probs or None, values or None) of one micro-batch from one forward.
 
     Entropy comes from the same kernel pass: it feeds the breakdown of the mismatch by trainer
-    entropy and PPO's entropy bonus. Gradients flow when grad is enabled. ``pack_sequences``:
-    the backbone runs on packed rows (``trainer.models.packing``), same outputs.
+    entropy and PPO's entropy bonus. Gradients flow when grad is enabled -- to the entropy only
+    with ``entropy_grad`` (a loss that uses it): a logged entropy keeps the cheap backward.
+    ``pack_sequences``: the backbone runs on packed rows (``trainer.models.packing``), same outputs.
     """
     hidden, lm_head, values = completion_hidden(model, micro, value_head, pack_sequences=pack_sequences)
     lp, ent, *top = logprobs_from_hidden(hidden, lm_head, micro, temperature=temperature, chunk_size=chunk_size,
-                                         return_entropy=entropy, topk_ids=micro.topk_ids)
+                                         return_entropy=entropy, entropy_grad=entropy_grad, topk_ids=micro.topk_ids)
     top = top[0] if top else None
     if exact is not None:
         lp, ent, top = exact(micro, lp, ent, top, temperature)

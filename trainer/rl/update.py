@@ -61,6 +61,7 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
     a = cfg.algorithm
     loss_fn, options = a.record.loss, a.options
     use_ref = a.record.uses_reference(options)
+    entropy_grad = a.record.entropy_in_loss(options)
     temperature, chunk_size = cfg.rollout.temperature, cfg.parity.chunk_size
     norm = dp.global_normalizer(batch.mask, max_len=cfg.rollout.max_new_tokens)
     correction = correction_config(cfg)
@@ -72,7 +73,8 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
         micro = batch.select(rows)
         c = micro.targets.shape[1]
         lp, ent, top, values = forward(model, micro, temperature=temperature, chunk_size=chunk_size,
-                                       value_head=learner.value_head, exact=exact, pack_sequences=pack)
+                                       value_head=learner.value_head, exact=exact, entropy_grad=entropy_grad,
+                                       pack_sequences=pack)
         old_lp = lp.detach() if old is None else old.logprobs[rows, :c]
         ref_lp = None
         if use_ref:

@@ -115,3 +115,12 @@ def test_a_record_must_be_well_formed():
         Algorithm(name="x", options=dict, advantage=len, loss=len, paper="-")
     with pytest.raises(ValueError, match="must register a record.Algorithm"):
         ALGORITHMS.register("y")(len)
+
+
+def test_entropy_is_differentiated_only_when_the_loss_uses_it():
+    """PPO's entropy bonus needs the entropy's gradient; everywhere else it is only logged (cheap backward)."""
+    ppo = ALGORITHMS.get("ppo")
+    assert not ppo.entropy_in_loss(ppo.options())  # ent_coef 0 by default (TRL has none)
+    assert ppo.entropy_in_loss(dataclasses.replace(ppo.options(), ent_coef=0.01))
+    assert not any(ALGORITHMS.get(n).entropy_in_loss(ALGORITHMS.get(n).options())
+                   for n in ALGORITHMS.names() if n != "ppo")

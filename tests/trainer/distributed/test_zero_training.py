@@ -204,14 +204,22 @@ def test_zero3_several_updates_with_a_kl_term_match_data_parallel(tmp_path):
         assert proc.returncode == 0, proc.stderr[-4000:]
     z, d = _records(tmp_path / "zero3")[1], _records(tmp_path / "dp")[1]
     assert z["train/updates"] == d["train/updates"] == 4
-    assert z["reward/mean"] == d["reward/mean"]
+    assert z["reward/mean"] == d["reward/mean"] and z["train/entropy"] == pytest.approx(d["train/entropy"], rel=1e-6)
     assert z["parity/mae"] == pytest.approx(d["parity/mae"], rel=1e-3)  # pi_old, before any update
-    # Measured: grad norm (mean of the 4 updates) 3e-6 relative, approx_kl_last 0.3%, loss 0.8%: the
-    # bf16 ZeRO-3 gradient-sum order (bench/zero_cpu_check.py) compounds over the updates. On the warm start
-    # built by transformers.Trainer (a sharper policy), 2.9e-3 with native BF16: 5e-3 on every host.
-    assert z["train/grad_norm"] == pytest.approx(d["train/grad_norm"], rel=5e-3)
-    assert z["train/approx_kl_last"] == pytest.approx(d["train/approx_kl_last"], rel=3e-2)
-    assert z["train/loss"] == pytest.approx(d["train/loss"], rel=5e-2)
+    # After the first update the two runs diverge chaotically: Adam's first step moves every element by about lr
+    # in the sign of its gradient, so elements whose gradient is near 0 go either way with the bf16 sum order
+    # (bench/zero_cpu_check.py), and that compounds over 4 updates. Measured on an AVX2 host (emulated BF16),
+    # ZeRO-3 against data parallel: grad norm 3.8-4.1% apart, kl_ref 0.1-5.4%, approx_kl_last 2.3-2.4%; data
+    # parallel against itself with the log-prob kernel's two (equally accurate) backward paths: grad norm 5.5%,
+    # kl_ref 2.5%. 3e-6 on another warm start. 10% still catches what this test is for: a reference forward that
+    # keeps the adapter on (kl_ref 0) or updates that do not reach the weights ZeRO-3 gathers (approx_kl_last 0).
+    for key in ("train/grad_norm", "train/approx_kl_last", "train/kl_ref"):
+        assert z[key] == pytest.approx(d[key], rel=0.1), key
+    # The loss is pg_loss + kl_coef * kl_ref, signed terms that can nearly cancel (3.5e-4 from terms ~1e-3 on one
+    # warm start): judged against the terms' sizes, not their sum.
+    terms = abs(d["train/pg_loss"]) + 0.01 * abs(d["train/kl_ref"])
+    assert d["train/loss"] == pytest.approx(d["train/pg_loss"] + 0.01 * d["train/kl_ref"], abs=1e-5 * terms)
+    assert z["train/loss"] == pytest.approx(d["train/loss"], abs=0.1 * terms)
 
 
 @pytest.fixture(scope="module")
