@@ -269,6 +269,9 @@ class RunLogger:
     def close(self) -> None:
         if not self.enabled:
             return
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # the line whose write failed is still buffered; that failure was reported when it happened
+            pass
         if self.wandb_run is not None:
             self.wandb_run.finish()

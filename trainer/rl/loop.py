@@ -67,6 +67,7 @@ from trainer.rl.scoring import Scores
 from trainer.rl.stops import (
     CheckpointFailed,
     Preempted,
+    RecordWrites,
     RunStopped,
     StepBoundary,
     checkpoint_on_stop,
@@ -133,6 +134,7 @@ class Run:
     # adapter of the batch this step trains on (None: the current weights generated it)
     prefetch: Prefetch = field(default_factory=Prefetch)
     behaviour: Optional[dict] = None
+    records: RecordWrites = field(default_factory=RecordWrites)  # a failed write of a record, till the step's end
 
     @property
     def device(self):
@@ -198,8 +200,10 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             sync_phase(run, step, m)
             m["perf/step_s"] = time.perf_counter() - t_step
             m["perf/peak_memory_gb"] = peak_memory_gb(run.device)  # the run's peak so far (GiB; CPU: RSS)
-            run.logger.log(step, m)
+            with run.records.writing(run.logger.metrics_path, step):
+                run.logger.log(step, m)
             unlogged = None
+            run.records.raise_together(run.dp)
             _warn_truncation(run, step, m)
             result.history.append({"step": step, **m})
             # After logging (the step's record keeps the probe values), before the checkpoint.
@@ -211,7 +215,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         print_summary(result.history, result.final_checkpoint, run.logger)
     except (RunStopped, EngineUnavailable) as e:
         if unlogged is not None and boundary.applied:  # the stop checkpoints this step: its record goes with it
-            run.logger.log(*unlogged, echo=False)
+            with run.records.writing(run.logger.metrics_path, unlogged[0]):  # a failure here: the stop's error wins
+                run.logger.log(*unlogged, echo=False)
         e.checkpoint_note = getattr(e, "checkpoint_note", None) or checkpoint_on_stop(
             cfg.run_dir, boundary, lambda s, state: save_step(run, s, result, state))
         raise
@@ -465,7 +470,8 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict
     if run.is_main:
         breakdown = step_breakdown(scored.logprobs, batch.rollout_logprobs, batch.mask, batch.targets,
                                    run.tokenizer, entropy=scored.entropy)
-        append_breakdown(cfg.run_dir, step, breakdown)
+        with run.records.writing(cfg.run_dir / "parity_breakdown.jsonl", step):
+            append_breakdown(cfg.run_dir, step, breakdown)
         if run.logger.wandb_run is not None and (step % cfg.logging.breakdown_every == 0 or step == cfg.train.steps):
             run.logger.wandb_run.log(wandb_tables(breakdown), step=step)
 
@@ -477,7 +483,8 @@ def samples_phase(run: Run, step: int, drawn: Drawn, batch: TokenBatch, scored: 
     if not run.is_main or not lg.samples_every or not (first or step % lg.samples_every == 0):
         return
     rows = samples.sample_rows(drawn, batch, scored.logprobs, run.tokenizer, lg.samples_per_step)
-    samples.append_samples(run.cfg.run_dir, step, rows)
+    with run.records.writing(run.cfg.run_dir / samples.SAMPLES_FILE, step):
+        samples.append_samples(run.cfg.run_dir, step, rows)
     if run.logger.wandb_run is not None:
         run.logger.wandb_run.log({"samples": samples.wandb_table(rows)}, step=step)
     if first:

@@ -46,8 +46,11 @@ def sample_rows(drawn: Drawn, batch: TokenBatch, train_logprobs: torch.Tensor, t
     return rows
 
 
+SAMPLES_FILE = "samples.jsonl"
+
+
 def append_samples(run_dir: Path, step: int, rows: list[dict]) -> Path:
-    path = Path(run_dir) / "samples.jsonl"
+    path = Path(run_dir) / SAMPLES_FILE
     with open(path, "a") as f:
         for row in rows:
             f.write(json.dumps({"step": step, **row}) + "\n")

@@ -8,10 +8,11 @@ sync, the probe after it, a preemption at the step boundary) checkpoints the ste
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
-from trainer.io import checkpoint as ckpt
+from trainer.io import checkpoint as ckpt, write_failure
 
 T = TypeVar("T")
 
@@ -50,6 +51,35 @@ class CheckpointFailed(RunStopped):
         super().__init__(message)
         # its own note: writing the checkpoint again on the way out would only fail the same way
         self.checkpoint_note = "fix that and continue with --resume from the newest checkpoint"
+
+
+class RecordsNotWritten(RunStopped):
+    """A step's record (metrics.jsonl, samples.jsonl, parity_breakdown.jsonl) could not be written: a full disk,
+    no permission. The step itself completed; the run stops at its end with a checkpoint, if one can be written."""
+
+    exit_status = 6
+
+
+class RecordWrites:
+    """The first failed write of a step's records, kept until the step's end and then raised on every rank
+    together (only rank 0 writes records: raised there alone, it would leave the other ranks waiting)."""
+
+    def __init__(self) -> None:
+        self.error: Optional[RecordsNotWritten] = None
+
+    @contextmanager
+    def writing(self, path: Path, step: int) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            if self.error is None:
+                why = write_failure.describe(e, Path(path).parent, free=write_failure.free_bytes(Path(path)))
+                self.error = RecordsNotWritten(f"step {step}'s record could not be written to {path}: {why}")
+                self.error.__cause__ = e
+
+    def raise_together(self, dp) -> None:
+        """Collective: every rank raises the first failure any rank kept."""
+        stop_together(dp, self.error)
 
 
 class Preempted(RunStopped):

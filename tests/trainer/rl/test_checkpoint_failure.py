@@ -12,7 +12,7 @@ import torch
 from trainer.distributed.data_parallel import DataParallel
 from trainer.io import checkpoint as ckpt
 from trainer.rl.loop import TrainResult, save_step
-from trainer.rl.stops import CheckpointFailed, StepBoundary, checkpoint_on_stop
+from trainer.rl.stops import CheckpointFailed, RecordsNotWritten, RecordWrites, StepBoundary, checkpoint_on_stop
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -104,3 +104,70 @@ def test_a_run_whose_disk_fills_at_step_2_stops_with_status_6_and_resumes(tmp_pa
     monkeypatch.undo()
     assert run_train_command(recipe, sets, resume=True) == 0
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [1, 2]
+
+
+def test_a_record_that_cannot_be_written_is_kept_until_the_steps_end_then_raised_with_status_6(tmp_path):
+    records = RecordWrites()
+    path = tmp_path / "metrics.jsonl"
+    with records.writing(path, 3):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with records.writing(tmp_path / "samples.jsonl", 3):  # a later failure of the same step: the first is kept
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "samples.jsonl"))
+    with records.writing(path, 3):
+        pass
+    with pytest.raises(RecordsNotWritten) as e:
+        records.raise_together(DataParallel())
+    msg = str(e.value)
+    assert e.value.exit_status == 6 and "\n" not in msg, msg
+    assert msg.startswith(f"step 3's record could not be written to {path}: the disk is full at {tmp_path}"), msg
+    with pytest.raises(ZeroDivisionError):  # not a write failure: not its business
+        with records.writing(path, 4):
+            raise ZeroDivisionError
+
+
+def test_closing_the_logger_after_a_failed_write_does_not_raise_again(tmp_path):
+    from trainer.io.run_logger import RunLogger
+
+    log = RunLogger(tmp_path, config={}, wandb_mode="disabled")
+    log.log(1, {"reward/mean": 0.5}, echo=False)
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    log._file.close()
+    log._file = FullDisk()
+    with pytest.raises(OSError):
+        log.log(2, {"reward/mean": 0.5}, echo=False)
+    log.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+@pytest.mark.slow
+def test_a_run_whose_disk_fills_while_writing_metrics_stops_at_that_steps_end_with_status_6(tmp_path, tiny_model_dir,
+                                                                                        monkeypatch, capsys):
+    from trainer.commands.train import run_train_command
+    from trainer.io.run_logger import RunLogger
+
+    sets = [f"logging.run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "rollout.engine=hf",
+            "rollout.prompts_per_step=2", "algorithm.group_size=2", "rollout.max_new_tokens=4", "train.steps=3",
+            "checkpoint.every=0", "parity.probe_prompts=0", "data.num_examples=8"]
+    real = RunLogger._write
+
+    def full_at_step_2(self, step, metrics):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, step, metrics)
+
+    monkeypatch.setattr(RunLogger, "_write", full_at_step_2)
+    assert run_train_command(str(REPO / "recipes" / "grpo_tiny.yaml"), sets, resume=False) == 6
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("parityrl:")]
+    assert f"step 2's record could not be written to {tmp_path / 'run' / 'metrics.jsonl'}: " in line, line
+    assert "checkpoint of the last completed step 2 written to" in line and "Traceback" not in err, err
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [2]
