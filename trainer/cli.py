@@ -30,6 +30,7 @@ from trainer.precision import DEFAULT_RECIPE, compare_choices
 
 VERBOSE_HELP = ("show vLLM's, torch's and transformers' expected warnings on the console too (they always go to "
                 "the run directory's engine.log)")
+STAGE_VERBOSE_HELP = VERBOSE_HELP.replace("vLLM's, ", "").replace("engine.log", "libraries.log")
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -71,10 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace an existing output_dir (swapped in whole once the new model is written)")
     s.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint under logging.run_dir (written every train.save_every steps)")
+    s.add_argument("--verbose", action="store_true", help=STAGE_VERBOSE_HELP)
     r = sub.add_parser("train-rm", help="train a reward model on prompt/chosen/rejected pairs (pairwise loss, LoRA)")
     _add_recipe_args(r)
     r.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint under logging.run_dir (written every train.save_every steps)")
+    r.add_argument("--verbose", action="store_true", help=STAGE_VERBOSE_HELP)
     m = sub.add_parser("merge", help="fold a LoRA adapter into its base: a plain HF model directory",
                        description="Merge a PEFT LoRA adapter (parityrl sft with output_format: adapter, or an RL "
                                    "checkpoint's adapter/) into its base model and save model + tokenizer to --out.")
@@ -188,6 +191,8 @@ def _train(args) -> int:
 
 
 def _sft(args) -> int:
+    if args.own_console and not args.print_config:  # before torch loads: its expected lines -> libraries.log
+        third_party_output.install(verbose=args.verbose)
     # late: the command line parses its arguments before torch and transformers load
     from trainer.commands.sft import load_sft_recipe, run_sft_command
 
@@ -197,6 +202,8 @@ def _sft(args) -> int:
 
 
 def _train_rm(args) -> int:
+    if args.own_console and not args.print_config:  # as _sft
+        third_party_output.install(verbose=args.verbose)
     # late: the command line parses its arguments before torch and transformers load
     from trainer.commands.train_rm import load_rm_recipe, run_train_rm_command
 

@@ -41,7 +41,7 @@ def run_sft(cfg: SFTConfig, *, overwrite: bool = False, resume: bool = False) ->
     """
     if not overwrite:
         refuse_existing_output(cfg.out_path, "output_dir")
-    return fit_sft(cfg, resolve_model_path(cfg.model.path), resume=resume)
+    return fit_sft(cfg, resolve_model_path(cfg.model.path), resume=resume, console_log=True)
 
 
 def run_sft_command(recipe: str, overrides: list[str], *, overwrite: bool, resume: bool) -> int:

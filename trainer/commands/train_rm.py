@@ -44,7 +44,7 @@ def run_train_rm(cfg: RMConfig, *, resume: bool = False) -> Path:
     An existing non-empty ``output_dir`` is refused before anything loads: fail in seconds, not after training.
     """
     refuse_existing_output(cfg.out_path, "output_dir")
-    return train_reward_model(cfg, resolve_model_path(cfg.model.path), resume=resume)
+    return train_reward_model(cfg, resolve_model_path(cfg.model.path), resume=resume, console_log=True)
 
 
 def run_train_rm_command(recipe: str, overrides: list[str], *, resume: bool) -> int:

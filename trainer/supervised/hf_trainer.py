@@ -34,6 +34,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from trainer.config import RecipeError, to_dict
 from trainer.distributed.teardown import leave_process_group
+from trainer.io import third_party_output
 from trainer.io.run_lock import claim
 from trainer.io.run_logger import RunLogger
 from trainer.models.checkpointing import CHECKPOINT_KWARGS, enable_gradient_checkpointing
@@ -214,10 +215,17 @@ def open_run_logger(cfg, stage: str, *, resume: bool):
                      enabled=enabled, resume=resume, tags=tags)
 
 
-def run_stage(run_dir: Path, *, resume: bool, body: Callable[[Optional[str]], Path]) -> Path:
+LIBRARIES_LOG = "libraries"  # <run_dir>/libraries.log: the expected output of torch, transformers, DeepSpeed
+
+
+def run_stage(run_dir: Path, *, resume: bool, body: Callable[[Optional[str]], Path], console_log: bool = False) -> Path:
     """``body(checkpoint)`` under the run directory's lock (``claim_stage_run_dir``), then, on success on every
-    rank, ``leave_process_group``: what `parityrl sft` and `train-rm` share around their training."""
+    rank, ``leave_process_group``: what `parityrl sft` and `train-rm` share around their training.
+    ``console_log``: the console filter's expected lines go to the run directory's ``libraries.log`` (for the
+    command's own run; never for a stage run inside another command, as the warm start inside `parityrl train`)."""
     lock, checkpoint = claim_stage_run_dir(run_dir, resume=resume)  # before anything loads
+    if console_log:
+        third_party_output.attach(run_dir, rank=int(os.environ.get("RANK", "0")), name=LIBRARIES_LOG)
     try:
         out = body(checkpoint)
     finally:

@@ -62,7 +62,7 @@ def load_model_for_rm_training(model_dir: str, cfg: RMConfig, tokenizer, device)
     return model.to(device)
 
 
-def train_reward_model(cfg: RMConfig, model_dir: str, *, resume: bool = False) -> Path:
+def train_reward_model(cfg: RMConfig, model_dir: str, *, resume: bool = False, console_log: bool = False) -> Path:
     """Train a reward model from ``model_dir`` (already resolved: a local HF directory) per ``cfg`` and write it
     to ``cfg.out_path`` (atomically); returns that path.
 
@@ -71,9 +71,10 @@ def train_reward_model(cfg: RMConfig, model_dir: str, *, resume: bool = False) -
     directory and ``resume`` from the newest, per-step metrics to the run's metrics.jsonl
     and wandb. The held-out evaluation (before step 1, every ``eval_every`` steps, after
     the last) is appended to the run directory's ``eval.jsonl`` as it happens (a resumed
-    run keeps the earlier rows) and copied into the output as ``metrics.jsonl``.
+    run keeps the earlier rows) and copied into the output as ``metrics.jsonl``. ``console_log``: as ``run_stage``.
     """
-    return run_stage(cfg.run_dir, resume=resume, body=lambda checkpoint: _train(cfg, model_dir, checkpoint, resume))
+    return run_stage(cfg.run_dir, resume=resume, body=lambda checkpoint: _train(cfg, model_dir, checkpoint, resume),
+                     console_log=console_log)
 
 
 def _train(cfg: RMConfig, model_dir: str, checkpoint: Optional[str], resume: bool) -> Path:

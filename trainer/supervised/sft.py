@@ -128,14 +128,16 @@ def _packed_blocks(cfg: SFTConfig, prompt_ids: list[list[int]], completion_ids: 
     return blocks
 
 
-def fit_sft(cfg: SFTConfig, model_dir: str, *, resume: bool = False) -> Path:
+def fit_sft(cfg: SFTConfig, model_dir: str, *, resume: bool = False, console_log: bool = False) -> Path:
     """Train the model in ``model_dir`` (already resolved: a local HF directory) and write it to ``cfg.out_path``.
 
     The loop is ``transformers.Trainer``'s (trainer.supervised.hf_trainer): accumulation over
     ``train.micro_batch_size``, checkpoints every ``train.save_every`` steps under the run
     directory, ``resume`` from the newest of them, metrics to the run's metrics.jsonl and wandb.
+    ``console_log``: as ``run_stage``.
     """
-    return run_stage(cfg.run_dir, resume=resume, body=lambda checkpoint: _fit(cfg, model_dir, checkpoint, resume))
+    return run_stage(cfg.run_dir, resume=resume, body=lambda checkpoint: _fit(cfg, model_dir, checkpoint, resume),
+                     console_log=console_log)
 
 
 def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool) -> Path:

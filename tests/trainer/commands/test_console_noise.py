@@ -1,8 +1,11 @@
 """Third-party console output (trainer/io/third_party_output.py): expected lines go to engine.log, the rest stays."""
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from trainer.io.third_party_output import LineSorter, is_expected
 
@@ -118,3 +121,18 @@ def test_shutdown_before_os_exit_delivers_the_last_line(tmp_path):
             "t.shutdown()\nos._exit(143)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 143 and proc.stderr == "parityrl: SIGTERM received before the first step\n"
+
+
+@pytest.mark.slow
+def test_sft_console_holds_parityrl_lines_and_libraries_log_the_rest(tmp_path):
+    """`parityrl sft` as a user runs it: transformers' loading bar and DeepSpeed's CPU note go to libraries.log."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([str(Path(sys.executable).with_name("parityrl")), "sft", "recipes/sft_tiny.yaml",
+                           "--set", "train.steps=3", "--set", f"output_dir={tmp_path / 'out'}",
+                           "--set", f"logging.run_dir={run_dir}", "--set", "logging.wandb.mode=disabled"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert lines and all(line.startswith(("launch: ", "sft step ", "sft model written to ")) for line in lines), lines
+    assert "Loading weights" in (run_dir / "libraries.log").read_text()
