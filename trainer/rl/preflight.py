@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainer.builtin.hub import hub_model_problem
+from trainer.builtin.hub import hub_dataset_problem, hub_model_problem
 from trainer.builtin.model_files import (
     config_problem,
     parameter_count,
@@ -202,10 +202,14 @@ def check_reward_signatures(fns: dict, columns: list[str], where: str) -> None:
 def check_dataset(cfg: RunConfig, where: str) -> Optional[list[str]]:
     """Load a local or built-in dataset as training will: parse errors, missing columns, too few rows.
 
-    Returns its column names, or None for a hub dataset (left to training: it may need the network).
+    Returns its column names, or None for a hub dataset: that one is only looked up (cached, or the hub has
+    it: ``trainer.builtin.hub``); loading it is left to training.
     """
     d = cfg.data
     if not (d.source.startswith("builtin:") or looks_like_path(d.source) or Path(d.source).expanduser().exists()):
+        problem = hub_dataset_problem(d.source)
+        if problem:
+            raise RecipeError(f"{where}: data.source = {d.source!r}: {problem}")
         return None
     bars, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
     # The console is for the one line below, if any: no progress bars, and not the loader's own error

@@ -169,3 +169,54 @@ def test_the_context_length_reader_leaves_a_damaged_config_to_preflight(tmp_path
         assert model_max_positions(str(tmp_path)) is None
     (tmp_path / "config.json").write_bytes(b'{"max_position_embeddings": 7}')
     assert model_max_positions(str(tmp_path)) == 7
+
+
+def test_a_hub_dataset_offline_and_not_cached_fails_at_once(monkeypatch):
+    monkeypatch.setattr(hub, "cached_dataset", lambda repo_id: False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def no_network(*a, **k):
+        raise AssertionError("offline: no request may be made")
+
+    monkeypatch.setattr(HfApi, "dataset_info", no_network)
+    problem = hub.hub_dataset_problem("org/data")
+    assert problem.startswith("neither a local file or directory nor a dataset in the Hugging Face cache"), problem
+    assert "HF_HUB_OFFLINE is set" in problem and "hf download org/data --repo-type dataset" in problem
+
+
+def test_a_hub_dataset_is_one_request_with_a_time_limit_and_cached_ones_none(monkeypatch, tmp_path):
+    import datasets.config
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    calls = []
+
+    def answers(self, repo_id, *, timeout=None, **k):
+        calls.append((repo_id, timeout))
+        if repo_id == "org/missing":
+            raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(HfApi, "dataset_info", answers)
+    assert hub.hub_dataset_problem("org/data") is None and calls == [("org/data", hub.PROBE_TIMEOUT_S)]
+    assert "did not answer within 5 s (ConnectionError" in hub.hub_dataset_problem("org/missing")
+    # cached: in the hub cache, or prepared by datasets; no request
+    (tmp_path / "hub" / "datasets--org--missing").mkdir(parents=True)
+    (tmp_path / "datasets" / "other___set").mkdir(parents=True)
+    calls.clear()
+    assert hub.hub_dataset_problem("org/missing") is None and hub.hub_dataset_problem("other/set") is None
+    assert calls == []
+
+
+def test_the_recipe_names_a_hub_dataset_it_cannot_reach_before_anything_loads(monkeypatch, tmp_path):
+    from trainer.config import RecipeError
+    from trainer.rl.preflight import load_recipe, preflight
+
+    monkeypatch.setattr(hub, "cached_dataset", lambda repo_id: False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "grpo_tiny.yaml"
+    cfg = load_recipe(recipe, ["data.source=org/data", f"logging.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(RecipeError) as e:
+        preflight(cfg, str(recipe))  # what `parityrl train` runs before the model loads
+    assert "data.source = 'org/data': neither a local file or directory nor a dataset" in str(e.value)
