@@ -84,8 +84,11 @@ def test_two_ranks_give_the_single_process_loss_gradient_and_parity(tiny_model_d
     # pooling is exact: the reference's own tensors split over the ranks give its metrics
     for k, v in r["parity_ref"].items():
         assert r["parity_pooled_same_inputs"][k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    # kl_k1 = mean(-d) sums signed differences that nearly cancel: its rounding is on the scale of mean |d|, not of
+    # itself (measured on a native-BF16 host: 7.6e-8 apart at kl_k1 5.9e-4, 1.3e-4 relative)
+    mae = r["parity_ref"]["parity/mae"]
     for k, v in r["parity_ref"].items():
-        assert r["parity_dp"][k] == pytest.approx(v, rel=1e-4, abs=1e-9), k
+        assert r["parity_dp"][k] == pytest.approx(v, rel=1e-4, abs=1e-4 * mae if k == "parity/kl_k1" else 1e-9), k
 
 
 @pytest.mark.slow

@@ -208,7 +208,7 @@ def test_zero3_several_updates_with_a_kl_term_match_data_parallel(tmp_path):
     assert z["parity/mae"] == pytest.approx(d["parity/mae"], rel=1e-3)  # pi_old, before any update
     # After the first update the two runs diverge chaotically: Adam's first step moves every element by about lr
     # in the sign of its gradient, so elements whose gradient is near 0 go either way with the bf16 sum order
-    # (bench/zero_cpu_check.py), and that compounds over 4 updates. Measured on an AVX2 host (emulated BF16),
+    # (bench/zero_cpu_check.py), and that compounds over 4 updates. Measured on a native-BF16 host (AVX512-BF16),
     # ZeRO-3 against data parallel: grad norm 3.8-4.1% apart, kl_ref 0.1-5.4%, approx_kl_last 2.3-2.4%; data
     # parallel against itself with the log-prob kernel's two (equally accurate) backward paths: grad norm 5.5%,
     # kl_ref 2.5%. 3e-6 on another warm start. 10% still catches what this test is for: a reference forward that
@@ -250,7 +250,9 @@ def test_ppo_under_zero_matches_data_parallel_and_resumes_exactly(stage, tmp_pat
     assert z["reward/mean"] == d["reward/mean"] and z["parity/num_tokens"] == d["parity/num_tokens"]
     missing = [k for k in CRITIC_KEYS if k not in z]
     assert not missing, f"no critic metrics {missing} in {sorted(z)}"
-    assert z["train/grad_norm"] == pytest.approx(d["train/grad_norm"], rel=1e-3)
+    # the mean over 4 updates, which drift apart after Adam's first step (test_zero3_several_updates_with_a_kl_term_
+    # match_data_parallel says why): measured 1.3e-3 on a native-BF16 host
+    assert z["train/grad_norm"] == pytest.approx(d["train/grad_norm"], rel=1e-2)
     for k in CRITIC_KEYS:
         assert z[k] == pytest.approx(d[k], rel=2e-2, abs=1e-6), k
     assert two[2]["train/value_mean"] != 0.0  # the zero-initialised critic moved in step 1
