@@ -49,7 +49,8 @@ naming the action (generate, weight push step, ...). An HTTP error answer raises
 ``ServerEngineError`` with the status and the server's message. An answer whose body is not
 JSON at all (cut short: a server or proxy that died mid-answer; or not a vLLM server) raises
 ``MalformedAnswer``, an ``EngineUnavailable`` too: nothing of it is usable and the way back is
-the same, so the run stops with the engine's exit status (4), naming the URL and the route.
+the same, so the run stops with the engine's exit status (4), naming the URL and the route. At startup every
+refusal (other settings, an answer of another shape) is ``UnusableServer``, an ``EngineUnavailable`` as well.
 """
 from __future__ import annotations
 
@@ -94,6 +95,11 @@ class ServerEngineError(RuntimeError):
 
 class MalformedAnswer(ServerEngineError, EngineUnavailable):
     """The server answered with a body that is not JSON (truncated, or not from a vLLM server)."""
+
+
+class UnusableServer(ServerEngineError, EngineUnavailable):
+    """At startup the server answered, but it is not one this run can use: not started by `parityrl serve`, other
+    settings (dtype, context, model), or an answer of another shape. The run cannot start, as with no server."""
 
 
 def _json(url: str, r, action: str, method: str, path: str) -> Any:
@@ -310,17 +316,29 @@ class ServerEngine:
         self._http = _Http(self.url, self.timeout_s)
         try:
             info = self._server_info()
-            self._check_server(info, dtype, max_model_len)
-            self.max_model_len = int(info["max_model_len"])
-            self.max_logprobs = int(info["max_logprobs"])
-            self.backend = info["weight_transfer_backend"]
-            self.tensor_parallel_size = int(info["tensor_parallel_size"])
-            self.packed_modules = {k: list(v) for k, v in (info["packed_modules"] or DEFAULT_PACKED_MODULES).items()}
+            try:
+                self._check_server(info, dtype, max_model_len)
+                self.max_model_len = int(info["max_model_len"])
+                self.max_logprobs = int(info["max_logprobs"])
+                self.backend = info["weight_transfer_backend"]
+                self.tensor_parallel_size = int(info["tensor_parallel_size"])
+                self.packed_modules = {k: list(v)
+                                       for k, v in (info["packed_modules"] or DEFAULT_PACKED_MODULES).items()}
+            except (KeyError, TypeError, ValueError, AttributeError) as e:  # an answer of another shape
+                raise UnusableServer(
+                    f"vLLM server at {self.url}: its parityrl_server_info answer is not what this parityrl reads "
+                    f"({type(e).__name__}: {e}; it answered {info!r:.300}); restart it with `parityrl serve <recipe>` "
+                    "from the same parityrl as the trainer") from None
             # A version of our own: responses generated with anything else are refused.
             self._version_tag, self._version_n = version_tag or secrets.token_hex(4), 0
             if self.pushes_weights:
                 self._start_transfer(transfer_root)
                 self._set_version()
+        except ServerEngineError as e:
+            self.close()
+            if isinstance(e, EngineUnavailable):
+                raise
+            raise UnusableServer(str(e)) from None  # any refusal at startup: the run cannot start with this server
         except BaseException:
             self.close()
             raise
@@ -335,8 +353,8 @@ class ServerEngine:
         except ServerEngineError as e:
             raise ServerEngineError(f"{e}\n-> the server at {self.url} was not started by `parityrl serve` (it needs "
                                     "--worker-extension-cls rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension)") from None
-        results = (out or {}).get("results") or []
-        if not results or not isinstance(results[0], dict):
+        results = out.get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or not results or not isinstance(results[0], dict):
             raise ServerEngineError(f"vLLM server at {self.url}: parityrl_server_info returned {out!r:.300}")
         return results[0]
 

@@ -6,7 +6,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rollout.base import EngineUnavailable
-from rollout.server_engine import MalformedAnswer, ServerEngine, ServerEngineError, _Http, _run_coroutine
+from rollout.server_engine import (
+    MalformedAnswer,
+    ServerEngine,
+    ServerEngineError,
+    UnusableServer,
+    _Http,
+    _run_coroutine,
+)
 
 CUT = b'{"results": [{"logprobs_mode": "processed_lo'  # a JSON answer that stops mid-string
 
@@ -72,3 +79,43 @@ def test_parityrl_train_against_it_exits_4_with_one_line(cut_server, tiny_model_
     lines = [ln for ln in err.splitlines() if ln.startswith("parityrl:")]
     assert status == 4 and len(lines) == 1 and "Traceback" not in err, err
     _check(lines[0], cut_server, "POST /collective_rpc")
+
+
+def _json_server(body: bytes):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"results": "x"}', b'{"results": [{"dtype": "bfloat16"}]}',
+                                  b'{"results": [{"logprobs_mode": "processed_logprobs", "dtype": "bfloat16", '
+                                  b'"max_model_len": null, "weight_transfer_backend": "parityrl_file"}]}'])
+def test_a_json_answer_of_another_shape_at_start_is_an_unusable_server(body, tmp_path):
+    """JSON, but not parityrl_server_info's dict with its keys: one line naming the server, an EngineUnavailable
+    (`parityrl train` exits 4), never a KeyError / AttributeError (exit 1)."""
+    httpd, url = _json_server(body)
+    try:
+        with pytest.raises(UnusableServer) as e:
+            ServerEngine(url, model_dir=tmp_path, timeout_s=5, max_model_len=88)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    msg = str(e.value)
+    assert isinstance(e.value, EngineUnavailable) and "\n" not in msg and url in msg, msg
+    assert "parityrl_server_info" in msg, msg
