@@ -313,15 +313,37 @@ def _not_written(e: BaseException, run_dir: Path, step: int, tmp: Path) -> Optio
         return None
     free = write_failure.free_bytes(tmp)
     older = latest_checkpoint(run_dir)
-    needed = None
-    if older is not None:  # the last checkpoint's size: the next one holds the same tensors
-        try:
-            needed = sum(int(f["bytes"]) for f in json.loads((older / MANIFEST).read_text())["files"].values())
-        except (OSError, ValueError, KeyError, TypeError):
-            needed = None
-    why = write_failure.describe(e, checkpoints_dir(run_dir), free=free, needed=needed, written=_bytes_under(tmp))
-    kept = f"the newest checkpoint, {older}, is intact" if older else "there is no older checkpoint"
-    return CheckpointNotWritten(f"checkpoint {step} was not written: {why}; {kept}")
+    why = write_failure.describe(e, checkpoints_dir(run_dir), free=free, needed=_checkpoint_bytes(older),
+                                 written=_bytes_under(tmp))
+    return CheckpointNotWritten(f"checkpoint {step} was not written: {why}; {_kept(older)}")
+
+
+def _checkpoint_bytes(path: Optional[Path]) -> Optional[int]:
+    """A checkpoint's size from its manifest (None if unknown): the next one holds the same tensors."""
+    if path is None:
+        return None
+    try:
+        return sum(int(f["bytes"]) for f in json.loads((path / MANIFEST).read_text())["files"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _kept(older: Optional[Path]) -> str:
+    return f"the newest checkpoint, {older}, is intact" if older else "there is no older checkpoint"
+
+
+def no_room(run_dir: Path, step: int) -> Optional[CheckpointNotWritten]:
+    """Before writing checkpoint ``step``: the error if the disk has less room than the newest checkpoint took (the
+    new one holds the same tensors, and the old is pruned only after it), else None. Under DeepSpeed every rank
+    writes a shard between the engine's own barriers, so a rank that fails mid-write leaves the others waiting:
+    a full disk is found here, before any rank writes."""
+    older = latest_checkpoint(run_dir)
+    needed, free = _checkpoint_bytes(older), write_failure.free_bytes(checkpoints_dir(run_dir))
+    if needed is None or free is None or free >= needed:
+        return None
+    return CheckpointNotWritten(f"checkpoint {step} was not written: the disk is full at {checkpoints_dir(run_dir)} "
+                                f"({write_failure.size(free)} free, about {write_failure.size(needed)} needed); "
+                                f"{_kept(older)}")
 
 
 def save_deepspeed_checkpoint(run_dir: Path, step: int, *, engine, policy, scheduler, state: dict, keep_last: int,

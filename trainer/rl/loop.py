@@ -564,6 +564,8 @@ def save_step(run: Run, step: int, result: TrainResult, state: Optional[dict] = 
     cfg = run.cfg
     state = _run_state(run) if state is None else state
     rngs = run.dp.gather_objects(ckpt.rng_state())  # collective: every rank's generators into rng.pt
+    full = ckpt.no_room(cfg.run_dir, step) if run.is_main else None  # a full disk: every rank stops, nothing written
+    stop_together(run.dp, CheckpointFailed(str(full)) if full else None)
     if run.stage:  # every rank writes its ZeRO shard
         result.final_checkpoint = ckpt.save_deepspeed_checkpoint(
             cfg.run_dir, step, engine=run.model, policy=run.policy, scheduler=run.scheduler, state=state,

@@ -49,6 +49,26 @@ def test_a_full_disk_at_a_checkpoint_is_checkpoint_failed_with_status_6(tmp_path
         "step_000001"]
 
 
+def test_less_room_than_the_last_checkpoint_took_is_refused_before_any_rank_writes(tmp_path, monkeypatch):
+    from trainer.io import write_failure
+
+    older = save_step(_run(tmp_path, fail=False), 1, TrainResult(run_dir=tmp_path), {"batcher": {}})
+    needed = ckpt._checkpoint_bytes(older)
+    assert needed > 0
+    monkeypatch.setattr(write_failure, "free_bytes", lambda path: needed - 1)
+    for stage in (0, 2):  # under DeepSpeed (2) the engine, which would write the shards, is never reached
+        run = _run(tmp_path, fail=False)
+        run.stage, run.model = stage, None
+        with pytest.raises(CheckpointFailed) as e:
+            save_step(run, 2, TrainResult(run_dir=tmp_path), {"batcher": {}})
+        msg = str(e.value)
+        assert msg.startswith(f"checkpoint 2 was not written: the disk is full at {ckpt.checkpoints_dir(tmp_path)}")
+        assert "free, about" in msg and f"the newest checkpoint, {older}, is intact" in msg, msg
+    assert [p.name for p in ckpt.checkpoints_dir(tmp_path).iterdir()] == ["step_000001"]
+    monkeypatch.setattr(write_failure, "free_bytes", lambda path: needed)  # exactly enough: written
+    assert save_step(_run(tmp_path, fail=False), 2, TrainResult(run_dir=tmp_path), {"batcher": {}}).name == "step_000002"
+
+
 def test_a_stop_does_not_take_a_damaged_folder_for_its_steps_checkpoint(tmp_path):
     run = _run(tmp_path, fail=False)
     path = save_step(run, 2, TrainResult(run_dir=tmp_path), {"batcher": {}})
