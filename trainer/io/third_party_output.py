@@ -57,6 +57,9 @@ EXPECTED: tuple[tuple[str, str], ...] = (
     (r"\[shutdown\] (Process manager: )?force killing (remaining|sub process)",
      "a stopping server ends its engine processes"),
     (r"Loading (safetensors checkpoint shards|weights):", "progress bars of model loading"),
+    (r"Writing model shards:", "Transformers' bar while a built-in model is written into the cache (once)"),
+    (r"Reset SSM cache type to float32 for accelerated GDN mamba backend",
+     "vLLM's CPU platform on AVX512-BF16 hosts: a cache setting for Mamba/GDN layers, which the model does not use"),
     # torch / DeepSpeed / nanobind
     (r"`torch\.distributed\.reduce_op` is deprecated", "vLLM's Triton shim touches a deprecated torch name"),
     (r"Setting accelerator to CPU\. If you have GPU", "DeepSpeed on a machine without a GPU"),

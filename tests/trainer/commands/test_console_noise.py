@@ -20,6 +20,10 @@ SEEN = [
     "(MainProcess pid=22266) WARNING 11-25 17:45:19 [arg_utils.py:3005] This model does not officially support "
     "disabling chunked prefill. Disabling this manually may cause the engine to crash or produce incorrect outputs.",
     "[W1125 17:45:21.951678109 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy for memory allocation",
+    # on an AVX512-BF16 host (vllm/platforms/cpu.py), and a first run's build of the built-in model
+    "(MainProcess pid=19110) WARNING 11-26 12:28:30 [cpu.py:317] Reset SSM cache type to float32 for accelerated "
+    "GDN mamba backend 'none'.",
+    "Writing model shards:   0%|          | 0/1 [00:00<?, ?it/s]Writing model shards: 100%|██████████| 1/1",
     "[2026-11-25 17:45:01,886] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU. "
     "If you have GPU or other accelerator, we were unable to detect it.",
     # nanobind's report at a vLLM server's exit (format strings in triton/_C/libtriton.so)
