@@ -18,8 +18,8 @@ from rollout.server_engine import (
 CUT = b'{"results": [{"logprobs_mode": "processed_lo'  # a JSON answer that stops mid-string
 
 
-@pytest.fixture
-def cut_server():
+def _json_server(body: bytes):
+    """A server alive on GET /health that answers every POST with HTTP 200 and ``body`` (its exact length)."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200)  # /health: alive
@@ -29,17 +29,23 @@ def cut_server():
             self.rfile.read(int(self.headers.get("content-length", 0)))
             self.send_response(200)
             self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(CUT)))  # the length of what is sent: no transport error
+            self.send_header("content-length", str(len(body)))  # the length of what is sent: no transport error
             self.end_headers()
-            self.wfile.write(CUT)
+            self.wfile.write(body)
 
         def log_message(self, *args):
             pass
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.handle_error = lambda request, address: None  # a request the client abandoned after the first failure
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+@pytest.fixture
+def cut_server():
+    httpd, url = _json_server(CUT)
+    httpd.handle_error = lambda request, address: None  # a request the client abandoned after the first failure
+    yield url
     httpd.shutdown()
     httpd.server_close()
 
@@ -79,28 +85,6 @@ def test_parityrl_train_against_it_exits_4_with_one_line(cut_server, tiny_model_
     lines = [ln for ln in err.splitlines() if ln.startswith("parityrl:")]
     assert status == 4 and len(lines) == 1 and "Traceback" not in err, err
     _check(lines[0], cut_server, "POST /collective_rpc")
-
-
-def _json_server(body: bytes):
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("content-length", 0)))
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 
 
 @pytest.mark.parametrize("body", [b"[]", b'{"results": "x"}', b'{"results": [{"dtype": "bfloat16"}]}',
