@@ -63,8 +63,10 @@ the backward carries the entropy term and recomputes every tile.
 
 Backends: ``_backend_for`` picks the implementation from the inputs' device, in one place:
 CUDA tensors in float32/bf16/fp16 go to the Triton kernels of ``parity.logprobs_triton``
-(when triton imports), everything else to the chunked torch implementation here, which
-is also the reference the Triton kernels are tested against. Both take the same
+(when triton imports, and once they have matched this path on a small problem on that device
+and dtype: ``_triton_ready``; otherwise a warning says why and this path runs), everything
+else to the chunked torch implementation here, which is also the reference the Triton kernels
+are tested against. Both take the same
 ``apply()`` arguments and keep O(N) state between forward and backward. On CUDA the torch
 path sizes its tiles from free GPU memory (``_memory_budget``), not the CPU budget.
 """
@@ -749,9 +751,77 @@ def _backend_for(hidden: torch.Tensor):
     """The autograd Function implementing the kernel for ``hidden``'s device and dtype.
 
     CUDA tensors in a dtype the Triton kernels handle (not float64) go to
-    ``parity.logprobs_triton.TritonLogProbs`` when triton imports; everything else to the
-    chunked torch implementation. Both take the same apply() arguments.
+    ``parity.logprobs_triton.TritonLogProbs`` when triton imports and the kernels passed their
+    check on that device and dtype (``_triton_ready``); everything else to the chunked torch
+    implementation. Both take the same apply() arguments.
     """
-    if hidden.is_cuda and logprobs_triton is not None and logprobs_triton.supports(hidden.dtype):
+    if (hidden.is_cuda and logprobs_triton is not None and logprobs_triton.supports(hidden.dtype)
+            and _triton_ready(hidden.device, hidden.dtype)):
         return logprobs_triton.TritonLogProbs
     return _ChunkedLogProbs
+
+
+# (device, dtype) -> None when the Triton kernels passed ``_triton_self_check`` there, else why not
+_TRITON_CHECKED: dict = {}
+
+
+def _triton_ready(device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels may run on ``device`` in ``dtype``: checked once per process against the torch
+    path. A kernel that does not compile for this GPU, or computes something else, would otherwise fail or
+    mislead every step; then the torch path (correct, slower) runs instead, with one warning saying why."""
+    key = (str(device), dtype)
+    if key not in _TRITON_CHECKED:
+        _TRITON_CHECKED[key] = _triton_self_check(device, dtype)
+        if _TRITON_CHECKED[key] is not None:
+            warnings.warn(f"parity.logprobs: the Triton log-prob kernels failed their check on {device} in {dtype} "
+                          f"({_TRITON_CHECKED[key]}); the chunked torch path runs instead (same results, slower)",
+                          stacklevel=3)
+    return _TRITON_CHECKED[key] is None
+
+
+def _triton_self_check(device, dtype: torch.dtype, shape: Tuple[int, int, int] = (37, 64, 1000)) -> Optional[str]:
+    """None if ``parity.logprobs_triton`` agrees with the torch path on a small ragged problem on ``device`` (log-probs,
+    entropy, the gradient to hidden by both backward paths, the lm_head's gradient, the top-k gather); else why not.
+
+    Tolerances are far above rounding (float32 1e-4, half precisions 3e-2, relative for gradients) and far below
+    what a wrong kernel gives (O(1)): this finds a kernel that fails or is wrong, it does not grade accuracy.
+    ``shape`` (tokens, hidden, vocabulary): ragged against every tile size."""
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    with torch.inference_mode(False):
+        return _compare_backends(device, dtype, tol, shape)
+
+
+def _compare_backends(device, dtype: torch.dtype, tol: float, shape: Tuple[int, int, int]) -> Optional[str]:
+    """``_triton_self_check``'s comparison (inputs made on the CPU generator, so every device sees the same)."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = shape
+    hidden = (torch.randn(n, h, generator=g) * 0.5).to(device=device, dtype=dtype)
+    weight = (torch.randn(v, h, generator=g) * 0.2).to(device=device, dtype=dtype)
+    bias = (torch.randn(v, generator=g) * 0.1).to(device=device, dtype=dtype)
+    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    upstream = torch.randn(n, generator=g).to(device)
+    xf = _transform(0.7, None, 1.0)
+
+    def run(fn, precompute: bool):
+        hh = hidden.clone().requires_grad_(True)
+        ww = weight.clone().requires_grad_(not precompute)
+        with torch.enable_grad():  # the first call may come under no_grad (a scoring pass)
+            lp, ent = fn.apply(hh, ww, bias, targets, xf, True, False, 0, 0, precompute)
+            (lp * upstream).sum().backward()
+        return lp.float(), ent.float(), hh.grad.float(), None if precompute else ww.grad.float()
+
+    def far(a, b) -> bool:
+        return bool(((a - b).norm() / b.norm().clamp_min(1e-12)) > tol)
+
+    try:
+        for precompute in (True, False):
+            got, ref = run(logprobs_triton.TritonLogProbs, precompute), run(_ChunkedLogProbs, precompute)
+            for name, a, b in zip(("log-probs", "entropy", "gradient to hidden", "lm_head gradient"), got, ref):
+                if b is not None and (a is None or not torch.isfinite(a).all() or far(a, b)):
+                    return f"{name} differs from the torch path (frozen lm_head: {precompute})"
+        top = logprobs_triton.gather_logprobs_triton(hidden, weight, targets[:, None], bias=bias, temperature=0.7)
+        if far(top[:, 0].float(), ref[0]):
+            return "the top-k gather differs from the torch path"
+    except Exception as e:  # noqa: BLE001 - a kernel that does not compile or launch here: say why, use torch
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return None

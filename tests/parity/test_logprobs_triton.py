@@ -5,6 +5,7 @@ The kernels themselves are checked in ``test_logprobs_triton_interpret.py``, whi
 a fresh process (see that module's docstring).
 """
 
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,13 +22,40 @@ GiB = 2**30
 
 
 def _fake(device_type: str, dtype: torch.dtype):
-    # _backend_for reads only .is_cuda and .dtype; a stand-in avoids needing a GPU.
-    return SimpleNamespace(is_cuda=device_type == "cuda", dtype=dtype)
+    # _backend_for reads only .is_cuda, .device and .dtype; a stand-in avoids needing a GPU.
+    return SimpleNamespace(is_cuda=device_type == "cuda", device=f"{device_type}:0", dtype=dtype)
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """The kernels' self-check (which needs the device) answers as the test says; the per-process memo is fresh."""
+    answers, calls = {}, []
+    monkeypatch.setattr(lpmod, "_TRITON_CHECKED", {})
+
+    def check(device, dtype):
+        calls.append((str(device), dtype))
+        return answers.get(dtype)
+
+    monkeypatch.setattr(lpmod, "_triton_self_check", check)
+    return answers, calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_tensors_go_to_triton(dtype):
+def test_cuda_tensors_go_to_triton(dtype, checked):
     assert lpmod._backend_for(_fake("cuda", dtype)) is lt.TritonLogProbs
+
+
+def test_kernels_that_fail_their_check_leave_the_torch_path_with_one_warning(checked):
+    answers, calls = checked
+    answers[torch.bfloat16] = "CompilationError: out of shared memory"
+    with pytest.warns(UserWarning, match=r"failed their check on cuda:0 in torch.bfloat16 \(CompilationError: out of "
+                                          r"shared memory\); the chunked torch path runs instead"):
+        assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lpmod._ChunkedLogProbs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # checked once per device and dtype: no second warning
+        assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lpmod._ChunkedLogProbs
+        assert lpmod._backend_for(_fake("cuda", torch.float16)) is lt.TritonLogProbs
+    assert calls == [("cuda:0", torch.bfloat16), ("cuda:0", torch.float16)]
 
 
 def test_cpu_float64_and_no_triton_go_to_torch(monkeypatch):

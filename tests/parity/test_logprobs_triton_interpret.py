@@ -200,3 +200,34 @@ def test_public_api_on_the_triton_backend_ignore_index_and_3d(monkeypatch):
     top = fused_gather_logprobs(hidden.float().reshape(4, 9, H), weight.float(), ids, bias=bias.float())
     ref = torch.log_softmax(hidden @ weight.T + bias, -1).gather(-1, ids.reshape(-1, 3)).reshape(4, 9, 3)
     assert top.dtype == torch.float32 and torch.allclose(top.double(), ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_self_check_passes_the_kernels(dtype):
+    """``_triton_self_check`` (what lets the Triton path run on a GPU), at this module's ragged shape."""
+    assert lpmod._triton_self_check(torch.device("cpu"), dtype, shape=(N, H, V)) is None
+
+
+def test_the_self_check_names_a_broken_kernel(monkeypatch):
+    def check():
+        return lpmod._triton_self_check(torch.device("cpu"), torch.float32, shape=(N, H, V))
+
+    real = lt.gather_logprobs_triton
+    monkeypatch.setattr(lt, "gather_logprobs_triton", lambda *a, **k: real(*a, **k) - 0.5)
+    assert check() == "the top-k gather differs from the torch path"
+    monkeypatch.setattr(lt, "gather_logprobs_triton", real)
+    real_stats = lt._forward_stats
+
+    def wrong_entropy(*a, **k):
+        lse, ent, zt = real_stats(*a, **k)
+        return lse, (ent * 1.5 if ent is not None else None), zt
+
+    monkeypatch.setattr(lt, "_forward_stats", wrong_entropy)
+    assert check() == "entropy differs from the torch path (frozen lm_head: False)"
+    monkeypatch.setattr(lt, "_forward_stats", real_stats)
+
+    def no_compile(*a, **k):
+        raise RuntimeError("PassManager::run failed\nmore")
+
+    monkeypatch.setattr(lt.TritonLogProbs, "apply", no_compile)
+    assert check() == "RuntimeError: PassManager::run failed more"
