@@ -82,7 +82,7 @@ def _hub_problem(repo_id: str, kind: str, info: Callable[[], object], timeout_s:
     except Exception as e:  # noqa: BLE001 - connection errors are the HTTP client's own types
         return (f"neither {local} nor a {kind} in the Hugging Face cache, and {huggingface_hub.constants.ENDPOINT} "
                 f"did not answer within {timeout_s:g} s ({type(e).__name__}: {_one_line(e)[:120]}); connect, or "
-                f"download it first (with no network, HF_HUB_OFFLINE=1 makes every hub lookup fail at once)")
+                "download it first (with no network, HF_HUB_OFFLINE=1 makes every hub lookup fail at once)")
     return None
 
 

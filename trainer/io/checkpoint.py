@@ -341,9 +341,8 @@ def no_room(run_dir: Path, step: int) -> Optional[CheckpointNotWritten]:
     needed, free = _checkpoint_bytes(older), write_failure.free_bytes(checkpoints_dir(run_dir))
     if needed is None or free is None or free >= needed:
         return None
-    return CheckpointNotWritten(f"checkpoint {step} was not written: the disk is full at {checkpoints_dir(run_dir)} "
-                                f"({write_failure.size(free)} free, about {write_failure.size(needed)} needed); "
-                                f"{_kept(older)}")
+    why = write_failure.disk_full(checkpoints_dir(run_dir), free=free, needed=needed)
+    return CheckpointNotWritten(f"checkpoint {step} was not written: {why}; {_kept(older)}")
 
 
 def save_deepspeed_checkpoint(run_dir: Path, step: int, *, engine, policy, scheduler, state: dict, keep_last: int,

@@ -64,12 +64,17 @@ def describe(e: BaseException, where: Path, *, free: Optional[int], needed: Opti
     """One line: why writing under ``where`` failed. ``needed``: bytes the write takes, if known; ``written``:
     bytes it had written when it failed."""
     if is_disk_full(e, free):
-        known = [f"{size(free)} free"]
-        if needed:
-            known.append(f"about {size(needed)} needed")
-        if written:
-            known.append(f"{size(written)} written before it failed")
-        return f"the disk is full at {where} ({', '.join(known)})"
+        return disk_full(where, free=free, needed=needed, written=written)
     if isinstance(e, OSError) and e.strerror:
         return f"{type(e).__name__} at {e.filename or where}: {e.strerror} ({size(free)} free)"
     return f"{type(e).__name__} at {where}: {' '.join(str(e).split())[:300]} ({size(free)} free)"
+
+
+def disk_full(where: Path, *, free: Optional[int], needed: Optional[int] = None, written: Optional[int] = None) -> str:
+    """One line: the disk at ``where`` is full, with what is known of free, needed and written bytes."""
+    known = [f"{size(free)} free"]
+    if needed:
+        known.append(f"about {size(needed)} needed")
+    if written:
+        known.append(f"{size(written)} written before it failed")
+    return f"the disk is full at {where} ({', '.join(known)})"
