@@ -99,3 +99,76 @@ def test_supported_dtypes():
 
 def test_interpreter_tier():
     run_interpreter_tier("test_logprobs_triton_interpret.py")
+
+
+H100 = dict(sms=132, l2_bytes=50 * 2**20)
+
+
+@pytest.mark.parametrize("n", [256, 4096, 16384, 65536])
+def test_launch_plan_keeps_the_hidden_slabs_in_flight_within_l2_and_fills_waves(n):
+    tiles = lt.CUDA_TILES
+    h, vocab = 3584, 152064
+    plan = lt.launch_plan(n, vocab, h, 2, tiles, **H100)
+    row_blocks = -(-n // tiles.block_m)
+    slab = tiles.block_m * h * 2
+    # A wave of programs spans at most two groups: their slabs fit in the L2 with room for the weight tiles.
+    assert plan.group_m * slab <= H100["l2_bytes"] * lt.L2_SHARE_FOR_HIDDEN
+    assert plan.group_m * plan.splits >= H100["sms"] or plan.group_m == row_blocks
+    assert plan.splits * plan.span >= vocab > (plan.splits - 1) * plan.span and plan.span % tiles.block_v == 0
+    assert plan.programs == row_blocks * plan.splits >= 2 * H100["sms"]
+    waves = -(-plan.programs // H100["sms"])
+    assert plan.programs / (waves * H100["sms"]) >= 0.9  # the last wave is (nearly) full
+
+
+def test_launch_plan_row_order_was_the_l2_problem():
+    # Row blocks varying fastest over the whole grid keep every row block's slab in flight: at N = 16384 that is
+    # 128 slabs of 128 x 3584 bf16 (117 MB) for a 50 MB L2. The plan's groups hold a bounded number.
+    plan = lt.launch_plan(16384, 152064, 3584, 2, lt.CUDA_TILES, **H100)
+    assert 128 * lt.CUDA_TILES.block_m * 3584 * 2 > H100["l2_bytes"]
+    assert plan.group_m < 128
+
+
+def test_interpreter_plan_exercises_merge_and_groups():
+    plan = lt.launch_plan(37, 70, 40, 4, lt.INTERPRETER_TILES, sms=None)
+    assert plan == lt.LaunchPlan(splits=2, span=48, group_m=2, programs=6)
+
+
+def test_a_self_check_that_ran_out_of_memory_is_tried_again(monkeypatch):
+    monkeypatch.setattr(lpmod, "_TRITON_CHECKED", {})
+    monkeypatch.setattr(lpmod, "_TRITON_CHECK_OOM", set())
+    answers = [lpmod._CheckOutOfMemory("CUDA out of memory. Tried to allocate 2.00 MiB"), None]
+
+    def check(device, dtype):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(lpmod, "_triton_self_check", check)
+    with pytest.warns(UserWarning, match="ran out of memory .*until a later call can check them"):
+        assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lpmod._ChunkedLogProbs
+    assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lt.TritonLogProbs
+    assert answers == []
+
+
+def test_the_self_check_turns_out_of_memory_into_a_retry(monkeypatch):
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(lt.TritonLogProbs, "apply", oom)
+    with pytest.raises(lpmod._CheckOutOfMemory, match="out of memory"):
+        lpmod._triton_self_check(torch.device("cpu"), torch.float32)
+
+
+def test_the_self_check_shape_forces_every_loop_of_the_kernels(monkeypatch):
+    props = SimpleNamespace(multi_processor_count=132, L2_cache_size=50 * 2**20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    for dtype in (torch.bfloat16, torch.float32):
+        tiles = lt.tiles_for(torch.device("cuda"), dtype)
+        n, h, v, chunk = lpmod.self_check_shape("cuda", dtype)
+        plan = lt.launch_plan(n, v, h, torch.tensor([], dtype=dtype).element_size(), tiles, sms=132,
+                              l2_bytes=50 * 2**20)
+        assert -(-n // tiles.block_m) >= 3 and n % tiles.block_m  # several row blocks, a ragged one
+        assert -(-h // tiles.block_k) >= 3 and h % tiles.block_k  # several K steps, a ragged one
+        assert plan.span >= 2 * tiles.block_v and v % tiles.block_v  # several tiles per program, a ragged one
+        assert -(-n // chunk) >= 3  # several backward chunks
