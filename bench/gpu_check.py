@@ -100,8 +100,15 @@ def _need_cuda(what: str = "") -> torch.device:
 # ---------------------------------------------------------------- the log-prob kernel
 
 
+# The implementations this project ships: their accuracy is asserted. Third-party kernels (Liger-Kernel,
+# cut-cross-entropy) are timed and their errors printed, never asserted: a check of ours must not fail on another
+# project's bug (an older Liger's reduction="none" gradient was wrong, linkedin/Liger-Kernel#1298).
+OURS = ("torch", "triton")
+
+
 def kernel_accuracy() -> str:
-    """Ours (and Triton on CUDA) vs float64 on N=256, H=128, V=4096 bf16 (bench_logprobs' functions)."""
+    """Ours (and Triton on CUDA) vs float64 on N=256, H=128, V=4096 bf16, every row: log-probs and grad_hidden with
+    a frozen lm_head, grad_hidden and grad_weight (sampled vocabulary rows) with a trained one."""
     import bench_logprobs as bl
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,28 +118,31 @@ def kernel_accuracy() -> str:
     weight = (torch.randn(v, h, generator=g) * h**-0.5).to(device, torch.bfloat16)
     targets = torch.randint(0, v, (n,), generator=g).to(device)
     a, b = torch.randn(n, generator=g).to(device), torch.zeros(n, device=device)
-    ref_lp, ref_gh = bl._cuda_reference(hidden, weight, targets, a)
+    sampled = torch.randperm(v, generator=g)[:256].to(device)
+    ref_lp, ref_gh, ref_gw = bl.reference_float64(hidden, weight, targets, a, sampled)
     variants = bl._cuda_variants()
     names = ["naive", "torch"] + (["triton"] if device.type == "cuda" and "triton" in variants else [])
     out, bad, errs = [], [], {}
     for name in names:
         lp, _ = bl._cuda_once(variants[name], "frozen", hidden, weight, targets, a, b)
-        errs[name] = lp_err, gh_rel = ((lp.double() - ref_lp).abs().max().item(),
-                                       ((hidden.grad.double() - ref_gh).norm() / ref_gh.norm()).item())
-        out.append(f"{name}: lp {lp_err:.1e}, grad_h rel {gh_rel:.1e}")
+        lp_err, gh_rel = (lp.double() - ref_lp).abs().max().item(), bl._rel(hidden.grad, ref_gh)
+        bl._cuda_once(variants[name], "full", hidden, weight, targets, a, b)
+        full_gh, gw_rel = bl._rel(hidden.grad, ref_gh), bl._rel(weight.grad[sampled], ref_gw)
+        errs[name] = (lp_err, max(gh_rel, full_gh), gw_rel)
+        out.append(f"{name}: lp {lp_err:.1e}, grad_h rel {max(gh_rel, full_gh):.1e}, grad_w rel {gw_rel:.1e}")
         # within the absolute limits, or no worse than twice the full-logits implementation's error in the
         # same dtype (bf16's own); a wrong normaliser or gather is off by O(1) either way
-        lp_naive, gh_naive = errs["naive"]
-        if not (lp_err <= max(2 * lp_naive, KERNEL_LP_ABS) and gh_rel <= max(2 * gh_naive, KERNEL_GRAD_REL)):
+        limits = [max(2 * e, lim) for e, lim in zip(errs["naive"], (KERNEL_LP_ABS, KERNEL_GRAD_REL, KERNEL_GRAD_REL))]
+        if name in OURS and any(e > lim for e, lim in zip(errs[name], limits)):
             bad.append(name)
     figure = f"{device.type} bf16 N={n} H={h} V={v}: " + "; ".join(out)
     if bad:
-        raise AssertionError(f"{figure} (limits: lp {KERNEL_LP_ABS}, grad_h rel {KERNEL_GRAD_REL})")
+        raise AssertionError(f"{figure} (limits: lp {KERNEL_LP_ABS}, gradients rel {KERNEL_GRAD_REL})")
     return figure
 
 
 def kernel_speed() -> str:
-    """bench_logprobs' CUDA measurement, LoRA mode ('frozen'), at one token count."""
+    """bench_logprobs' CUDA measurement, LoRA mode ('frozen'), at one token count; every row checked against float64."""
     _need_cuda()
     import bench_logprobs as bl
 
@@ -143,7 +153,7 @@ def kernel_speed() -> str:
     weight = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h**-0.5
     targets = torch.randint(0, v, (n,), device=dev)
     a, b = torch.randn(n, device=dev), 0.01 * torch.randn(n, device=dev)
-    _, ref_gh = bl._cuda_reference(hidden, weight, targets, a)
+    _, ref_gh, _ = bl.reference_float64(hidden, weight, targets, a, torch.arange(1, device=dev))
     cells, bad = [], []
     for name, fn in bl._cuda_variants().items():
         r = bl._cuda_measure(fn, "frozen", (hidden, weight, targets, a, b), reps=5)
@@ -152,9 +162,9 @@ def kernel_speed() -> str:
         if r["oom"]:
             cells.append(f"{name} OOM")
             continue
-        gh_rel = ((r["grad_h"] - ref_gh).norm() / ref_gh.norm()).item()
-        cells.append(f"{name} {r['time'] * 1e3:.0f} ms {r['peak'] / 2**30:.1f} GiB")
-        if name != "naive" and gh_rel > KERNEL_GRAD_REL:
+        gh_rel = bl._rel(r["grad_h"], ref_gh)
+        cells.append(f"{name} {r['time'] * 1e3:.0f} ms {r['peak'] / 2**30:.1f} GiB grad_h rel {gh_rel:.1e}")
+        if name in OURS and gh_rel > KERNEL_GRAD_REL:
             bad.append(f"{name} grad_h rel {gh_rel:.1e}")
     figure = f"N={n} H={h} V={v} fwd+bwd: " + ", ".join(cells)
     if bad:
