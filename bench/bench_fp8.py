@@ -4,17 +4,23 @@ Per shape (Qwen2.5-7B's 3584/18944 and 18944/3584, Qwen2.5-0.5B's 896/4864 and 4
 default 8192), on a CUDA GPU:
 
 - one LoRA'd linear (r = 16, PEFT): BF16 (PEFT's base + B A x) vs FP8 (``convert_to_fp8``'s layer,
-  FP8 GEMM on the cached quantized merged weight), forward and forward + backward;
+  FP8 GEMM on the cached quantized merged weight; backward: dx through the dequantized weight, the
+  adapters' gradients through the rank, no [N, K] weight gradient), forward and forward + backward;
 - the FP8 forward's parts: activation quantization (fused Triton kernel), the FP8 GEMM alone, and
-  the weight quantization paid once per optimizer step (the cache's miss), with the quantization's
-  share of the forward;
+  the weight quantization paid once per optimizer step and adapter state (the cache's miss), with
+  the quantization's share of the forward; the backward's parts: dequantizing the weight and the
+  activation into BF16, the dx GEMM, the adapters' rank-r GEMMs;
+- the weight cache's quantization count over the timed loops (1: the weights do not change) and over
+  three micro-batches of a policy forward plus a reference forward with the adapter off (2: one per
+  adapter state, not one per forward);
 - one whole decoder layer (Qwen2 config of that size, LoRA on every linear, M tokens as 4 sequences),
   BF16 vs FP8, forward and forward + backward.
 
 Timings: CUDA events, median of ``--iters`` after warm-up; ratios are BF16 time / FP8 time (> 1:
 FP8 faster), all from this one run on one card (printed). On a machine without CUDA SM 9.x
-(torch's block-scaled FP8 GEMM is Hopper-only) it says so, times the emulated path on a small
-shape on CPU, and exits 0.
+(torch's block-scaled FP8 GEMM is Hopper-only) it says so, runs the FP8 layer's path on a small
+shape on CPU with the GEMM emulated (``parity.fp8_gemm.fp8_gemm_emulated``: the same quantization,
+cache and backward, so its quantization counts are real; its times are not FP8 figures), and exits 0.
 """
 from __future__ import annotations
 
@@ -87,7 +93,8 @@ def to_fp8(layer, backend: str):
 def bench_linear(m: int, k: int, n: int, device, backend: str, iters: int) -> dict:
     import copy
 
-    from parity.fp8_gemm import _GEMM, quantize_act_for_gemm, quantize_weight_for_gemm
+    from parity import fp8_gemm as fg
+    from trainer.models.precision import fp8_weight_quantizations, invalidate_fp8_caches
 
     bf16 = lora_linear(k, n, device)
     fp8 = to_fp8(copy.deepcopy(bf16), backend)
@@ -98,13 +105,33 @@ def bench_linear(m: int, k: int, n: int, device, backend: str, iters: int) -> di
         with torch.no_grad():
             out[f"{name}_fwd"] = _timer(lambda layer=layer: layer(x), iters)
         out[f"{name}_fwdbwd"] = _timer(lambda layer=layer: layer(x).backward(g), iters)
-    if backend == "scaled_mm":
-        w = bf16.get_base_layer().weight.detach()
-        fw = quantize_weight_for_gemm(w)
-        xq, sa = quantize_act_for_gemm(x.detach(), fw.codes.shape[1])
-        out["act_quant"] = _timer(lambda: quantize_act_for_gemm(x.detach(), fw.codes.shape[1]), iters)
-        out["gemm"] = _timer(lambda: _GEMM(xq, sa, fw, m, torch.bfloat16), iters)
-        out["weight_quant_per_step"] = _timer(lambda: quantize_weight_for_gemm(w), iters)
+    if backend != "scaled_mm":
+        return out
+    out["quant_timed"] = fp8_weight_quantizations(fp8, reset=True)
+    invalidate_fp8_caches(fp8)  # from an empty cache, as after a weight sync by .data
+    for _ in range(3):  # micro-batches: policy forward + backward, then the reference forward, adapter off
+        fp8(x).backward(g)
+        fp8.enable_adapters(False)
+        with torch.no_grad():
+            fp8(x)
+        fp8.enable_adapters(True)
+    out["quant_policy_ref"] = fp8_weight_quantizations(fp8, reset=True)
+
+    w = bf16.get_base_layer().weight.detach()
+    fw = fg.quantize_weight_for_gemm(w)
+    xq, sa = fg.quantize_act_for_gemm(x.detach(), fw.codes.shape[1])
+    out["act_quant"] = _timer(lambda: fg.quantize_act_for_gemm(x.detach(), fw.codes.shape[1]), iters)
+    out["gemm"] = _timer(lambda: fg._GEMM(xq, sa, fw, m, torch.bfloat16), iters)
+    out["weight_quant_per_step"] = _timer(lambda: fg.quantize_weight_for_gemm(w), iters)
+    # The backward's parts, as Fp8CachedLinear.backward runs them.
+    a = fp8.lora_A["default"].weight.detach().bfloat16()
+    b = fp8.lora_B["default"].weight.detach().bfloat16()
+    wd = fw.dequantize(torch.bfloat16)
+    xd = fg.dequantize_act_for_gemm(xq, sa, m, k, torch.bfloat16)
+    out["bwd_dequant_w"] = _timer(lambda: fw.dequantize(torch.bfloat16), iters)
+    out["bwd_dequant_x"] = _timer(lambda: fg.dequantize_act_for_gemm(xq, sa, m, k, torch.bfloat16), iters)
+    out["bwd_dx"] = _timer(lambda: g @ wd, iters)
+    out["bwd_lora"] = _timer(lambda: ((g @ b).t() @ xd, g.t() @ (xd @ a.t())), iters)
     return out
 
 
@@ -143,7 +170,12 @@ def _report(title: str, r: dict) -> None:
         share = r["act_quant"] / r["fp8_fwd"]
         print(f"    FP8 forward parts: activation quantization {r['act_quant']:.3f} ms ({share:.0%} of the "
               f"forward), FP8 GEMM alone {r['gemm']:.3f} ms; weight quantization {r['weight_quant_per_step']:.3f} ms "
-              "once per optimizer step (cached)")
+              "once per optimizer step and adapter state (cached)")
+        print(f"    FP8 backward parts: dequantize W {r['bwd_dequant_w']:.3f} ms, dequantize x "
+              f"{r['bwd_dequant_x']:.3f} ms, dx GEMM {r['bwd_dx']:.3f} ms, adapters' rank-r GEMMs {r['bwd_lora']:.3f} ms")
+        print(f"    weight quantizations: {r['quant_timed']} over the timed loops (weights fixed: 1 expected); "
+              f"{r['quant_policy_ref']} over 3 micro-batches of policy + reference (adapter off) forwards "
+              "(2 expected: one per adapter state)")
 
 
 def main(argv=None) -> int:
@@ -160,10 +192,14 @@ def main(argv=None) -> int:
         where = torch.cuda.get_device_name() if cuda else "no CUDA device"
         print(f"FP8 GEMM not measured: it needs a CUDA GPU with torch's block-scaled FP8 GEMM "
               f"(SM 9.x, torch.nn.functional.scaled_mm); here: {where}.")
-        print("Emulated path (quantize -> dequantize -> BF16 GEMM) on CPU, small shape, for reference only:")
+        print("The FP8 layer's path on CPU with the GEMM emulated (same quantization, cache and backward; "
+              "times are not FP8 figures, the quantization counts are), small shape:")
+        from parity import fp8_gemm as fg
+
+        fg._GEMM = fg.fp8_gemm_emulated
         m, k, n = 256, 896, 896
-        r = bench_linear(m, k, n, "cpu", "emulated", iters=3)
-        _report(f"LoRA linear M={m} K={k} N={n} (CPU, emulated)", r)
+        r = bench_linear(m, k, n, "cpu", "scaled_mm", iters=3)
+        _report(f"LoRA linear M={m} K={k} N={n} (CPU, emulated GEMM)", r)
         return 0
 
     print(f"device: {torch.cuda.get_device_name()} (SM {'.'.join(map(str, torch.cuda.get_device_capability()))}), "

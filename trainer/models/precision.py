@@ -35,13 +35,15 @@ forward until accumulated updates cross a rounding boundary; the master
 adapter keeps accumulating them in float32 (Jet-RL, arXiv 2601.14243, trains
 the same way: the rollout graph is a subgraph of the training graph).
 
-Cost of merging, per LoRA layer and micro-batch: one extra [N, r] x [r, K]
-GEMM and an [N, K] float32 temporary plus its quantization in the forward, and
-in the backward the full weight gradient dL/dW' (tokens x N x K FLOPs, as much
-as the forward GEMM: the weight-gradient cost of full fine-tuning) before it is
-reduced to A and B. On the FP8-GEMM backend (``scaled_mm``, CUDA) the merged weight is
-quantized once per change of W, A or B (``parity.fp8_gemm.Fp8WeightCache``: once per optimizer
-step) and the merge is recomputed only in the backward, for the adapters' gradients.
+Cost of merging, per LoRA layer and micro-batch, on the emulated backend: one extra [N, r] x [r, K]
+GEMM and an [N, K] float32 temporary plus its quantization in the forward, and in the backward the
+full weight gradient dL/dW' (tokens x N x K FLOPs, as much as the forward GEMM) before it is reduced
+to A and B. On the FP8-GEMM backend (``scaled_mm``, CUDA) the merged weight is quantized once per
+change of W, A or B and adapter state (``parity.fp8_gemm.Fp8WeightCache``: once per optimizer step
+for the policy, once for the reference with the adapter off, side by side), and the backward takes
+the adapters' gradients through the rank (``parity.fp8_gemm.Fp8CachedLinear``): the same STE
+gradients, without the [N, K] product. ``fp8_weight_quantizations(model)`` counts the
+quantizations (per step: ``reset=True``).
 LoRA dropout cannot be applied to a merged weight (the
 engine has none either): ``convert_to_fp8`` refuses adapters with dropout > 0.
 """
@@ -59,8 +61,8 @@ from parity.precision import FP8_TARGETS, fake_quant_weight, fp8_linear
 from trainer.config.schema import RecipeError
 from trainer.models.architecture import decoder_layers, decoder_linear_leaves
 
-__all__ = ["FP8_TARGETS", "Fp8Linear", "convert_to_fp8", "fp8_targets", "fp8_weights", "invalidate_fp8_caches",
-           "is_fp8_module", "lora_merged_weight"]
+__all__ = ["FP8_TARGETS", "Fp8Linear", "convert_to_fp8", "fp8_targets", "fp8_weight_quantizations", "fp8_weights",
+           "invalidate_fp8_caches", "is_fp8_module", "lora_merged_weight"]
 
 
 def _weight_cache(module: nn.Module) -> Fp8WeightCache:
@@ -84,9 +86,7 @@ class Fp8Linear(nn.Linear):
         if self.fp8_backend != "scaled_mm":
             return fp8_linear(x, self.weight, self.bias)
         w = self.weight
-        return fp8_cached_linear(x, _weight_cache(self), (w,), (), lambda: w.detach(), self.bias,
-                                 params=(w,) if w.requires_grad else (),
-                                 weight_grad=lambda gw: (gw.to(w.dtype),))
+        return fp8_cached_linear(x, _weight_cache(self), (w,), (), lambda: w.detach(), self.bias, weight=w)
 
 
 def lora_merged_weight(module: nn.Module) -> torch.Tensor:
@@ -119,16 +119,22 @@ def fp8_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _lora_sources(module: nn.Module) -> tuple[list[torch.Tensor], tuple]:
-    """The tensors and values ``lora_merged_weight(module)`` is computed from (the weight cache's key)."""
+def _lora_sources(module: nn.Module) -> tuple[list[torch.Tensor], tuple, list[tuple[torch.Tensor, torch.Tensor, float]]]:
+    """What ``lora_merged_weight(module)`` is computed from: its tensors and values (the weight
+    cache's key), and the (A, B, scaling) of each adapter it adds (their factored gradients)."""
     sources = [module.get_base_layer().weight]
     extra: list = [bool(module.disable_adapters), tuple(module.merged_adapters)]
+    lora = []
     if not module.disable_adapters:
         for adapter in module.active_adapters:
             if adapter in module.lora_A and adapter not in module.merged_adapters:
-                sources += [module.lora_A[adapter].weight, module.lora_B[adapter].weight]
-                extra.append((adapter, float(module.scaling[adapter])))
-    return sources, tuple(extra)
+                if module.fan_in_fan_out:  # PEFT resets it for an nn.Linear base; a [in, out] base is not one
+                    raise NotImplementedError("fp8 LoRA layers: fan_in_fan_out (a transposed base weight) is not supported")
+                a, b, s = module.lora_A[adapter].weight, module.lora_B[adapter].weight, float(module.scaling[adapter])
+                sources += [a, b]
+                extra.append((adapter, s))
+                lora.append((a, b, s))
+    return sources, tuple(extra), lora
 
 
 def _fp8_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -141,19 +147,10 @@ def _fp8_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return fp8_linear(x, w.to(x.dtype), base.bias)
     if self.disable_adapters and self.merged:
         lora_merged_weight(self)  # raises: the base weight holds disabled adapters
-    sources, extra = _lora_sources(self)
-    params = [p for p in sources if p.requires_grad]
+    sources, extra, lora = _lora_sources(self)
     dtype = x.dtype
-
-    def merged_grads(gw: torch.Tensor):
-        # dL/dW' (the STE's weight gradient, in x's dtype) -> the adapters' gradients, through the
-        # same merge and rounding as the forward's weight (autograd of lora_merged_weight).
-        with torch.enable_grad():
-            w = lora_merged_weight(self).to(dtype)
-            return torch.autograd.grad(w, params, gw, allow_unused=True)
-
     return fp8_cached_linear(x, _weight_cache(self), sources, extra + (dtype,),
-                             lambda: lora_merged_weight(self).to(dtype), base.bias, params, merged_grads)
+                             lambda: lora_merged_weight(self).to(dtype), base.bias, weight=base.weight, lora=lora)
 
 
 _LORA_FP8_CLASSES: dict[type, type] = {}
@@ -230,6 +227,20 @@ def invalidate_fp8_caches(model: nn.Module) -> int:
             cache.invalidate()
             dropped += 1
     return dropped
+
+
+def fp8_weight_quantizations(model: nn.Module, *, reset: bool = False) -> int:
+    """Weight quantizations of every converted layer's cache since the last reset (``reset=True``
+    reads and zeroes them: a per-step count). Once per layer and adapter state in use per optimizer
+    step when the cache works; 0 on the emulated backend, which keeps no cache."""
+    total = 0
+    for m in model.modules():
+        cache = m.__dict__.get("_fp8_cache")
+        if cache is not None:
+            total += cache.quantizations
+            if reset:
+                cache.quantizations = 0
+    return total
 
 
 def _auto_backend(device: torch.device) -> str:

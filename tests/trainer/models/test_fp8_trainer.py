@@ -189,7 +189,14 @@ def test_gemm_backend_forward_and_backward_equal_the_emulated_path(monkeypatch):
     grads_got = {n: p.grad for n, p in got.named_parameters() if p.requires_grad}
     assert grads_ref.keys() == grads_got.keys() and grads_ref
     for n in grads_ref:
-        assert torch.equal(grads_ref[n], grads_got[n]), n
+        if "lora_" in n:
+            # The GEMM backend takes the adapters' STE gradients through the rank, the emulated one
+            # through the [N, K] weight gradient: the same quantity, rounded differently in BF16
+            # (tests/parity/test_fp8_gemm.py pins both against float64). Everything else: bitwise.
+            err = ((grads_got[n] - grads_ref[n]).norm() / grads_ref[n].norm()).item()
+            assert err < 1e-2, (n, err)
+        else:
+            assert torch.equal(grads_ref[n], grads_got[n]), n
 
 
 def test_weights_are_quantized_once_per_optimizer_step(monkeypatch):
@@ -223,6 +230,37 @@ def test_weights_are_quantized_once_per_optimizer_step(monkeypatch):
             m.fp8_backend = "emulated"
     with torch.no_grad():
         assert torch.equal(policy(ids(7)).logits, ref(ids(7)).logits)
+
+
+def test_policy_and_reference_forwards_quantize_once_per_adapter_state(monkeypatch):
+    """A micro-batch's policy forward (adapter on) and reference forward (adapter off) keep one cache entry
+    each: per step, each LoRA layer quantizes twice (once per adapter state), each other layer once, however
+    many micro-batches; after an optimizer step only the policy's merged weights are quantized again."""
+    import parity.fp8_gemm as fg
+    from trainer.models.precision import fp8_weight_quantizations
+
+    monkeypatch.setattr(fg, "_GEMM", _emulated_gemm)
+    policy = with_lora(small_llama())
+    convert_to_fp8(policy)
+    _to_gemm_backend(policy)
+    policy.train()
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
+    for step in range(2):
+        for mb in range(3):
+            policy(ids(mb), labels=ids(mb)).loss.backward()
+            with torch.no_grad(), policy.disable_adapter():
+                policy(ids(mb))
+        caches = _caches(policy)
+        lora_layers = {n for n, m in policy.named_modules() if n in caches and hasattr(m, "lora_A")}
+        per_layer = {n: c.quantizations for n, c in caches.items()}
+        # step 0: LoRA layers 2 (adapter on, adapter off), others 1; step 1: the reference entries are kept
+        want_lora, want_other = (2, 1) if step == 0 else (1, 0)
+        assert lora_layers and all(q == (want_lora if n in lora_layers else want_other) for n, q in per_layer.items())
+        assert all(len(c) == (2 if n in lora_layers else 1) for n, c in caches.items())
+        assert fp8_weight_quantizations(policy, reset=True) == sum(per_layer.values())
+        assert fp8_weight_quantizations(policy) == 0
+        opt.step()
+        opt.zero_grad()
 
 
 def test_writes_through_data_need_the_explicit_invalidation(monkeypatch):
