@@ -48,6 +48,7 @@ from trainer.models.exact import ExactLogprobs
 from trainer.models.memory import peak_memory_gb
 from trainer.models.optim import make_scheduler
 from trainer.models.policy import load_tokenizer
+from trainer.models.precision import fp8_weight_quantizations
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_launch, check_model_config
 from trainer.rewards.sources import build_reward_sources
@@ -200,6 +201,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             sync_phase(run, step, m)
             m["perf/step_s"] = time.perf_counter() - t_step
             m["perf/peak_memory_gb"] = peak_memory_gb(run.device)  # the run's peak so far (GiB; CPU: RSS)
+            quantized = fp8_weight_quantizations(run.policy, reset=True)
+            if quantized:  # only the real FP8 GEMM layers keep a weight cache (precision fp8_unified on CUDA)
+                m["perf/fp8_weight_quantizations"] = quantized
             with run.records.writing(run.logger.metrics_path, step):
                 run.logger.log(step, m)
             unlogged = None
