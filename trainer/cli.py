@@ -20,6 +20,8 @@ import argparse
 import json
 import os
 import re
+import shlex
+import shutil
 import sys
 
 import yaml
@@ -159,7 +161,20 @@ def run_train(argv: list[str] | None = None, prog: str = "parityrl train") -> in
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = p.parse_args(argv)
     args.own_console = argv is None
+    # a launcher's own options are not known to the processes it started: the hint keeps them as a placeholder
+    args.prog = f"<your launch command> -m {prog}" if prog == "trainer.train" else prog
     return _train(args)
+
+
+def invoked_as(argv0: str) -> str:
+    """How to call this program again from the same shell: ``parityrl`` when that is on the PATH and is this
+    program, else the path it was called by (``.venv/bin/parityrl``), or ``python -m trainer``."""
+    if os.path.basename(argv0) == "parityrl":
+        found = shutil.which("parityrl")
+        return "parityrl" if found and os.path.realpath(found) == os.path.realpath(argv0) else shlex.quote(argv0)
+    python = "python" if (shutil.which("python") and os.path.realpath(shutil.which("python"))
+                          == os.path.realpath(sys.executable)) else sys.executable
+    return f"{shlex.quote(python)} -m trainer"
 
 
 def _train(args) -> int:
@@ -181,11 +196,13 @@ def _train(args) -> int:
         from trainer.commands.train import run_train_command  # late: as above
 
         if getattr(args, "print_config", False):
-            from trainer.rl.preflight import load_recipe  # late: as above
+            from trainer.rl.preflight import check_before_loading  # late: as above
 
-            return _printed(lambda: load_recipe(args.recipe, args.overrides))
+            # what can be checked without the model (its files, layers and memory are checked when training starts)
+            return _printed(lambda: check_before_loading(args.recipe, args.overrides, model=False))
 
-        return run_train_command(args.recipe, args.overrides, resume=args.resume, debug=args.debug)
+        prog = getattr(args, "prog", None) or f"{invoked_as(sys.argv[0]) if args.own_console else 'parityrl'} train"
+        return run_train_command(args.recipe, args.overrides, resume=args.resume, debug=args.debug, prog=prog)
     finally:
         end_startup()
 

@@ -10,10 +10,13 @@ Statuses 3-5 and 128 + N leave a checkpoint of the last completed step, named in
 from __future__ import annotations
 
 import os
+import shlex
 import sys
+from pathlib import Path
+from typing import Optional
 
-from trainer.config import RecipeError
-from trainer.rl.preflight import load_recipe, preflight
+from trainer.config import RecipeError, RunConfig
+from trainer.rl.preflight import inspect_recipe, named_key
 
 
 def debug_requested(flag: bool = False) -> bool:
@@ -26,13 +29,55 @@ def _say(message: str) -> None:
         print(f"parityrl: {' '.join(message.split())}", file=sys.stderr, flush=True)
 
 
-def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug: bool = False) -> int:
+def resume_command(recipe: str, overrides: list[str], prog: str = "parityrl train") -> str:
+    """The command line that continues this run: ``prog`` (as it is, a shell command's start), the recipe and
+    every ``--set`` as given (the run's name and directory among them), then ``--resume``; quoted for a POSIX
+    shell."""
+    return f"{prog} " + shlex.join([str(recipe), *(a for o in overrides for a in ("--set", o)), "--resume"])
+
+
+def with_resume_command(message: str, command: str) -> str:
+    """``message`` with its "continue with --resume" hint naming the whole command that does it."""
+    return (message.replace("continue with --resume", f"continue with `{command}`")
+            .replace("pass --resume to continue it", f"continue it with `{command}`"))
+
+
+def run_dir_problem(cfg: RunConfig, *, resume: bool, command: str) -> Optional[str]:
+    """Why the run directory's state refuses this start (another process holds it, --resume without a usable
+    checkpoint, a new run over an old one's checkpoints), or None. Reads only; the loop checks again when it
+    claims the directory."""
+    from trainer.io import checkpoint as ckpt  # late: as the loop below (torch)
+    from trainer.io.run_lock import check_free
+    from trainer.rl.run_state import choose_checkpoint
+
     try:
-        cfg = load_recipe(recipe, overrides)
-        preflight(cfg, str(recipe))
-    except RecipeError as e:
+        check_free(Path(cfg.run_dir))
+        if resume:
+            choose_checkpoint(Path(cfg.run_dir), verbose=False)
+        elif ckpt.step_dirs(Path(cfg.run_dir)):
+            return (f"{cfg.run_dir} already holds checkpoints: continue it with `{command}`, or choose another "
+                    "name / logging.run_dir (nothing was overwritten)")
+    except (FileExistsError, FileNotFoundError) as e:
+        return str(e)
+    return None
+
+
+def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug: bool = False,
+                      prog: str = "parityrl train") -> int:
+    command = resume_command(recipe, overrides, prog)
+    # every problem found before a model loads, in one report: the recipe's, then the run directory's
+    try:
+        cfg, problems = inspect_recipe(recipe, overrides)
+    except RecipeError as e:  # the recipe file itself cannot be read: nothing else to check
+        cfg, problems = None, e.problems
+    lines = [f"parityrl: invalid recipe: {' '.join(p.split())}" for p in problems]
+    where_to = cfg is None or any(named_key(p) in ("name", "logging.run_dir") for p in problems)
+    state = None if where_to else run_dir_problem(cfg, resume=resume, command=command)
+    if state:
+        lines.append(f"parityrl: {' '.join(state.split())}")
+    if lines:
         if os.environ.get("RANK", "0") == "0":  # one line per problem, from rank 0 only
-            print(e.lines("parityrl: invalid recipe: "), file=sys.stderr, flush=True)
+            print("\n".join(lines), file=sys.stderr, flush=True)
         return 2
     # late: the loop imports vLLM (seconds); a refused recipe has answered before that
     from rollout.base import EngineUnavailable
@@ -45,13 +90,13 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         print(e.lines("parityrl: invalid recipe: "), file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError) as e:  # run-directory state: a user decision, not a crash
-        _say(str(e))
+        _say(with_resume_command(str(e), command))
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the loop's own handler is installed (loading, engine start)
         _say("interrupted while starting up, before this process trained a step; nothing to checkpoint")
         return 130
     except (RunStopped, EngineUnavailable) as e:  # the message names the cause; the note, the checkpoint
-        _say(f"stopped: {e}; {getattr(e, 'checkpoint_note', '')}")
+        _say(with_resume_command(f"stopped: {e}; {getattr(e, 'checkpoint_note', '')}", command))
         return getattr(e, "exit_status", 4)  # EngineUnavailable: a dead rollout server
     except Exception as e:
         if debug_requested(debug):

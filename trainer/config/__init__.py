@@ -6,7 +6,7 @@ impossible values and cross-field contradictions (the files and models a recipe
 names are checked by ``trainer.rl.preflight``). Each problem is reported
 with the file, the dotted key, the value and what was expected.
 """
-from trainer.config.load import build_config, load_recipe_dict, parse_override, read_recipe
+from trainer.config.load import build_config, load_recipe_dict, parse_override, read_recipe, read_recipe_leniently
 from trainer.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -31,5 +31,5 @@ __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "CorrectionSection", "DataConfig", "LoggingConfig", "LoraConfig",
     "ModelConfig", "ParityConfig", "PrecisionConfig", "RecipeError", "RewardConfig", "RewardModelEntry",
     "RolloutConfig", "RunConfig", "TrainConfig", "WandbConfig", "build_config", "correction_config",
-    "load_recipe_dict", "parse_override", "read_recipe", "to_dict", "validate",
+    "load_recipe_dict", "parse_override", "read_recipe", "read_recipe_leniently", "to_dict", "validate",
 ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -170,7 +171,8 @@ def _build_plain(cls: type, data: dict, prefix: str, where: str, salvage: Option
                                   "trainer could not score the sampled tokens under the distribution they were drawn "
                                   "from (parity metrics and importance ratios would measure the sampler). Remove the key.")
             if k not in names:
-                raise RecipeError(f"{where}: unknown key {key!r}; valid keys here: {', '.join(names)}")
+                raise RecipeError(f"{where}: unknown key {key!r}{_did_you_mean(k, names, prefix)}; valid keys here: "
+                                  f"{', '.join(names)}")
             kwargs[k] = _convert(v, hints[k], key, where, salvage)
         except RecipeError as e:
             errors.append(e)
@@ -179,6 +181,12 @@ def _build_plain(cls: type, data: dict, prefix: str, where: str, salvage: Option
     if errors and salvage is None:
         raise RecipeError.several(errors)
     return cls(**kwargs)
+
+
+def _did_you_mean(key: object, names: list[str], prefix: str) -> str:
+    """`` (did you mean 'train.steps'?)`` for the valid key closest to a typo, or nothing when none is close."""
+    close = difflib.get_close_matches(str(key), names, n=1)
+    return f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""
 
 
 def _build_algorithm(data: dict, prefix: str, where: str, salvage: Optional[_Salvage] = None) -> AlgorithmConfig:
@@ -201,8 +209,8 @@ def _build_algorithm(data: dict, prefix: str, where: str, salvage: Optional[_Sal
             errors.append(RecipeError(f"{where}: {prefix}.{k} = {v!r}: not an option of {name}; it belongs to "
                                       f"{', '.join(owners)} (options of {name}: {', '.join(own) or 'none'})"))
         else:
-            errors.append(RecipeError(f"{where}: unknown key '{prefix}.{k}'; valid keys here: "
-                                      f"{', '.join(shared + own)}"))
+            errors.append(RecipeError(f"{where}: unknown key '{prefix}.{k}'{_did_you_mean(k, shared + own, prefix)}; "
+                                      f"valid keys here: {', '.join(shared + own)}"))
     if salvage is not None:
         return _salvage_algorithm(data, shared, own, record, prefix, where, salvage)
     section = options = None
@@ -311,17 +319,41 @@ def build_config(cls: type, data: dict, where: str = "<recipe>"):
     return _build(cls, data, "", where)
 
 
-def build_and_validate(cls: type, data: dict, where: str, validate_fn: Callable[[Any], None]):
+def build_and_validate(cls: type, data: dict, where: str, validate_fn: Callable[[Any], None], overrides: Iterable[str] = ()):
     """``build_config`` then ``validate_fn(cfg)``; when the build refuses a value or a key, the recipe's other
     problems are reported with it: the config is built again without the refused keys (``_Salvage``) and
     validated, keeping the problems that do not name a refused key (those would judge a default, not the
-    recipe)."""
+    recipe). A problem with a key that came from ``overrides`` names that ``--set`` instead of the file."""
     try:
         cfg = build_config(cls, data, where)
     except RecipeError as e:
-        raise RecipeError.several([e, *_problems_beside(cls, data, where, validate_fn)]) from None
-    validate_fn(cfg)
+        problems = RecipeError.several([e, *_problems_beside(cls, data, where, validate_fn)])
+        raise name_overrides(problems, where, overrides) from None
+    try:
+        validate_fn(cfg)
+    except RecipeError as e:
+        raise name_overrides(e, where, overrides) from None
     return cfg
+
+
+_UNKNOWN_KEY = re.compile(r"^unknown key '([^']+)'")
+_KEY_VALUE = re.compile(r"^([A-Za-z_][\w.\[\]-]*) = ")
+
+
+def name_overrides(error: RecipeError, where: str, overrides: Iterable[str]) -> RecipeError:
+    """``error`` with each problem about a key a ``--set`` gave starting ``--set key=value: `` instead of the
+    recipe file's name (the user looks for the mistake where the line says it is)."""
+    given = [(parse_override(o)[0], o) for o in overrides]
+    if not given:
+        return error
+    lines = []
+    for line in error.problems:
+        body = line[len(where) + 2:] if line.startswith(f"{where}: ") else None
+        m = body is not None and (_UNKNOWN_KEY.match(body) or _KEY_VALUE.match(body))
+        source = next((o for k, o in reversed(given)
+                       if m and (m.group(1) == k or m.group(1).startswith((k + ".", k + "[")))), None)
+        lines.append(f"--set {source}: {body}" if source else line)
+    return RecipeError.several([RecipeError(line) for line in lines])
 
 
 def _problems_beside(cls: type, data: dict, where: str, validate_fn: Callable[[Any], None]) -> list[RecipeError]:
@@ -343,4 +375,22 @@ def read_recipe(path: str | os.PathLike, overrides: list[str] = (), checks: Iter
     with this package's own (``trainer.config.validate.validate``). Every problem is reported at once, those
     found beside a refused key included (``build_and_validate``)."""
     data, where = load_recipe_dict(path, overrides)
-    return build_and_validate(RunConfig, data, where, lambda cfg: validate(cfg, where, checks))
+    return build_and_validate(RunConfig, data, where, lambda cfg: validate(cfg, where, checks), overrides)
+
+
+def read_recipe_leniently(path: str | os.PathLike, overrides: list[str] = (), checks: Iterable[Check] = ()
+                          ) -> tuple[RunConfig, Optional[RecipeError], list[str]]:
+    """``read_recipe`` that still gives a config when the recipe has problems, so that the files and models it
+    names can be checked in the same pass: (config, its problems or None, the keys left at their defaults).
+
+    With problems the config is the lenient build (``_Salvage``): a refused key holds its default, and a value
+    validation refused is kept as written. A recipe file that cannot be read at all still raises."""
+    data, where = load_recipe_dict(path, overrides)
+    try:
+        return build_and_validate(RunConfig, data, where, lambda cfg: validate(cfg, where, checks), overrides), None, []
+    except RecipeError as e:
+        salvage = _Salvage()
+        try:
+            return _build(RunConfig, data, "", where, salvage), e, salvage.keys
+        except Exception:  # noqa: BLE001 - nothing to check the files against: the recipe's own problems alone
+            raise e from None

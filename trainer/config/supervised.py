@@ -202,7 +202,7 @@ def read_rm_recipe(path, overrides=()) -> RMConfig:
 def _read_stage_recipe(cls, validate, path, overrides):
     data, where = load_recipe_dict(path, overrides)
     # a refused key is reported together with the recipe's other problems (as `parityrl train` does)
-    return build_and_validate(cls, data, where, lambda cfg: validate(cfg, where))
+    return build_and_validate(cls, data, where, lambda cfg: validate(cfg, where), overrides)
 
 
 def validate_rm(cfg: RMConfig, where: str) -> None:

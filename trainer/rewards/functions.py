@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import math
 import numbers
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,9 +84,30 @@ def _import(module_part: str, spec: str):
             raise ImportError(f"reward spec {spec!r}: executing {str(path)!r} failed: {type(e).__name__}: {e}") from e
         return module
     try:
-        return importlib.import_module(module_part)
+        try:
+            return importlib.import_module(module_part)
+        except ModuleNotFoundError as e:
+            if not _search_current_directory(module_part, e):
+                raise
+            return importlib.import_module(module_part)
     except ImportError as e:
         raise ImportError(f"reward spec {spec!r}: cannot import module {module_part!r}: {type(e).__name__}: {e}") from e
+
+
+def _search_current_directory(module_part: str, error: ModuleNotFoundError) -> bool:
+    """Put the current directory on ``sys.path`` (last) when the module is there but could not be found.
+
+    ``python -m`` and ``python script.py`` search the current directory; an installed console script
+    (``parityrl``) searches its own bin directory instead, so ``my_rewards:f`` next to the recipe would
+    otherwise not import. True when the directory was added."""
+    top = module_part.split(".")[0]
+    here = Path.cwd()
+    if error.name != top or str(here) in sys.path or "" in sys.path:
+        return False
+    if not ((here / f"{top}.py").is_file() or (here / top).is_dir()):
+        return False
+    sys.path.append(str(here))
+    return True
 
 
 def compute_rewards(

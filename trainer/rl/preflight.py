@@ -6,15 +6,19 @@ sizes the machine must hold -- before any model loads or engine starts.
 model looked at (the paths exist, a built-in model is known, a dataset's columns, a reward module's functions,
 a model's layer names) is checked here, so that a mistake is refused in seconds with exit status 2 and one
 line naming the file, the key and the value, instead of failing after the engine started or with a traceback.
-Each check raises ``RecipeError``.
+Each check raises ``RecipeError``; ``inspect_recipe`` runs them all in one pass and keeps every problem, except
+where a check needs what an earlier one refused (a dataset that is not there is not loaded; a model directory
+that is not there is not read; a built-in model is built, the first time, only for a recipe with no other
+problem).
 """
 from __future__ import annotations
 
 import inspect
 import os
+import re
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Iterable, Optional
 
 import datasets
 import torch
@@ -32,7 +36,8 @@ from trainer.builtin.model_files import (
 )
 from trainer.builtin.model_path import check_model_path, looks_local, model_max_positions
 from trainer.builtin.resolve import resolve_model_path
-from trainer.config import RecipeError, RunConfig, read_recipe
+from trainer.config import RecipeError, RunConfig, read_recipe, read_recipe_leniently
+from trainer.config.load import name_overrides
 from trainer.data.datasets import load_prompt_dataset, looks_like_path
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.precision import recipe_for
@@ -53,13 +58,22 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_pat
 
 def check_paths_exist(cfg: RunConfig, where: str) -> None:
     """Reward-model directories, the model (a known built-in or a model directory), a local data source, and
-    the model's context against the longest rollout."""
+    the model's context against the longest rollout: the first problem found."""
+    check_reward_model_dirs(cfg, where)
+    check_model_path(cfg.model.path, where)
+    check_data_source(cfg, where)
+    check_context_length(cfg, where)
+
+
+def check_reward_model_dirs(cfg: RunConfig, where: str) -> None:
     for name, rm in cfg.reward.models.items():
         if not (Path(rm.path).expanduser() / "config.json").is_file():
             raise RecipeError(f"{where}: reward.models.{name}.path = {rm.path!r}: expected a local reward-model "
                               "directory with a config.json (written by `parityrl train-rm`)")
-    mp = cfg.model.path
-    check_model_path(mp, where)
+
+
+def check_data_source(cfg: RunConfig, where: str) -> None:
+    """A built-in dataset that exists, or a local file or directory that does; hub ids pass."""
     src = cfg.data.source
     if src.startswith("builtin:"):
         if src != "builtin:arithmetic":
@@ -68,7 +82,9 @@ def check_paths_exist(cfg: RunConfig, where: str) -> None:
     elif (src.startswith((".", "/", "~")) or looks_like_path(src)) and not Path(src).expanduser().exists():
         raise RecipeError(f"{where}: data.source = {src!r}: no such file or directory")
 
-    max_pos = model_max_positions(mp)
+
+def check_context_length(cfg: RunConfig, where: str) -> None:
+    max_pos = model_max_positions(cfg.model.path)
     need_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     if max_pos is not None and need_len > max_pos:
         raise RecipeError(
@@ -77,20 +93,107 @@ def check_paths_exist(cfg: RunConfig, where: str) -> None:
         )
 
 
-def preflight(cfg: RunConfig, where: str) -> None:
-    """Every check of what the recipe names beyond its paths (``load_recipe`` checked those), cheapest first;
-    the model's checks last: its config (or a hub id's reachability), then its layers (LoRA), its precision
-    recipe, its weights' headers and tokenizer, and the sizes the machine must hold."""
-    check_run_dir(cfg, where)
-    reward_fns = check_reward_functions(cfg, where)
-    columns = check_dataset(cfg, where)
+# The key a problem line names: "<where>: key = value: ..." or "<where>: unknown key 'key'; ..." (<where> is
+# the file, or a "--set key=value" whose value may hold ": ").
+_NAMED_KEY = re.compile(r": (?:unknown key '([^']+)'|([A-Za-z_][\w.\[\]-]*) = )")
+
+
+class Report:
+    """The problems found so far, one line each, as checks run one after another.
+
+    ``run`` keeps a check's problems, except a line about a key the recipe's own problems already named (or one
+    its lenient build left at the default, ``refused``): that check judged a refused value, not the user's."""
+
+    def __init__(self, error: Optional[RecipeError] = None, refused: Iterable[str] = ()) -> None:
+        self.lines: list[str] = list(error.problems) if error is not None else []
+        self._named = set(refused) | {k for line in self.lines if (k := named_key(line))}
+
+    def run(self, check: Callable[..., Any], *args) -> tuple[bool, Any]:
+        """(passed, what the check returned): a check that failed returns nothing its dependants could use."""
+        try:
+            return True, check(*args)
+        except RecipeError as e:
+            self.keep([e])
+            return False, None
+        except Exception:
+            if not self.lines:
+                raise
+            return False, None  # a check tripping over a value already refused
+
+    def keep(self, errors: list[RecipeError]) -> None:
+        for line in (line for e in errors for line in e.problems):
+            key = named_key(line)
+            if key is None or not any(key == k or key.startswith(k + ".") for k in self._named):
+                self.lines.append(line)
+
+    def raise_any(self) -> None:
+        if self.lines:
+            raise RecipeError.several([RecipeError(line) for line in self.lines])
+
+
+def named_key(line: str) -> Optional[str]:
+    m = _NAMED_KEY.search(line)
+    return (m.group(1) or m.group(2)) if m else None
+
+
+def inspect_recipe(path: str | os.PathLike, overrides: list[str] = (), *, model: bool = True
+                   ) -> tuple[RunConfig, list[str]]:
+    """Every problem of a training recipe found before a model loads, in one pass: (the config, one line per
+    problem). The recipe's own (keys, types, values, cross-field rules) first, then what it names
+    (``preflight``), checked on the recipe as far as it could be built (``read_recipe_leniently``).
+    ``model``: the model's checks too (``preflight``'s last ones; ``--print-config`` leaves them out)."""
+    cfg, error, refused = read_recipe_leniently(path, overrides, checks=(check_recipe,))
+    where = str(Path(path))
+    report = Report(error, refused)
+    preflight(cfg, where, model=model, report=report)
+    if not report.lines:
+        return cfg, []
+    # a problem with a value a --set gave names that --set, as the recipe's own problems do
+    return cfg, name_overrides(RecipeError.several([RecipeError(line) for line in report.lines]), where,
+                               overrides).problems
+
+
+def check_before_loading(path: str | os.PathLike, overrides: list[str] = (), *, model: bool = True) -> RunConfig:
+    """``inspect_recipe``, raising one ``RecipeError`` with every problem."""
+    cfg, lines = inspect_recipe(path, overrides, model=model)
+    if lines:
+        raise RecipeError.several([RecipeError(line) for line in lines])
+    return cfg
+
+
+def preflight(cfg: RunConfig, where: str, *, model: bool = True, report: Optional[Report] = None) -> None:
+    """Every check of what the recipe names, cheapest first, each problem kept (``Report``): the run directory,
+    the reward functions, the dataset and whether the functions take its columns, the model's path and context;
+    then (``model``) the model's checks: its config (or a hub id's reachability), its layers (LoRA), its
+    precision recipe, its weights' headers and tokenizer, and the sizes the machine must hold."""
+    own = report is None
+    report = Report() if own else report
+    report.run(check_run_dir, cfg, where)
+    report.run(check_reward_model_dirs, cfg, where)
+    fns, problems = reward_functions(cfg, where)
+    report.keep(problems)
+    source_ok, _ = report.run(check_data_source, cfg, where)
+    columns = report.run(check_dataset, cfg, where)[1] if source_ok else None
     if columns is not None:
-        check_reward_signatures(reward_fns, columns, where)
-    check_model_source(cfg, where)
-    check_lora_targets(cfg, where)
-    check_precision_model(cfg, where)
-    size = check_model_files(cfg, where)
-    check_capacity(cfg, where, size)
+        report.run(check_reward_signatures, fns, columns, where)
+    model_ok, _ = report.run(check_model_path, cfg.model.path, where)
+    if model_ok:
+        report.run(check_context_length, cfg, where)
+    # a built-in model is built on first use (minutes): not to check a recipe that is refused anyway
+    if model and model_ok and not (report.lines and cfg.model.path.startswith("builtin:")):
+        _check_model(cfg, where, report)
+    if own:
+        report.raise_any()
+
+
+def _check_model(cfg: RunConfig, where: str, report: Report) -> None:
+    if not report.run(check_model_source, cfg, where)[0]:
+        return
+    report.run(check_lora_targets, cfg, where)
+    report.run(check_precision_model, cfg, where)
+    files_ok, size = report.run(check_model_files, cfg, where)
+    if files_ok:
+        report.run(check_capacity, cfg, where, size)
 
 
 def check_model_source(cfg: RunConfig, where: str) -> None:
@@ -174,13 +277,21 @@ def check_run_dir(cfg: RunConfig, where: str) -> None:
 
 def check_reward_functions(cfg: RunConfig, where: str) -> dict:
     """Every ``reward.functions`` spec imports and names a callable: name -> the callable."""
-    fns = {}
+    fns, problems = reward_functions(cfg, where)
+    if problems:
+        raise RecipeError.several(problems)
+    return fns
+
+
+def reward_functions(cfg: RunConfig, where: str) -> tuple[dict, list[RecipeError]]:
+    """(name -> callable for each spec that resolves, one problem per spec that does not)."""
+    fns, problems = {}, []
     for name, spec in cfg.reward.functions.items():
         try:
             fns[name] = resolve_reward(spec)
         except (ImportError, AttributeError, TypeError, ValueError, OSError) as e:
-            raise RecipeError(f"{where}: reward.functions.{name} = {spec!r}: {_one_line(e)}") from None
-    return fns
+            problems.append(RecipeError(f"{where}: reward.functions.{name} = {spec!r}: {_one_line(e)}"))
+    return fns, problems
 
 
 def check_reward_signatures(fns: dict, columns: list[str], where: str) -> None:
@@ -230,8 +341,10 @@ def check_dataset(cfg: RunConfig, where: str) -> Optional[list[str]]:
             datasets.enable_progress_bars()
     n = cfg.rollout.prompts_per_step
     if len(ds) < n:
-        raise RecipeError(f"{where}: rollout.prompts_per_step = {n}: expected at most the dataset's {len(ds)} rows "
-                          f"({d.source})")
+        rows = f"{len(ds)} rows" + (f" (data.num_examples = {d.num_examples})" if d.num_examples is not None else "")
+        raise RecipeError(f"{where}: rollout.prompts_per_step = {n}: expected at most the dataset's {rows} "
+                          f"({d.source}); set rollout.prompts_per_step to {len(ds)} or fewer "
+                          f"(--set rollout.prompts_per_step={len(ds)})")
     return list(ds.column_names)
 
 

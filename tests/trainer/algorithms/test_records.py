@@ -72,7 +72,7 @@ REFUSED = [  # (the algorithm section, what the one-line error must say)
     # a key of another algorithm, naming the algorithms that have it
     ("  name: grpo\n  tau: 0.1", r"algorithm.tau = 0.1: not an option of grpo; it belongs to pmd_mean, pmd_part"),
     ("  name: dr_grpo\n  loss_agg: token_mean", r"algorithm.loss_agg = 'token_mean': not an option of dr_grpo"),
-    ("  name: pmd_mean\n  taux: 0.1", r"unknown key 'algorithm.taux'; valid keys here: name, group_size"),
+    ("  name: pmd_mean\n  taux: 0.1", r"unknown key 'algorithm.taux' \(did you mean 'algorithm.tau'\?\); valid keys here: name, group_size"),
     # an option out of range: key, value, expectation, algorithm
     ("  name: gspo\n  clip_eps_low: 1.5", r"r.yaml: algorithm.clip_eps_low = 1.5: expected in \[0, 1\) \(gspo\)"),
     ("  name: pmd_part\n  kl_coef: 0.1", r"algorithm.kl_coef = 0.1: expected 0 \(PMD has no KL"),

@@ -28,7 +28,7 @@ def test_refused_before_training_with_one_line(case, tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert status == case.status, err
-    assert len(lines) == 1 and lines[0].startswith("parityrl: invalid recipe: "), err
+    assert len(lines) == case.lines and all(ln.startswith("parityrl: invalid recipe: ") for ln in lines), err
     for word in expected_words(case, tmp_path):
         assert word in lines[0], (word, lines[0])
 
@@ -74,6 +74,7 @@ def test_mid_run_stop_has_its_status_and_is_said_once(rank, tmp_path, monkeypatc
     if rank == "1":
         assert err == ""
     else:
+        recipe = tmp_path / "recipe.yaml"
         assert err.splitlines() == ["parityrl: stopped: step 3: reward function 'r' returned nan at sample 5, expected "
                                     "a finite number; checkpoint of the last completed step 2 written to X; continue "
-                                    "with --resume"]
+                                    f"with `parityrl train {recipe} --resume`"]

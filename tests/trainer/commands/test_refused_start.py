@@ -35,5 +35,6 @@ def test_resume_without_a_checkpoint_is_refused_leaving_no_directory(tmp_path, n
 def test_a_fresh_run_over_checkpoints_is_refused_without_taking_the_lock(tmp_path, nothing_loads, capsys):
     (tmp_path / "nonexist" / "checkpoints" / "step_000002").mkdir(parents=True)
     assert start(tmp_path) == 2
-    assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already holds checkpoints: continue it with `parityrl train " in err and " --resume`" in err, err
     assert not (tmp_path / "nonexist" / ".lock").exists()

@@ -189,3 +189,17 @@ def test_compute_rewards_input_errors(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=re.escape(message)):
         compute_rewards(**args)
+
+
+def test_a_module_in_the_current_directory_is_found_by_an_installed_command(tmp_path, monkeypatch):
+    """`parityrl` (a console script) starts with its bin directory on sys.path, not the current one, where a
+    user's `my_rewards.py` sits next to the recipe naming `my_rewards:f`."""
+    import sys
+
+    (tmp_path / "parityrl_cwd_rewards.py").write_text("def f(prompts, completions, **kw):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert resolve_reward("parityrl_cwd_rewards:f")(["p"], ["c"]) == [1.0]
+    assert sys.path[-1] == str(tmp_path)
+    with pytest.raises(ImportError, match="cannot import module 'parityrl_no_such_module'"):
+        resolve_reward("parityrl_no_such_module:f")

@@ -94,7 +94,8 @@ def test_parityrl_train_exits_6_with_one_line(tmp_path, tiny_model_dir, monkeypa
                                resume=False)
     (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("parityrl:")]
     assert status == 6 and line.startswith("parityrl: stopped: checkpoint 2 was not written: the disk is full"), line
-    assert line.endswith("fix that and continue with --resume from the newest checkpoint"), line
+    assert line.endswith(f"fix that and continue with `parityrl train {REPO / 'recipes' / 'grpo_tiny.yaml'} --set "
+                         f"logging.run_dir={tmp_path / 'r'} --resume` from the newest checkpoint"), line
 
 
 @pytest.mark.slow
