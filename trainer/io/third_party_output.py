@@ -58,6 +58,8 @@ EXPECTED: tuple[tuple[str, str], ...] = (
      "a stopping server ends its engine processes"),
     (r"Loading (safetensors checkpoint shards|weights):", "progress bars of model loading"),
     (r"Writing model shards:", "Transformers' bar while a built-in model is written into the cache (once)"),
+    (r"Converting and de-quantizing GGUF tensors\.\.\.:",
+     "Transformers' bar while builtin:smollm2-135m is dequantized from its GGUF file (once; trainer/builtin/pretrained.py)"),
     (r"Reset SSM cache type to float32 for accelerated GDN mamba backend",
      "vLLM's CPU platform on AVX512-BF16 hosts: a cache setting for Mamba/GDN layers, which the model does not use"),
     # torch / DeepSpeed / nanobind

