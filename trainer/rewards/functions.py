@@ -33,7 +33,7 @@ from typing import Any
 from trainer.data.tasks import BUILTIN_REWARDS
 from trainer.rewards.time_limit import RewardError, exit_error
 
-__all__ = ["RewardFn", "compute_rewards", "resolve_reward"]
+__all__ = ["RewardFn", "compute_rewards", "import_spec_module", "resolve_reward"]
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -67,6 +67,13 @@ def resolve_reward(spec: str) -> RewardFn:
     if not callable(obj):
         raise TypeError(f"reward spec {spec!r} names a {type(obj).__name__}, which is not callable")
     return obj
+
+
+def import_spec_module(module_part: str, spec: str):
+    """The module of a ``module:attr`` or ``path/to/file.py:attr`` spec, imported as reward specs are.
+
+    Environments (``trainer.environments.loading``) load the same way; errors name ``spec``."""
+    return _import(module_part, spec)
 
 
 def _import(module_part: str, spec: str):
