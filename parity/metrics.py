@@ -28,6 +28,7 @@ by the engine, so the k1/k2/k3 estimators estimate KL(pi_rollout || pi_train)
 | parity/seq_log_ratio_norm_mean      | mean over sequences of S / L (log geometric-mean token ratio) |
 | parity/seq_log_ratio_norm_abs_max   | max over sequences of |S / L|                                 |
 | parity/topk_kl                      | KL(rollout || train) on the engine's top-k + "rest" buckets   |
+| parity/turn_<k>/mae, .../kl_k3      | mae and kl_k3 over the sampled tokens of assistant turn k     |
 
 (L = the sequence's number of valid tokens; sequences with L = 0 are not counted.)
 
@@ -62,6 +63,8 @@ import torch
 
 __all__ = [
     "compare",
+    "compare_by_turn",
+    "turn_index",
     "sufficient_stats",
     "merge_stats",
     "finalize",
@@ -335,6 +338,37 @@ def compare(
             train_topk_logprobs=train_topk_logprobs, rollout_topk_logprobs=rollout_topk_logprobs,
         )
     )
+
+
+def turn_index(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] long: the assistant turn (1, 2, ...) of each valid token, 0 where ``mask`` is 0.
+
+    In a multi-turn episode the completion is one token stream: each assistant turn's sampled tokens,
+    then the environment's reply (context, mask 0), then the next turn. A turn is therefore a maximal
+    run of valid tokens: turn k starts at the k-th 0 -> 1 step of the mask along a row. A single-turn
+    completion is turn 1 throughout.
+    """
+    m = _check_mask(mask, mask.shape).long()
+    starts = m - torch.nn.functional.pad(m[:, :-1], (1, 0))
+    return (starts.clamp(min=0).cumsum(1) * m).long()
+
+
+def compare_by_turn(
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    num_turns: Optional[int] = None,
+) -> Dict[str, float]:
+    """``parity/turn_<k>/mae`` and ``parity/turn_<k>/kl_k3`` for k = 1 .. ``num_turns`` (default: the most turns in the
+    batch), each over the tokens ``turn_index`` assigns to turn k; a turn no row reached reports NaN."""
+    turns = turn_index(mask)
+    k_max = int(turns.max().item()) if num_turns is None and turns.numel() else int(num_turns or 0)
+    out: Dict[str, float] = {}
+    for k in range(1, k_max + 1):
+        fin = finalize(sufficient_stats(train_logprobs, rollout_logprobs, turns == k))
+        out[f"parity/turn_{k}/mae"] = fin.get("parity/mae", float("nan"))
+        out[f"parity/turn_{k}/kl_k3"] = fin.get("parity/kl_k3", float("nan"))
+    return out
 
 
 # ----------------------------------------------------------------------------------

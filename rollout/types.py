@@ -59,6 +59,11 @@ class Rollouts:
         completion position and their log-probs (same distribution as
         rollout_logprobs), most likely first; empty lists unless
         ``SamplingSpec.logprobs_topk`` = k > 0.
+    completion_mask: [S][C_i] 1 where the engine sampled the token, 0 where the token is context
+        the engine was given inside the completion (a multi-turn episode's environment replies
+        and the chat template's turn boundaries: DESIGN.md, "Episodes"); only sampled tokens enter
+        the loss, the advantages, the KL terms and the parity metrics, and a context token's
+        rollout_logprobs entry is 0.0. Empty: every completion token was sampled (single turn).
     """
 
     prompt_ids: list[list[int]]
@@ -69,6 +74,7 @@ class Rollouts:
     completion_texts: list[str] = field(default_factory=list)
     topk_ids: list[list[list[int]]] = field(default_factory=list)
     topk_logprobs: list[list[list[float]]] = field(default_factory=list)
+    completion_mask: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         s = len(self.completion_ids)
@@ -80,6 +86,8 @@ class Rollouts:
                 raise ValueError(f"Rollouts sample {i}: {len(c)} completion tokens but {len(lp)} log-probs")
         if self.topk_ids or self.topk_logprobs:
             self._check_topk()
+        if self.completion_mask:
+            self._check_completion_mask()
         if self.group_size < 1 or s % self.group_size:
             raise ValueError(f"Rollouts: {s} samples is not a multiple of group_size={self.group_size}")
 
@@ -94,6 +102,25 @@ class Rollouts:
                                  f"{len(lps)} top-k log-prob rows")
             if any(len(r) != k for r in ids) or any(len(r) != k for r in lps):
                 raise ValueError(f"Rollouts sample {i}: every top-k row must hold k = {k} entries")
+
+    def _check_completion_mask(self) -> None:
+        if len(self.completion_mask) != len(self):
+            raise ValueError(f"Rollouts.completion_mask has {len(self.completion_mask)} samples, expected {len(self)}")
+        for i, (c, m) in enumerate(zip(self.completion_ids, self.completion_mask)):
+            if len(m) != len(c) or any(v not in (0, 1) for v in m):
+                raise ValueError(f"Rollouts sample {i}: completion_mask must hold one 0 or 1 per completion token "
+                                 f"({len(c)} tokens, got {len(m)} entries)")
+
+    def sampled_mask(self, i: int) -> list[int]:
+        """Sample ``i``'s completion_mask, all ones when the batch has none (every token sampled)."""
+        return self.completion_mask[i] if self.completion_mask else [1] * len(self.completion_ids[i])
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Tokens the engine sampled (context tokens inside multi-turn completions not counted)."""
+        if not self.completion_mask:
+            return self.num_completion_tokens
+        return sum(sum(m) for m in self.completion_mask)
 
     @property
     def topk(self) -> int:
@@ -124,7 +151,7 @@ class Rollouts:
         return Rollouts(prompt_ids=pick(self.prompt_ids), completion_ids=pick(self.completion_ids),
                         rollout_logprobs=pick(self.rollout_logprobs), finish_reasons=pick(self.finish_reasons),
                         group_size=g, completion_texts=pick(self.completion_texts), topk_ids=pick(self.topk_ids),
-                        topk_logprobs=pick(self.topk_logprobs))
+                        topk_logprobs=pick(self.topk_logprobs), completion_mask=pick(self.completion_mask))
 
     @classmethod
     def concat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
@@ -139,10 +166,13 @@ class Rollouts:
             return [x for p in parts for x in getattr(p, name)]
 
         texts = joined("completion_texts") if all(p.completion_texts or not len(p) for p in parts) else []
+        # A part without a mask sampled every token: spelled out only when another part has one.
+        masks = ([m for p in parts for m in (p.completion_mask or [[1] * len(c) for c in p.completion_ids])]
+                 if any(p.completion_mask for p in parts) else [])
         return cls(prompt_ids=joined("prompt_ids"), completion_ids=joined("completion_ids"),
                    rollout_logprobs=joined("rollout_logprobs"), finish_reasons=joined("finish_reasons"),
                    group_size=parts[0].group_size, completion_texts=texts, topk_ids=joined("topk_ids"),
-                   topk_logprobs=joined("topk_logprobs"))
+                   topk_logprobs=joined("topk_logprobs"), completion_mask=masks)
 
 
 @dataclass

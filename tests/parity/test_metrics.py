@@ -303,3 +303,42 @@ def test_log10_histogram_coarsens_and_trims_to_the_data():
     assert log10_abs_histogram(empty) == ([0.0], [-8.0, -7.0])
     with pytest.raises(ValueError, match="must divide 100"):
         log10_abs_histogram(empty, per_decade=7)
+
+
+# ---- per-turn parity (multi-turn episodes: sampled runs separated by context tokens) -----------------
+
+
+def test_turn_index_counts_runs_of_sampled_tokens():
+    import torch
+
+    from parity.metrics import turn_index
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 1],
+                         [1, 1, 1, 1, 0, 0, 0, 0],
+                         [0, 1, 0, 1, 0, 1, 0, 0]])
+    assert turn_index(mask).tolist() == [[1, 1, 0, 0, 2, 0, 3, 3],
+                                         [1, 1, 1, 1, 0, 0, 0, 0],
+                                         [0, 1, 0, 2, 0, 3, 0, 0]]
+
+
+def test_compare_by_turn_hand_computed():
+    import math
+
+    import torch
+
+    from parity.metrics import compare_by_turn
+
+    mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0]])
+    rollout = torch.tensor([[-1.0, -2.0, 0.0, -0.5], [-3.0, 0.0, 0.0, 0.0]])
+    # d per token: turn 1 gets 0.1, -0.3 (row 0) and 0.2 (row 1); turn 2 gets 0.4 (row 0); the context token's 9.0
+    # must not count anywhere.
+    train = rollout + torch.tensor([[0.1, -0.3, 9.0, 0.4], [0.2, 0.0, 0.0, 0.0]])
+    got = compare_by_turn(train, rollout, mask)
+    assert set(got) == {"parity/turn_1/mae", "parity/turn_1/kl_k3", "parity/turn_2/mae", "parity/turn_2/kl_k3"}
+    assert math.isclose(got["parity/turn_1/mae"], (0.1 + 0.3 + 0.2) / 3, rel_tol=1e-6)
+    assert math.isclose(got["parity/turn_2/mae"], 0.4, rel_tol=1e-6)
+    k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731
+    assert math.isclose(got["parity/turn_1/kl_k3"], (k3(0.1) + k3(-0.3) + k3(0.2)) / 3, rel_tol=1e-5)
+    assert math.isclose(got["parity/turn_2/kl_k3"], k3(0.4), rel_tol=1e-5)
+    # Asking for more turns than any row reached: NaN, not an error (ranks agree on one count).
+    assert math.isnan(compare_by_turn(train, rollout, mask, num_turns=3)["parity/turn_3/mae"])

@@ -1,4 +1,4 @@
-"""rollout.types: the Rollouts container refuses inconsistent top-k fields."""
+"""rollout.types: the Rollouts container refuses inconsistent top-k fields and completion masks."""
 import pytest
 
 from rollout.types import Rollouts
@@ -24,3 +24,28 @@ def test_topk_fields_round_trip():
 def test_inconsistent_topk_is_refused(ids, lps, match):
     with pytest.raises(ValueError, match=match):
         _rollouts(topk_ids=ids, topk_logprobs=lps)
+
+
+def _episodes(mask):
+    return Rollouts(prompt_ids=[[1], [1]], completion_ids=[[2, 3, 4], [5]], rollout_logprobs=[[-1.0, 0.0, -1.0], [-1.0]],
+                    finish_reasons=["stop", "stop"], group_size=1, completion_mask=mask)
+
+
+def test_completion_mask_is_checked_and_counts_sampled_tokens():
+    r = _episodes([[1, 0, 1], [1]])
+    assert r.num_sampled_tokens == 3 and r.num_completion_tokens == 4
+    assert r.sampled_mask(0) == [1, 0, 1]
+    for bad in ([[1, 0], [1]], [[1, 2, 1], [1]], [[1, 0, 1]]):
+        with pytest.raises(ValueError, match="completion_mask"):
+            _episodes(bad)
+
+
+def test_completion_mask_follows_take_groups_and_concat():
+    r = _episodes([[1, 0, 1], [1]])
+    assert r.take_groups([1, 0]).completion_mask == [[1], [1, 0, 1]]
+    single = Rollouts(prompt_ids=[[1]], completion_ids=[[6, 7]], rollout_logprobs=[[-1.0, -1.0]],
+                      finish_reasons=["stop"], group_size=1)
+    assert single.sampled_mask(0) == [1, 1] and single.num_sampled_tokens == 2
+    joined = Rollouts.concat([single, r])
+    assert joined.completion_mask == [[1, 1], [1, 0, 1], [1]]
+    assert Rollouts.concat([single, single]).completion_mask == []

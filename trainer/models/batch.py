@@ -43,10 +43,12 @@ class TokenBatch:
         return self.input_ids.shape[0]
 
     def select(self, idx: slice) -> "TokenBatch":
-        """A micro-batch of rows; columns trimmed to what those rows need."""
+        """A micro-batch of rows; columns trimmed to what those rows need (up to the last sampled token: a
+        multi-turn completion has context tokens between its sampled ones, so the count of sampled tokens
+        is not where they end)."""
         mask = self.mask[idx]
-        c = int(mask.sum(1).max().item()) if mask.numel() else 0
-        c = max(c, 1)
+        cols_used = (mask != 0).any(0).nonzero()
+        c = max(int(cols_used[-1].item()) + 1 if cols_used.numel() else 0, 1)
         p = self.prompt_len
         am = self.attention_mask[idx]
         first_real = int((am[:, :p].cumsum(1) == 0).sum(1).min().item())  # common left padding
@@ -61,7 +63,8 @@ class TokenBatch:
 
 
 def batch_from_rollouts(rollouts: Rollouts, pad_id: int, device: torch.device | str = "cpu") -> TokenBatch:
-    batch = build_token_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id, rollouts.rollout_logprobs, device)
+    batch = build_token_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id, rollouts.rollout_logprobs, device,
+                              completion_mask=rollouts.completion_mask or None)
     k = rollouts.topk
     if k:
         s, c = batch.mask.shape
@@ -76,8 +79,13 @@ def batch_from_rollouts(rollouts: Rollouts, pad_id: int, device: torch.device | 
 
 
 def build_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
-                      rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu") -> TokenBatch:
-    """Pad prompt/completion pairs into a TokenBatch; rollout_logprobs None -> zeros (SFT has none)."""
+                      rollout_logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu", *,
+                      completion_mask: list[list[int]] | None = None) -> TokenBatch:
+    """Pad prompt/completion pairs into a TokenBatch; rollout_logprobs None -> zeros (SFT has none).
+
+    completion_mask (``Rollouts.completion_mask``): 0 marks a completion token that is context, not sampled
+    (a multi-turn episode's environment reply): it stays in ``input_ids`` and the attention, and gets target
+    IGNORE, mask 0 and rollout log-prob 0, so no loss, metric or log-prob computation sees it."""
     if rollout_logprobs is None:
         rollout_logprobs = [[0.0] * len(c) for c in completion_ids]
     s = len(completion_ids)
@@ -100,6 +108,11 @@ def build_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int
             targets[i, :len(co)] = torch.tensor(co, dtype=torch.long)
             mask[i, :len(co)] = 1.0
             rollout_lp[i, :len(co)] = torch.tensor(lp, dtype=torch.float32)
+            if completion_mask is not None:
+                context = torch.tensor(completion_mask[i], dtype=torch.long) == 0
+                targets[i, :len(co)][context] = IGNORE
+                mask[i, :len(co)][context] = 0.0
+                rollout_lp[i, :len(co)][context] = 0.0
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     to = dict(device=device)
     return TokenBatch(input_ids.to(**to), attention_mask.to(**to), position_ids.to(**to), targets.to(**to), mask.to(**to),

@@ -52,3 +52,24 @@ def test_topk_fields_are_padded_and_follow_select():
     assert sub.topk_ids.shape == (1, 1, 2) and sub.topk_ids[0, 0].tolist() == [8, 2]
     assert batch_from_rollouts(Rollouts(prompt_ids=[[1]], completion_ids=[[5]], rollout_logprobs=[[-1.0]],
                                         finish_reasons=["stop"], group_size=1), 0).topk_ids is None
+
+
+def test_context_tokens_inside_a_completion_are_read_but_not_trained():
+    # A two-turn episode: sampled [1, 2], the environment's reply [7, 7] (context), sampled [3].
+    r = Rollouts(prompt_ids=[[5, 6], [8]], completion_ids=[[1, 2, 7, 7, 3], [4]],
+                 rollout_logprobs=[[-0.1, -0.2, 0.0, 0.0, -0.3], [-0.4]], finish_reasons=["stop", "stop"],
+                 group_size=1, completion_mask=[[1, 1, 0, 0, 1], [1]])
+    b = batch_from_rollouts(r, pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 1, 2, 7, 7, 3], [0, 8, 4, 0, 0, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0]]
+    assert b.targets.tolist() == [[1, 2, IGNORE, IGNORE, 3], [4, IGNORE, IGNORE, IGNORE, IGNORE]]
+    assert b.mask.tolist() == [[1, 1, 0, 0, 1], [1, 0, 0, 0, 0]]
+    assert torch.allclose(b.rollout_logprobs, torch.tensor([[-0.1, -0.2, 0, 0, -0.3], [-0.4, 0, 0, 0, 0]]))
+
+
+def test_select_keeps_columns_up_to_the_last_sampled_token():
+    # 3 sampled tokens, the last at column 4: a trim to the count of sampled tokens would cut turn 2 off.
+    b = build_token_batch([[5]], [[1, 2, 7, 7, 3, 9]], pad_id=0, completion_mask=[[1, 1, 0, 0, 1, 0]])
+    m = b.select(slice(0, 1))
+    assert m.targets.tolist() == [[1, 2, IGNORE, IGNORE, 3]]
+    assert m.input_ids.tolist() == [[5, 1, 2, 7, 7, 3]]
