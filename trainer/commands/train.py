@@ -71,8 +71,8 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
     except RecipeError as e:  # the recipe file itself cannot be read: nothing else to check
         cfg, problems = None, e.problems
     lines = [f"parityrl: invalid recipe: {' '.join(p.split())}" for p in problems]
-    where_to = cfg is None or any(named_key(p) in ("name", "logging.run_dir") for p in problems)
-    state = None if where_to else run_dir_problem(cfg, resume=resume, command=command)
+    unknown_dir = cfg is None or any(named_key(p) in ("name", "logging.run_dir") for p in problems)
+    state = None if unknown_dir else run_dir_problem(cfg, resume=resume, command=command)
     if state:
         lines.append(f"parityrl: {' '.join(state.split())}")
     if lines:

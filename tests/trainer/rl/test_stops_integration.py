@@ -6,6 +6,8 @@ it lands mid-step on every machine, however loaded.
 """
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -46,6 +48,14 @@ def run(tmp_path: Path, name: str, *extra: str, env: dict | None = None) -> subp
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
+def run_printed(line: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The command a stop line names (``continue with `...```), run as printed, from the same directory."""
+    (command,) = re.findall(r"continue with `([^`]+)`", line)
+    assert command.endswith(" --resume") and "name=cut" in command, command
+    return subprocess.run(shlex.split(command), cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
 def steps(run_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows}  # a resumed run appends: the last record of a step wins
@@ -76,15 +86,16 @@ def test_reward_failure_and_sigterm_stop_with_a_checkpoint_and_resume_exactly(tm
     assert "stopped: step 2: reward function 'r' returned nan at sample 0" in line
     assert "checkpoint of the last completed step 1 written to" in line and "--resume" in line
 
-    # resumed, then SIGTERM in the middle of step 2 (the resumed process' first reward call): step 2 finishes
-    preempted = run(tmp_path, "cut", "--resume", env={"SIGTERM_AT_CALL": "1"})
+    # resumed by the command the line names, as printed, then SIGTERM in the middle of step 2 (the resumed
+    # process' first reward call): step 2 finishes
+    preempted = run_printed(line, env={"SIGTERM_AT_CALL": "1"})
     assert preempted.returncode == 128 + signal.SIGTERM, preempted.stderr[-3000:]
     assert "Traceback" not in preempted.stderr
     received, stopped = parityrl_lines(preempted.stderr)
     assert "SIGTERM received: stopping after this step" in received
     assert "stopped: SIGTERM after step 2 of 4" in stopped and "step 2 written to" in stopped
 
-    resumed = run(tmp_path, "cut", "--resume")
+    resumed = run_printed(stopped)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = steps(tmp_path / "full"), steps(tmp_path / "cut")
     assert sorted(b) == [1, 2, 3, 4]
