@@ -228,6 +228,21 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr,
 
 
 @triton.jit
+def _row_logits(base, b_ptr, cols, ok, mult, cap, HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """(z = mult * softcap(u + b), dz/du) for one vector of a row of input-dtype logits u at ``base``."""
+    u = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        u += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    dzdu = tl.full((BLOCK,), 1.0, tl.float32) * mult
+    if HAS_CAP:
+        th = _tanh(u / cap)
+        u = cap * th
+        dzdu = dzdu * (1.0 - th * th)
+    return u * mult, dzdu
+
+
+@triton.jit
 def _row_grad_kernel(z_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, zt_ptr, vocab, stride_z, mult, cap,
                      HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, WANT_T: tl.constexpr, BLOCK: tl.constexpr):
     """One row of input-dtype logits u: its statistics, then u overwritten with d logprob / du = (onehot - p) dz/du."""
@@ -241,12 +256,8 @@ def _row_grad_kernel(z_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, zt_ptr, vocab, str
     for v0 in range(0, vocab, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         ok = cols < vocab
-        u = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            u += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        if HAS_CAP:
-            u = cap * _tanh(u / cap)
-        z = tl.where(ok, u * mult, _NEG_BIG)
+        z, _ = _row_logits(base, b_ptr, cols, ok, mult, cap, HAS_BIAS, HAS_CAP, BLOCK)
+        z = tl.where(ok, z, _NEG_BIG)
         m_new = tl.maximum(m, z)
         scale = tl.exp(m - m_new)
         zc = z - m_new
@@ -268,15 +279,8 @@ def _row_grad_kernel(z_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, zt_ptr, vocab, str
     for v0 in range(0, vocab, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         ok = cols < vocab
-        u = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            u += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        dzdu = tl.full((BLOCK,), 1.0, tl.float32) * mult
-        if HAS_CAP:
-            th = _tanh(u / cap)
-            u = cap * th
-            dzdu = dzdu * (1.0 - th * th)
-        p = tl.exp(u * mult - lse)
+        z, dzdu = _row_logits(base, b_ptr, cols, ok, mult, cap, HAS_BIAS, HAS_CAP, BLOCK)
+        p = tl.exp(z - lse)
         g = (tl.where(cols == tgt, 1.0, 0.0) - p) * dzdu
         tl.store(base + cols, g.to(z_ptr.dtype.element_ty), mask=ok)
 
@@ -299,15 +303,8 @@ def _row_backward_kernel(z_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_
     for v0 in range(0, vocab, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         ok = cols < vocab
-        u = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            u += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        dzdu = tl.full((BLOCK,), 1.0, tl.float32) * mult
-        if HAS_CAP:
-            th = _tanh(u / cap)
-            u = cap * th
-            dzdu = dzdu * (1.0 - th * th)
-        logp = u * mult - lse
+        z, dzdu = _row_logits(base, b_ptr, cols, ok, mult, cap, HAS_BIAS, HAS_CAP, BLOCK)
+        logp = z - lse
         p = tl.exp(logp)
         coef = glp + tl.zeros((BLOCK,), tl.float32)
         if HAS_ENT:
