@@ -19,7 +19,7 @@ import math
 import numbers
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Environment", "EnvironmentError_", "check_messages", "check_reset_result", "check_step_result"]
+__all__ = ["Environment", "EnvironmentContractError", "check_messages", "check_reset_result", "check_step_result"]
 
 
 @runtime_checkable
@@ -31,7 +31,7 @@ class Environment(Protocol):
     def step(self, message: dict) -> tuple[list[dict], float | None, bool]: ...
 
 
-class EnvironmentError_(ValueError):
+class EnvironmentContractError(ValueError):
     """An environment returned something outside the contract; the message names the environment.
 
     (Trailing underscore: ``EnvironmentError`` is a builtin alias of ``OSError``.)"""
@@ -40,7 +40,7 @@ class EnvironmentError_(ValueError):
 def check_step_result(result: Any, env_name: str) -> tuple[list[dict], float | None, bool]:
     """``result`` of ``env_name``'s ``step``, checked: ``(messages, reward, done)`` with reward a float or None.
 
-    Raises ``EnvironmentError_`` naming ``env_name`` when ``result`` is not a 3-tuple (a list of 3 is taken),
+    Raises ``EnvironmentContractError`` naming ``env_name`` when ``result`` is not a 3-tuple (a list of 3 is taken),
     a message is not a dict with a str ``role`` (not "assistant") and a str ``content``, ``reward`` is not a
     finite real number (numpy/torch scalars and bools taken, as reward functions' are) or None, or ``done`` is
     not a bool (numpy's bool taken).
@@ -49,20 +49,20 @@ def check_step_result(result: Any, env_name: str) -> tuple[list[dict], float | N
     if not isinstance(result, (tuple, list)) or len(result) != 3:
         shape = f"a {type(result).__name__}" + (f" of length {len(result)}" if isinstance(result, (tuple, list))
                                                   else "")
-        raise EnvironmentError_(f"{where} returned {shape}; expected a tuple (messages, reward, done)")
+        raise EnvironmentContractError(f"{where} returned {shape}; expected a tuple (messages, reward, done)")
     messages, reward, done = result
     checked = check_messages(messages, f"{where} messages")
     if reward is not None:
         if hasattr(reward, "item") and getattr(reward, "ndim", 0) == 0:
             reward = reward.item()
         if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-            raise EnvironmentError_(f"{where} returned reward {reward!r} ({type(reward).__name__}); expected a "
+            raise EnvironmentContractError(f"{where} returned reward {reward!r} ({type(reward).__name__}); expected a "
                                     "finite number or None")
         reward = float(reward)
     if hasattr(done, "item") and getattr(done, "ndim", 0) == 0 and not isinstance(done, bool):
         done = done.item()
     if not isinstance(done, bool):
-        raise EnvironmentError_(f"{where} returned done={done!r} ({type(done).__name__}); expected True or False")
+        raise EnvironmentContractError(f"{where} returned done={done!r} ({type(done).__name__}); expected True or False")
     return checked, reward, done
 
 
@@ -80,19 +80,19 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     ``trainer.rl.turn_tokens.retokenize_drift`` pairs each assistant message with a run of sampled ids.
     """
     if not isinstance(messages, (list, tuple)):
-        raise EnvironmentError_(f"{where}: got a {type(messages).__name__}; expected a list of message dicts")
+        raise EnvironmentContractError(f"{where}: got a {type(messages).__name__}; expected a list of message dicts")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise EnvironmentError_(f"{where}[{i}] is a {type(m).__name__}; expected a dict with 'role' and "
+            raise EnvironmentContractError(f"{where}[{i}] is a {type(m).__name__}; expected a dict with 'role' and "
                                     "'content'")
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
-            raise EnvironmentError_(f"{where}[{i}] has role {role!r}; expected a non-empty str such as 'user' or "
+            raise EnvironmentContractError(f"{where}[{i}] has role {role!r}; expected a non-empty str such as 'user' or "
                                     "'tool'")
         if role == "assistant":
-            raise EnvironmentError_(f"{where}[{i}] has role 'assistant'; an environment replies as 'user' or "
+            raise EnvironmentContractError(f"{where}[{i}] has role 'assistant'; an environment replies as 'user' or "
                                     "'tool' (assistant turns are what the model samples)")
         if not isinstance(content, str):
-            raise EnvironmentError_(f"{where}[{i}] (role {role!r}) has content {content!r} "
+            raise EnvironmentContractError(f"{where}[{i}] (role {role!r}) has content {content!r} "
                                     f"({type(content).__name__}); expected a str")
     return list(messages)

@@ -8,7 +8,7 @@ import pytest
 
 from trainer.environments.contract import (
     Environment,
-    EnvironmentError_,
+    EnvironmentContractError,
     check_messages,
     check_reset_result,
     check_step_result,
@@ -50,7 +50,7 @@ def test_a_valid_step_result_comes_back_with_the_reward_as_a_float():
     (([], None, None), r"returned done=None"),
 ])
 def test_a_wrong_step_result_is_refused_naming_the_environment(result, expected):
-    with pytest.raises(EnvironmentError_, match=expected) as e:
+    with pytest.raises(EnvironmentContractError, match=expected) as e:
         check_step_result(result, "my_env.py:Maze")
     assert str(e.value).startswith("environment 'my_env.py:Maze': step()")
 
@@ -58,6 +58,6 @@ def test_a_wrong_step_result_is_refused_naming_the_environment(result, expected)
 def test_reset_may_return_none_or_messages():
     assert check_reset_result(None, "E") == []
     assert check_reset_result([{"role": "user", "content": "go"}], "E") == [{"role": "user", "content": "go"}]
-    with pytest.raises(EnvironmentError_, match=r"environment 'E': reset\(\) messages: got a str"):
+    with pytest.raises(EnvironmentContractError, match=r"environment 'E': reset\(\) messages: got a str"):
         check_reset_result("go", "E")
     assert check_messages((), "here") == []
