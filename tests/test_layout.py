@@ -26,13 +26,14 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "rollout", "parity")
 ENTRY_POINTS = {"trainer/__init__.py", "trainer/__main__.py", "trainer/cli.py", "trainer/train.py"}
 # Highest first. commands: thin entry points over everything; rl: the RL run; builtin: the models the project
-# builds itself (the warm start runs the supervised stage); supervised: SFT and reward-model training; rewards:
+# builds itself (the warm start runs the supervised stage); supervised: SFT and reward-model training;
+# environments: multi-turn environments and tools (loaded by spec as reward functions are); rewards:
 # reward functions and the reward-model scorer; precision: the precision recipes' records (they hold the
 # trainer's model transform and the engine's options, and add their rules to the recipe's validation); models:
 # loading and running a policy; io: run directories, checkpoints, logs; data: prompt datasets and tasks;
 # distributed: process groups, DDP, DeepSpeed; config: the recipes' schema (it reads the algorithms' option
 # types); algorithms: pure tensor functions and their records.
-TRAINER_ORDER = ("commands", "rl", "builtin", "supervised", "rewards", "precision", "models", "io", "data",
+TRAINER_ORDER = ("commands", "rl", "builtin", "supervised", "environments", "rewards", "precision", "models", "io", "data",
                  "distributed", "config", "algorithms")
 
 
