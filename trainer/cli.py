@@ -189,19 +189,22 @@ def _train(args) -> int:
     # Ctrl-C / SIGTERM from here to the first step: one line, at once (trainer/rl/preemption.py); it ends the
     # process, so only for the process's own command line (as the console filter above).
     # cleanup before os._exit: the lock, then the console filter's pipes (the stop line must reach the console)
+    startup = None
     if args.own_console:
-        StartupStop(cleanup=lambda: (release_all(), third_party_output.shutdown()),
-                    announce=os.environ.get("RANK", "0") == "0").install()
+        startup = StartupStop(cleanup=lambda: (release_all(), third_party_output.shutdown()),
+                              announce=os.environ.get("RANK", "0") == "0").install()
     try:
-        from trainer.commands.train import run_train_command  # late: as above
+        from trainer.commands.train import resume_command, run_train_command  # late: as above
 
+        prog = getattr(args, "prog", None) or f"{invoked_as(sys.argv[0]) if args.own_console else 'parityrl'} train"
+        if startup is not None and args.resume:  # a stop before the first step leaves the checkpoints as they were
+            startup.resume_command = resume_command(args.recipe, args.overrides, prog)
         if getattr(args, "print_config", False):
             from trainer.rl.preflight import check_before_loading  # late: as above
 
             # what can be checked without the model (its files, layers and memory are checked when training starts)
             return _printed(lambda: check_before_loading(args.recipe, args.overrides, model=False))
 
-        prog = getattr(args, "prog", None) or f"{invoked_as(sys.argv[0]) if args.own_console else 'parityrl'} train"
         return run_train_command(args.recipe, args.overrides, resume=args.resume, debug=args.debug, prog=prog)
     finally:
         end_startup()

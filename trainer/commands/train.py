@@ -93,7 +93,8 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         _say(with_resume_command(str(e), command))
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the loop's own handler is installed (loading, engine start)
-        _say("interrupted while starting up, before this process trained a step; nothing to checkpoint")
+        _say("interrupted while starting up, before this process trained a step; nothing to checkpoint"
+             + (f"; its checkpoints are untouched: continue with `{command}`" if resume else ""))
         return 130
     except (RunStopped, EngineUnavailable) as e:  # the message names the cause; the note, the checkpoint
         _say(with_resume_command(f"stopped: {e}; {getattr(e, 'checkpoint_note', '')}", command))

@@ -63,8 +63,10 @@ class StartupStop:
     """Until ``end()``: the first SIGINT / SIGTERM ends the process at once, with one line (rank 0) and status
     128 + N; ``cleanup()`` runs first (it must be quick and not raise: the run lock's release)."""
 
-    def __init__(self, cleanup: Callable[[], None], announce: bool = True) -> None:
-        self.cleanup, self.announce = cleanup, announce
+    def __init__(self, cleanup: Callable[[], None], announce: bool = True, resume_command: str = "") -> None:
+        # resume_command: for a launch that resumes a run, the command that continues it (its checkpoints are
+        # untouched by a stop before the first step, so the same command continues it)
+        self.cleanup, self.announce, self.resume_command = cleanup, announce, resume_command
         self._once = threading.Lock()
         self._previous: dict[int, object] = {}
         self._wakeup: Optional[tuple[int, int]] = None  # (read end, write end)
@@ -117,8 +119,10 @@ class StartupStop:
             return
         try:
             if self.announce:
+                hint = f"; its checkpoints are untouched: continue with `{self.resume_command}`" \
+                    if self.resume_command else ""
                 print(f"parityrl: {signal.Signals(signum).name} received before the first step: stopped at once "
-                      "(nothing was trained in this launch, so there is nothing to checkpoint)",
+                      f"(nothing was trained in this launch, so there is nothing to checkpoint){hint}",
                       file=sys.stderr, flush=True)
             self.cleanup()
             sys.stdout.flush()

@@ -18,7 +18,8 @@ import sys, time
 from trainer.io.run_lock import claim
 from trainer.rl.preemption import StartupStop
 lock = claim(sys.argv[1])
-StartupStop(cleanup=lambda: (lock.release(), print("released", flush=True))).install()
+StartupStop(cleanup=lambda: (lock.release(), print("released", flush=True)),
+            resume_command=sys.argv[2] if len(sys.argv) > 2 else "").install()
 try:  # what third-party code at engine start does with an interrupt
     print("ready", flush=True)
     time.sleep(60)
@@ -40,6 +41,19 @@ def test_a_signal_before_the_first_step_ends_the_process_at_once_with_one_line(s
     assert err.splitlines() == [f"parityrl: {signal.Signals(signum).name} received before the first step: stopped at "
                                 "once (nothing was trained in this launch, so there is nothing to checkpoint)"]
     assert (tmp_path / "run" / ".lock").read_text() == ""  # no holder left behind
+
+
+def test_a_resumed_run_stopped_before_its_first_step_names_the_command_that_continues_it(tmp_path):
+    command = "parityrl train recipes/grpo_tiny.yaml --set name=intr --resume"
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "run"), command], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.splitlines() == ["parityrl: SIGINT received before the first step: stopped at once (nothing was trained "
+                                "in this launch, so there is nothing to checkpoint); its checkpoints are untouched: "
+                                f"continue with `{command}`"]
 
 
 def test_the_loop_handler_takes_over_and_restores_the_defaults():
