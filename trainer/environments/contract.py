@@ -34,7 +34,7 @@ class Environment(Protocol):
 class EnvironmentContractError(ValueError):
     """An environment returned something outside the contract; the message names the environment.
 
-    (Trailing underscore: ``EnvironmentError`` is a builtin alias of ``OSError``.)"""
+    (Not ``EnvironmentError``: that name is a builtin alias of ``OSError``.)"""
 
 
 def check_step_result(result: Any, env_name: str) -> tuple[list[dict], float | None, bool]:
