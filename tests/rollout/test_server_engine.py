@@ -47,6 +47,14 @@ def abs_errors(a, b):
     return torch.tensor([x - y for ra, rb in zip(a, b) for x, y in zip(ra, rb)]).abs()
 
 
+def same_samples(a, b) -> bool:
+    """The same sampled ids, and log-probs equal up to the rounding of another batch composition: the server's CPU
+    kernels are not batch invariant outside exact mode, and how concurrent requests land in the engine's batches
+    varies with the machine's load (full-suite runs saw 4e-4). A stale weight or KV block moves them by O(0.1)
+    (MISMATCH_FLOOR), so this still tells the weights apart."""
+    return a.completion_ids == b.completion_ids and bool(abs_errors(a.rollout_logprobs, b.rollout_logprobs).max() < 1e-2)
+
+
 # ---- fast ---------------------------------------------------------------------------------------
 def test_parse_server_url():
     assert parse_server_url("http://127.0.0.1:8000") == ("127.0.0.1", 8000)
@@ -461,18 +469,18 @@ def test_weight_push_changes_outputs_and_keeps_parity(server_engine, hf_referenc
     assert push["tensors"] == 4 and push["bytes"] == sum(
         p.numel() * 2 for n, p in target.named_parameters() if n in names)
 
-    # Pushing the original weights back gives the original samples, bit for bit (and the
-    # prefix cache did not serve KV blocks computed with the perturbed weights).
+    # Pushing the original weights back gives the original samples (and the prefix cache did not
+    # serve KV blocks computed with the perturbed weights).
     engine.load_weights([(n, t) for n, t in hf_reference.named_parameters() if n in names])
     restored = engine.generate(prompts, spec)
-    assert restored.completion_ids == before.completion_ids and restored.rollout_logprobs == before.rollout_logprobs
+    assert same_samples(restored, before)
 
 
 @pytest.mark.slow
 def test_a_push_in_layer_chunks_is_one_version_and_a_broken_one_is_refused(server_engine, hf_reference, prompts,
                                                                               perturbed_copy):
     """load_weight_chunks (the sync's path, one decoder layer per chunk here): the server ends up with the same
-    weights as after one push -- the same samples bit for bit -- under one new weight version. A push that
+    weights as after one push -- the same samples (``same_samples``) -- under one new weight version. A push that
     fails after its first chunk leaves a partial version: generate refuses it until a complete push."""
     from rollout.weight_export import layer_chunks
 
@@ -494,7 +502,7 @@ def test_a_push_in_layer_chunks_is_one_version_and_a_broken_one_is_refused(serve
     assert engine.last_push["chunks"] == 2 and engine.last_push["tensors"] == 6
     assert engine._version_n == version + 1
     chunked = engine.generate(prompts, spec)
-    assert chunked.completion_ids == whole.completion_ids and chunked.rollout_logprobs == whole.rollout_logprobs
+    assert same_samples(chunked, whole)
     assert chunked.completion_ids != before.completion_ids
 
     def broken():  # layer 1 goes out, then layer 2's q/k/v group arrives incomplete
@@ -507,7 +515,7 @@ def test_a_push_in_layer_chunks_is_one_version_and_a_broken_one_is_refused(serve
         engine.generate(prompts, spec)
     engine.load_weight_chunks(layer_chunks(original))
     restored = engine.generate(prompts, spec)
-    assert restored.completion_ids == before.completion_ids and restored.rollout_logprobs == before.rollout_logprobs
+    assert same_samples(restored, before)
 
 
 def overrides_for(tmp_path, name, url, *overrides) -> list[str]:

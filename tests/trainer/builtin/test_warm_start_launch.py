@@ -1,6 +1,7 @@
 """builtin:tiny's warm start asked for first by the ranks of a launch (`accelerate launch ... recipes/grpo_tiny.yaml`
 before any single-process run has built it): built once, as one process, and every rank gets it."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,13 +13,15 @@ from trainer.builtin.warm_start import single_process_env
 REPO = Path(__file__).resolve().parents[3]
 
 RANK_SCRIPT = """
+import sys
 from accelerate import Accelerator
 from trainer.builtin.warm_start import ensure_warm_started_tiny
 from trainer.distributed.deepspeed import accelerator_kwargs
 
 accelerator = Accelerator(**accelerator_kwargs())  # the process group the training loop joins before the model
 path = ensure_warm_started_tiny()
-print(f"rank {accelerator.process_index}: {path}", flush=True)
+sys.stdout.write(f"rank {accelerator.process_index}: {path}\\n")  # one write: the ranks share the pipe
+sys.stdout.flush()
 accelerator.wait_for_everyone()
 """
 
@@ -40,5 +43,6 @@ def test_two_ranks_build_the_warm_start_once_as_one_process(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Transformers' Trainer inside a rank would have split sft_tiny.yaml's one micro-batch over 2 processes (refused)
     assert proc.stdout.count("building the default model (once)") == 1, proc.stdout
-    paths = {line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("rank ")}
+    # Lines of two processes on one pipe can still interleave mid-line (unbuffered writes): match, don't split.
+    paths = set(re.findall(r"rank \d+: (\S+?)(?=rank \d+: |\s|$)", proc.stdout))
     assert len(paths) == 1 and (Path(paths.pop()) / "config.json").is_file()
