@@ -22,18 +22,18 @@ hidden slab, so the slabs of the programs in flight must stay in L2. Programs ar
 as in Triton's matmul tutorial: ``group_m`` row blocks (as many slabs as fit in half the
 L2) times all vocabulary slices, the row block varying fastest inside a group, so the
 ~SM-count programs running at once share a few slabs and each weight tile is read by
-``group_m`` programs close together in time. Row blocks varying fastest over the whole
-grid (the first version) kept ~N/BLOCK_M slabs in flight: 117 MB at N = 16384, H = 3584,
-over the H100's 50 MB L2, so the hidden states were re-read from HBM for every
-vocabulary tile (~139 GB). The number of slices is chosen so that a wave of programs
+``group_m`` programs close together in time. With the row block varying fastest over the
+whole grid, ~N/BLOCK_M slabs would be in flight (117 MB at N = 16384, H = 3584, over an
+H100's 50 MB L2) and the hidden states re-read from HBM for every vocabulary tile
+(~139 GB). The number of slices is chosen so that a wave of programs
 spans at most one group and the grid fills whole waves of SMs where it can.
 
 Gathering k given ids per row (``gather_logprobs_triton``, the top-k metric and the
 architecture probe at load, which asks for every vocabulary id): the log-sum-exp comes
 from the values kernel; the ids' logits from a batched product of each row with its k
 weight rows (or, when k is a large share of the vocabulary, from row chunks of the full
-logits). Nothing is unrolled per id: a kernel specialised on k took 127 s to compile for
-sm_90 at k = 512 and never finished at the vocabulary size (k = 151,936).
+logits). Nothing is unrolled per id: a kernel specialised on k takes 127 s to compile for
+sm_90 at k = 512 and does not finish at the vocabulary size (k = 151,936).
 
 Backward, full path (gradients for the lm_head weight or bias, or a differentiable
 entropy), per row chunk of C rows: cuBLAS writes the chunk's logits u = h W^T into a

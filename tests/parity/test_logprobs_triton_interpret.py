@@ -183,7 +183,7 @@ def test_gather_matches_torch_path_and_target_values():
 
 
 def test_gather_compiles_one_kernel_whatever_k(monkeypatch):
-    # A kernel specialised on k took minutes to compile for sm_90 at k = 512 and never finished at k = V
+    # A kernel specialised on k takes minutes to compile for sm_90 at k = 512 and does not finish at k = V
     # (the architecture probe gathers every vocabulary id): every k must launch the same specialisation.
     hidden, weight, bias, targets = _inputs(seed=9)
     real = lt._forward_kernel

@@ -2,7 +2,7 @@
 
 Triton compiles for a ``GPUTarget`` without a GPU (its bundled ptxas makes the cubin), so a kernel that would
 fail to compile, or whose compile grows with a problem size, shows up in CI instead of on a user's first CUDA
-run: a kernel specialised on the number of gathered ids took 127 s at k = 512 and never finished at the
+run: a kernel specialised on the number of gathered ids takes 127 s at k = 512 and does not finish at the
 vocabulary size, which the architecture probe asks for at every model load. Each kernel's specialisation
 arguments (``tl.constexpr``) must be flags or tile sizes from a fixed list, never a shape of the data, and each
 compile must stay under ``COMPILE_SECONDS``. The registers and spills of every variant are printed (``pytest
@@ -124,7 +124,7 @@ def test_every_kernel_variant_compiles_for_sm90(kernel, dtype, flags, tmp_path, 
 
 
 def test_a_kernel_specialised_on_a_count_is_caught():
-    # The guard above, shown on the shape of the old gather kernel: a constexpr named for a data size fails it.
+    # The guard above, shown on a gather kernel unrolled per id: a constexpr named for a data size fails it.
     @triton.jit
     def unrolled(x_ptr, N_IDS: triton.language.constexpr):
         for j in triton.language.static_range(N_IDS):
