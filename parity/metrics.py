@@ -57,7 +57,7 @@ Edge cases (never a NaN to the logger):
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -358,14 +358,20 @@ def compare_by_turn(
     rollout_logprobs: torch.Tensor,
     mask: torch.Tensor,
     num_turns: Optional[int] = None,
+    *,
+    stats: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Stats]] = None,
 ) -> Dict[str, float]:
     """``parity/turn_<k>/mae`` and ``parity/turn_<k>/kl_k3`` for k = 1 .. ``num_turns`` (default: the most turns in the
-    batch), each over the tokens ``turn_index`` assigns to turn k; a turn no row reached reports NaN."""
+    batch), each over the tokens ``turn_index`` assigns to turn k; a turn no row reached reports NaN.
+
+    ``stats``: how a turn's sufficient statistics are gathered (default ``sufficient_stats`` of these tensors; data
+    parallel passes its pooled version, which every rank must call the same ``num_turns`` times)."""
     turns = turn_index(mask)
     k_max = int(turns.max().item()) if num_turns is None and turns.numel() else int(num_turns or 0)
+    gather = stats or sufficient_stats
     out: Dict[str, float] = {}
     for k in range(1, k_max + 1):
-        fin = finalize(sufficient_stats(train_logprobs, rollout_logprobs, turns == k))
+        fin = finalize(gather(train_logprobs, rollout_logprobs, turns == k))
         out[f"parity/turn_{k}/mae"] = fin.get("parity/mae", float("nan"))
         out[f"parity/turn_{k}/kl_k3"] = fin.get("parity/kl_k3", float("nan"))
     return out

@@ -368,7 +368,7 @@ class ServerEngine:
              "'processed_logprobs' (the log-probs of the distribution actually sampled from, as the trainer scores)")
         need(info["dtype"] == dtype, "dtype", info["dtype"], f"{dtype!r} (model.dtype)")
         need(need_len is None or info["max_model_len"] >= need_len, "max_model_len", info["max_model_len"],
-             f">= {need_len} (data.max_prompt_tokens + rollout.max_new_tokens)")
+             f">= {need_len} (data.max_prompt_tokens + rollout.max_new_tokens, or env.max_tokens)")
         need(info["weight_transfer_backend"] in ("parityrl_file", "nccl"), "weight transfer backend",
              info["weight_transfer_backend"], "'parityrl_file' (CPU) or 'nccl' (CUDA): --weight-transfer-config")
         self._check_model(info["model"])

@@ -4,7 +4,7 @@ The server gets exactly the settings the trainer's checks rely on
 (``rollout.server_engine.ServerEngine`` refuses a server without them):
 
 - the recipe's model (``builtin:tiny`` resolved to its directory), ``model.dtype``,
-  ``max_model_len = data.max_prompt_tokens + rollout.max_new_tokens``, the seed;
+  ``max_model_len = data.max_prompt_tokens + rollout.max_new_tokens`` (with ``env``: the episode budget), the seed;
 - ``--logprobs-mode processed_logprobs`` (log-probs of the distribution sampled from,
   what the trainer scores) and ``--max-logprobs >= parity.topk + 1`` (the client asks
   for k + 1, see server_engine);
@@ -42,6 +42,7 @@ import torch
 from rollout.server_engine import parse_server_url
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig
+from trainer.config.validate import sequence_length
 from trainer.io import third_party_output
 from trainer.io.child_processes import run_supervised
 from trainer.precision import recipe_for
@@ -110,7 +111,7 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
     argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
             "--model", str(model_dir), "--host", host, "--port", str(port),
             "--dtype", cfg.model.dtype, "--seed", str(cfg.train.seed),
-            "--max-model-len", str(cfg.data.max_prompt_tokens + r.max_new_tokens),
+            "--max-model-len", str(sequence_length(cfg)),
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(max(20, cfg.parity.topk + 1)),
             "--skip-tokenizer-init", "--enable-scale-out", "--no-enable-chunked-prefill",
             "--max-num-seqs", str(r.max_num_seqs), "--tensor-parallel-size", str(tensor_parallel_size),

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Literal, Optional
 import yaml
 
 from trainer.algorithms import ALGORITHMS, OptionError
-from trainer.config.schema import AlgorithmConfig, RecipeError, RunConfig
+from trainer.config.schema import AlgorithmConfig, RecipeError, RunConfig, recipe_key
 from trainer.config.strict_yaml import DuplicateKey, load_unique
 from trainer.config.utf8 import decode_utf8
 from trainer.config.validate import Check, validate
@@ -161,7 +161,8 @@ def _build(cls: type, data: dict, prefix: str, where: str, salvage: Optional[_Sa
 
 def _build_plain(cls: type, data: dict, prefix: str, where: str, salvage: Optional[_Salvage] = None):
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {recipe_key(f.name): f.name for f in dataclasses.fields(cls)}
+    names = list(fields)
     kwargs, errors = {}, []
     for k, v in data.items():  # every key's problem is collected: the user sees them all at once
         key = f"{prefix}.{k}" if prefix else str(k)
@@ -173,7 +174,7 @@ def _build_plain(cls: type, data: dict, prefix: str, where: str, salvage: Option
             if k not in names:
                 raise RecipeError(f"{where}: unknown key {key!r}{_did_you_mean(k, names, prefix)}; valid keys here: "
                                   f"{', '.join(names)}")
-            kwargs[k] = _convert(v, hints[k], key, where, salvage)
+            kwargs[fields[k]] = _convert(v, hints[fields[k]], key, where, salvage)
         except RecipeError as e:
             errors.append(e)
             if salvage is not None:

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 
 from trainer.algorithms.registry import ALGORITHMS
-from trainer.config.schema import AlgorithmConfig, RunConfig
+from trainer.config.schema import AlgorithmConfig, RunConfig, recipe_key
 from trainer.config.supervised import RMConfig, SFTConfig
 
 KEYS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "recipe-keys.md"
@@ -40,7 +40,7 @@ def recipe_keys(command: str = "train") -> dict[str, tuple[str, object]]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             tp = hints.get(f.name, f.type)
-            key = f"{prefix}{f.name}"
+            key = f"{prefix}{recipe_key(f.name)}"
             if cls is AlgorithmConfig and f.name == "options":
                 continue
             if dataclasses.is_dataclass(tp):

@@ -171,6 +171,43 @@ class RolloutConfig:
     max_staleness: int = 0
 
 
+@dataclass
+class EnvConfig:
+    """The recipe's ``env:`` section: multi-turn episodes (trainer/rl/episode_sampler.py). Neither ``class`` nor
+    ``tools`` (the default): single-turn completions, as before.
+
+    The key ``class`` is a Python keyword, so its field is ``class_`` (``recipe_key`` maps the two).
+    """
+
+    # An environment class, one instance per episode: reset(row) -> messages | None, step(message) ->
+    # (messages, reward | None, done) (trainer/environments/contract.py). 'module:Name', 'path/file.py:Name' or
+    # 'builtin:arithmetic_calculator'.
+    class_: Optional[str] = None
+    # Tools as plain functions: a mapping name -> function (or a list of functions) named by 'module:NAME',
+    # 'path/file.py:NAME' or 'builtin:arithmetic_calculator'; offered through the chat template, the model's calls
+    # parsed and run (trainer/environments/tools.py). Exactly one of class / tools.
+    tools: Optional[str] = None
+    max_turns: int = 4  # assistant turns per episode
+    # Token budget of an episode: prompt + every turn and reply (the engine's context is made this long).
+    # null: data.max_prompt_tokens + max_turns x (rollout.max_new_tokens + max_observation_tokens).
+    max_tokens: Optional[int] = None
+    max_observation_tokens: int = 64  # one reply's ids; longer ends the episode (finish reason length)
+    # Seconds one reset / step call (a tool environment: one tool call) may take; null = no limit.
+    timeout_s: Optional[float] = 60.0
+    # Extra chat-template variables at every rendering, e.g. {enable_thinking: false} for Qwen3.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.class_ is not None or self.tools is not None
+
+
+def recipe_key(field_name: str) -> str:
+    """The recipe key of a schema field: the name, less the trailing underscore that a Python keyword
+    needs as a field name (PEP 8), e.g. ``class_`` -> ``class``."""
+    return field_name[:-1] if field_name.endswith("_") else field_name
+
+
 # The recipes' lr_schedule names; trainer/models/optim.py maps them to transformers.get_scheduler's.
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -301,6 +338,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 
 from parity.correction import CorrectionConfig
 from rollout.server_engine import parse_server_url
-from trainer.config.schema import RecipeError, RunConfig
+from trainer.config.schema import RecipeError, RunConfig, recipe_key
 
 Need = Callable[[bool, str, Any, str], None]
 # One section of the validation: raises RecipeError (through ``need`` or its own) for its problems.
@@ -71,7 +71,7 @@ def validate(cfg: RunConfig, where: str = "<recipe>", checks: Iterable[Check] = 
 
     errors: list[RecipeError] = []
     for check in (_check_name, _check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
-                  _check_parity, _check_checkpoint_and_logging, correction, server_url, *checks):
+                  _check_env, _check_parity, _check_checkpoint_and_logging, correction, server_url, *checks):
         try:
             check(cfg, need)
         except RecipeError as e:
@@ -185,8 +185,9 @@ def _check_data(cfg: RunConfig, need: Need) -> None:
 
 def _check_reward(cfg: RunConfig, need: Need) -> None:
     rw = cfg.reward
-    need(len(rw.functions) + len(rw.models) > 0, "reward.functions", rw.functions,
-         "at least one name: 'module:function' (or a reward model under reward.models)")
+    need(len(rw.functions) + len(rw.models) > 0 or cfg.env.class_ is not None, "reward.functions", rw.functions,
+         "at least one name: 'module:function' (or a reward model under reward.models, or an env.class whose steps "
+         "give rewards)")
     for name, spec in rw.functions.items():
         need(":" in spec and all(spec.split(":", 1)), f"reward.functions.{name}", spec, "'module:function'")
     for name, rm in rw.models.items():
@@ -208,6 +209,48 @@ def _check_reward(cfg: RunConfig, need: Need) -> None:
     for name in rw.weights:
         need(name in sources, f"reward.weights.{name}", rw.weights[name],
              "a weight for a name listed in reward.functions or reward.models (" + ", ".join(sources) + ")")
+
+
+def _check_env(cfg: RunConfig, need: Need) -> None:
+    e = cfg.env
+    if not e.enabled:
+        return
+    need(e.class_ is None or e.tools is None, "env.tools", e.tools,
+         f"null with env.class set ({e.class_!r}): exactly one of env.class / env.tools (a class that offers tools "
+         "builds its own trainer.environments.tools.ToolEnvironment)")
+    for key, spec in (("env.class", e.class_), ("env.tools", e.tools)):
+        need(spec is None or (spec.count(":") == 1 and all(p.strip() for p in spec.split(":"))), key, spec,
+             "'module:Name', 'path/to/file.py:Name' or 'builtin:<name>'")
+    need(e.max_turns >= 1, "env.max_turns", e.max_turns, "an integer >= 1 (assistant turns per episode)")
+    need(e.max_observation_tokens >= 1, "env.max_observation_tokens", e.max_observation_tokens, "an integer >= 1")
+    shortest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    need(e.max_tokens is None or e.max_tokens >= shortest, "env.max_tokens", e.max_tokens,
+         f"null or at least data.max_prompt_tokens + rollout.max_new_tokens = {shortest} (one whole first turn)")
+    t = e.timeout_s
+    need(t is None or (not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(t) and t > 0),
+         "env.timeout_s", t, "null (no limit) or a number of seconds > 0")
+    need(not cfg.reward.models, "reward.models", sorted(cfg.reward.models),
+         "none with env set: a reward model scores one prompt and one completion as text, not an episode "
+         "(use reward.functions, which receive the episode's messages)")
+    need("env" not in cfg.reward.functions, "reward.functions.env", cfg.reward.functions.get("env"),
+         "another name: reward/env is the environment's summed step rewards")
+
+
+def sequence_length(cfg: RunConfig) -> int:
+    """The longest sequence the rollout engine reads: a prompt and its completion, or with ``env`` an episode's
+    budget (``episode_max_tokens``). The engine's context (``max_model_len``) is made this long."""
+    if cfg.env.enabled:
+        return episode_max_tokens(cfg)
+    return cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def episode_max_tokens(cfg: RunConfig) -> int:
+    """An episode's token budget (env.max_tokens, or its default: the prompt and every turn with its longest reply);
+    the rollout engine's context is made this long."""
+    e = cfg.env
+    if e.max_tokens is not None:
+        return e.max_tokens
+    return cfg.data.max_prompt_tokens + e.max_turns * (cfg.rollout.max_new_tokens + e.max_observation_tokens)
 
 
 def _check_parity(cfg: RunConfig, need: Need) -> None:
@@ -246,9 +289,19 @@ def correction_config(cfg: RunConfig):
 
 def to_dict(cfg) -> dict:
     """The config as plain data, the ``algorithm`` section flat as a recipe writes it (options inlined)."""
-    out = dataclasses.asdict(cfg)
+    out = _recipe_keys(cfg, dataclasses.asdict(cfg))
     alg = out.get("algorithm")
     if isinstance(alg, dict) and "options" in alg:
         options = alg.pop("options") or {}
         out["algorithm"] = {**alg, **options}
+    return out
+
+
+def _recipe_keys(cfg, tree: dict) -> dict:
+    """``dataclasses.asdict(cfg)`` (``tree``) with its fields named as recipe keys (``schema.recipe_key``: ``class_``
+    -> ``class``); keys inside mappings the user wrote (reward names, template variables) are left alone."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value, sub = tree[f.name], getattr(cfg, f.name)
+        out[recipe_key(f.name)] = _recipe_keys(sub, value) if dataclasses.is_dataclass(sub) else value
     return out

@@ -104,13 +104,15 @@ class ExactLogprobs:
 
 
 def sequences_of(micro: TokenBatch) -> tuple[list[list[int]], list[int], list[int]]:
-    """Per row: its real tokens (prompt + completion), where the completion starts, its length."""
+    """Per row: its real tokens (prompt + completion, an episode's replies included), where the completion starts,
+    its length."""
     seqs, starts, counts = [], [], []
     p = micro.prompt_len
     for i in range(len(micro)):
         am = micro.attention_mask[i].bool()
         prompt = micro.input_ids[i, :p][am[:p]].tolist()
-        n = int(micro.mask[i].sum().item())
+        # the completion's real columns: an episode's replies are inside it (mask 0) and are read all the same
+        n = int(am[p:].sum().item())
         seqs.append(prompt + micro.input_ids[i, p:p + n].tolist())
         starts.append(len(prompt))
         counts.append(n)

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from trainer.config import RunConfig
+from trainer.config.validate import sequence_length
 
 # Host bytes of one sample's engine request before any token is generated: the colocated engine is handed a
 # step's prompts_per_step x group_size requests at once (rollout.vllm_engine.VLLMEngine.generate builds a
@@ -97,7 +98,7 @@ def capacity_problems(cfg: RunConfig, where: str, machine: Machine, model: Optio
             f"{_size(avail)} of memory available; expected at most {avail // REQUEST_BYTES} samples per step")
     if r.engine != "vllm" or r.mode != "colocate" or model is None:
         return problems
-    seq_len = cfg.data.max_prompt_tokens + r.max_new_tokens
+    seq_len = sequence_length(cfg)
     per_token = kv_bytes_per_token(model.config, dtype_bytes)
     one_sequence = None if per_token is None else per_token * seq_len
     engine_weights = model.parameters * (engine_weight_bytes_per_param or dtype_bytes)
@@ -105,8 +106,8 @@ def capacity_problems(cfg: RunConfig, where: str, machine: Machine, model: Optio
         kv = r.kv_cache_memory_bytes
         if one_sequence is not None and one_sequence > kv:
             problems.append(
-                f"{where}: rollout.kv_cache_memory_bytes = {kv}: one sequence of data.max_prompt_tokens + "
-                f"rollout.max_new_tokens = {seq_len} tokens needs {_size(one_sequence)} of KV cache ({per_token} "
+                f"{where}: rollout.kv_cache_memory_bytes = {kv}: one sequence of "
+                f"{'env.max_tokens' if cfg.env.enabled else 'data.max_prompt_tokens + rollout.max_new_tokens'} = {seq_len} tokens needs {_size(one_sequence)} of KV cache ({per_token} "
                 f"bytes per token in {cfg.model.dtype}), more than the cache holds, so the engine would not start; "
                 f"expected at least {one_sequence}")
         trainer_weights = model.parameters * dtype_bytes

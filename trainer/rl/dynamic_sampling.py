@@ -33,7 +33,7 @@ sample drawn this step: the policy's behaviour, not the filtered batch's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -52,6 +52,8 @@ class Drawn:
     per_fn: dict[str, list[float]]  # [S] per reward source
     generate_s: float = 0.0
     reward_s: float = 0.0
+    # multi-turn episodes (trainer/rl/episode_sampler.py): name -> [S] per-episode record; empty for single-turn
+    episodes: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def num_groups(self) -> int:
@@ -61,7 +63,8 @@ class Drawn:
         idx = group_sample_indices(groups, self.rollouts.group_size)
         return Drawn(rows=[self.rows[gi] for gi in groups], rollouts=self.rollouts.take_groups(groups),
                      rewards=[self.rewards[i] for i in idx],
-                     per_fn={k: [v[i] for i in idx] for k, v in self.per_fn.items()})
+                     per_fn={k: [v[i] for i in idx] for k, v in self.per_fn.items()},
+                     episodes={k: [v[i] for i in idx] for k, v in self.episodes.items()})
 
     @staticmethod
     def concat(parts: list["Drawn"]) -> "Drawn":
@@ -70,7 +73,8 @@ class Drawn:
         return Drawn(rows=[r for p in parts for r in p.rows], rollouts=Rollouts.concat([p.rollouts for p in parts]),
                      rewards=[x for p in parts for x in p.rewards],
                      per_fn={k: [x for p in parts for x in p.per_fn[k]] for k in parts[0].per_fn},
-                     generate_s=sum(p.generate_s for p in parts), reward_s=sum(p.reward_s for p in parts))
+                     generate_s=sum(p.generate_s for p in parts), reward_s=sum(p.reward_s for p in parts),
+                     episodes={k: [x for p in parts for x in p.episodes[k]] for k in parts[0].episodes})
 
 
 def groups_to_train(kept_per_rank: list[int], share: int, group_size: int, mini_batches: int) -> int:

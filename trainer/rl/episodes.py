@@ -104,6 +104,9 @@ def run_episodes(engine, tokenizer, prompts: Sequence[list[dict]], rows: Sequenc
         if not live:
             break
         requested = _sample_turn(engine, live, spec, limits, requested)
+        for e in live:
+            if not e.live:  # cut by its token cap: the conversation still holds the turn as written, not stepped
+                e.messages.append({"role": "assistant", "content": _turn_text(e, tokenizer)})
         stepping = [e for e in live if e.live]
         results = _bounded_calls([(e.env.step, _assistant_message(e, tokenizer, tools)) for e in stepping],
                                  limits.step_timeout_s, "step")
@@ -144,9 +147,15 @@ def _sample_turn(engine, live: list[Episode], spec: SamplingSpec, limits: Episod
     return requested
 
 
-def _assistant_message(e: Episode, tokenizer, tools) -> dict:
+def _turn_text(e: Episode, tokenizer) -> str:
+    """The text of the turn just sampled (its ids decoded), recorded in ``assistant_texts``."""
     text = tokenizer.decode(e.ids[len(e.ids) - _last_run(e.mask):], skip_special_tokens=True)
     e.assistant_texts.append(text)
+    return text
+
+
+def _assistant_message(e: Episode, tokenizer, tools) -> dict:
+    text = _turn_text(e, tokenizer)
     message = parse_assistant(text, tokenizer, tools=tools)
     return {"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"],
             "tool_call_errors": message.get("tool_call_errors", [])}

@@ -24,12 +24,13 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from parity.guards import MaeRatioLimit
-from parity.metrics import finalize, log10_abs_histogram
+from parity.metrics import compare_by_turn, finalize, log10_abs_histogram, turn_index
 from rollout.base import EngineUnavailable, RolloutEngine
 from rollout.weight_export import merged_lora_weights  # noqa: F401  (fail on a broken install before the engine starts)
 from trainer.algorithms import AdvantageInputs
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig, to_dict
+from trainer.config.validate import sequence_length
 from trainer.data.datasets import PromptBatcher, apply_prompt_budget, encode_prompts, load_prompt_dataset
 from trainer.distributed.data_parallel import DataParallel
 from trainer.distributed.deepspeed import (
@@ -57,6 +58,7 @@ from trainer.rl.async_rollout import Prefetch, behaviour_weights, snapshot
 from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
 from trainer.rl.engines import block_fp8_engine, make_engine, sync_weights
+from trainer.rl.episode_sampler import EpisodeEnvironment, EpisodeSampler
 from trainer.rl.learner import Learner, load_policy, prepare_policy
 from trainer.rl.parity_limits import enforce_parity_limits, ratio_limit_for
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
@@ -136,6 +138,7 @@ class Run:
     prefetch: Prefetch = field(default_factory=Prefetch)
     behaviour: Optional[dict] = None
     records: RecordWrites = field(default_factory=RecordWrites)  # a failed write of a record, till the step's end
+    environment: Optional[EpisodeEnvironment] = None  # env: multi-turn episodes (trainer/rl/episode_sampler.py)
 
     @property
     def device(self):
@@ -156,10 +159,14 @@ class Run:
                        value_head=self.value_head, dp=self.dp, exact=self.exact)
 
     @property
-    def sampler(self) -> Sampler:
-        """The run as a sampling round sees it (trainer/rl/sampling.py)."""
-        return Sampler(cfg=self.cfg, engine=self.engine, batcher=self.batcher, tokenizer=self.tokenizer,
-                       reward_fns=self.reward_fns, dp=self.dp)
+    def sampler(self) -> Sampler | EpisodeSampler:
+        """The run as a sampling round sees it: completions (trainer/rl/sampling.py), or episodes with ``env``
+        (trainer/rl/episode_sampler.py); both hand the step a ``Drawn``."""
+        shared = dict(cfg=self.cfg, engine=self.engine, batcher=self.batcher, tokenizer=self.tokenizer,
+                      reward_fns=self.reward_fns, dp=self.dp)
+        if self.environment is not None:
+            return EpisodeSampler(**shared, environment=self.environment)
+        return Sampler(**shared)
 
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
@@ -253,6 +260,10 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     set_seed(cfg.train.seed)
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
+    environment = None
+    if cfg.env.enabled:  # resolved and checked against the chat template before the model and the engine load
+        environment = EpisodeEnvironment.from_config(cfg, f"recipe {cfg.name!r}")
+        environment.check_template(tokenizer, cfg, f"recipe {cfg.name!r}")
     model = load_policy(cfg, accelerator, model_dir)
     if cfg.rollout.max_staleness and dp.world > 1:
         raise RecipeError(f"rollout.max_staleness = {cfg.rollout.max_staleness} with {dp.world} processes: expected "
@@ -282,7 +293,8 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
               params=params, backward=make_backward(accelerator, model),
               # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
               gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
-              reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules)
+              reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules,
+              environment=environment)
     run.probe = Probe(_probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
                       device=accelerator.device, dp=dp)
     run.ratio_limit = ratio_limit_for(cfg)
@@ -290,7 +302,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     record_recipe(run, resumed=resume)
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
-        cfg, model_dir, max_model_len=d.max_prompt_tokens + cfg.rollout.max_new_tokens, dp=dp)
+        cfg, model_dir, max_model_len=sequence_length(cfg), dp=dp)
     if precision.engine_logprobs:
         run.exact = run.probe.exact = ExactLogprobs(run.engine, policy, getattr(torch, cfg.model.dtype))
     # Always align the engine with the policy being trained (fresh adapter = base weights,
@@ -465,6 +477,10 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict
     stats = run.dp.pooled_stats(scored.logprobs, batch.rollout_logprobs, batch.mask, train_topk_logprobs=scored.topk,
                                 rollout_topk_logprobs=batch.topk_logprobs)
     m.update(finalize(stats))
+    if run.environment is not None:  # episodes: the same measures per assistant turn, pooled over ranks
+        turns = int(run.dp.max_metrics({"t": float(turn_index(batch.mask).max()) if batch.mask.numel() else 0.0})["t"])
+        m.update(compare_by_turn(scored.logprobs, batch.rollout_logprobs, batch.mask, turns,
+                                 stats=run.dp.pooled_stats))
     if run.is_main:  # the shape of the mismatch: the pooled |d| histogram the p99 was read from, no extra pass
         run.logger.log_histogram(step, "parity/log10_abs_d", *log10_abs_histogram(stats["abs_d_hist"]))
     if "train/entropy" not in m:  # the trainer's entropy of the sampled positions (PPO's loss logs its own)

@@ -38,12 +38,14 @@ from trainer.builtin.model_path import check_model_path, looks_local, model_max_
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig, read_recipe, read_recipe_leniently
 from trainer.config.load import name_overrides
+from trainer.config.validate import sequence_length
 from trainer.data.datasets import load_prompt_dataset, looks_like_path
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_model_config, check_recipe
 from trainer.rewards.functions import resolve_reward
 from trainer.rl.capacity import Machine, ModelSize, capacity_problems, gpu_total_bytes, host_available_bytes
+from trainer.rl.episode_sampler import EpisodeEnvironment
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_paths: bool = True) -> RunConfig:
@@ -85,7 +87,14 @@ def check_data_source(cfg: RunConfig, where: str) -> None:
 
 def check_context_length(cfg: RunConfig, where: str) -> None:
     max_pos = model_max_positions(cfg.model.path)
-    need_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    need_len = sequence_length(cfg)
+    if max_pos is not None and need_len > max_pos and cfg.env.enabled:
+        key = "env.max_tokens" if cfg.env.max_tokens is not None else "env.max_turns"
+        value = cfg.env.max_tokens if cfg.env.max_tokens is not None else cfg.env.max_turns
+        raise RecipeError(
+            f"{where}: {key} = {value}: an episode's token budget of {need_len} (env.max_tokens, by default "
+            "data.max_prompt_tokens + env.max_turns x (rollout.max_new_tokens + env.max_observation_tokens)) exceeds "
+            f"the model's context of {max_pos} tokens; expected env.max_tokens <= {max_pos}")
     if max_pos is not None and need_len > max_pos:
         raise RecipeError(
             f"{where}: rollout.max_new_tokens = {cfg.rollout.max_new_tokens}: data.max_prompt_tokens "
@@ -174,8 +183,10 @@ def preflight(cfg: RunConfig, where: str, *, model: bool = True, report: Optiona
     report.keep(problems)
     source_ok, _ = report.run(check_data_source, cfg, where)
     columns = report.run(check_dataset, cfg, where)[1] if source_ok else None
-    if columns is not None:
-        report.run(check_reward_signatures, fns, columns, where)
+    if columns is not None:  # an episode's reward functions also receive its conversation (trainer/rl/episode_sampler.py)
+        report.run(check_reward_signatures, fns, columns + (["messages"] if cfg.env.enabled else []), where)
+    if cfg.env.enabled:
+        report.run(EpisodeEnvironment.from_config, cfg, where)
     model_ok, _ = report.run(check_model_path, cfg.model.path, where)
     if model_ok:
         report.run(check_context_length, cfg, where)

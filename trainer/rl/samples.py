@@ -4,7 +4,8 @@ Each row is one sample of the step's batch: prompt and completion text, every re
 source's value and the weighted total, the completion's length and finish reason, and the
 sample's own parity (mean and max |lp_train - lp_rollout| over its tokens). Rows go to
 ``<run_dir>/samples.jsonl`` (one JSON object per row, with its step) and to wandb as a
-table (``samples``, as TRL logs its completions table); the first step also prints two of
+table (``samples``, as TRL logs its completions table); an episode's completion is its transcript
+(``transcript``: every turn and reply, marked trained or context); the first step also prints two of
 them on the console (``console_rows``: different prompts first, never the same prompt and completion
 twice). The rows in the table are the first two samples of the first groups, so the
 table shows both what differs between prompts and what differs within a group (where
@@ -37,13 +38,32 @@ def sample_rows(drawn: Drawn, batch: TokenBatch, train_logprobs: torch.Tensor, t
     rows = []
     for i in sample_indices(len(r), r.group_size, k):
         n = max(float(lengths[i]), 1.0)
-        text = r.completion_texts[i] if r.completion_texts else tokenizer.decode(r.completion_ids[i],
-                                                                                  skip_special_tokens=True)
+        if r.completion_mask:
+            text = transcript(r.completion_ids[i], r.completion_mask[i], tokenizer)
+        else:
+            text = r.completion_texts[i] if r.completion_texts else tokenizer.decode(r.completion_ids[i],
+                                                                                      skip_special_tokens=True)
         rows.append({"prompt": drawn.rows[i // r.group_size]["prompt"], "completion": text,
                      "reward": drawn.rewards[i], **{f"reward/{name}": v[i] for name, v in drawn.per_fn.items()},
                      "length": len(r.completion_ids[i]), "finish_reason": r.finish_reasons[i],
                      "parity_mean_abs": float(d[i].sum()) / n, "parity_max_abs": float(d[i].max()) if n else 0.0})
     return rows
+
+
+def transcript(ids: list[int], mask: list[int], tokenizer) -> str:
+    """An episode's completion stream as text with its turn boundaries: each run of sampled ids (trained on) as
+    ``[turn k] text``, each run of context ids (the environment's reply and the template's markup around it, not
+    trained on) as ``[context] text`` with its special tokens shown."""
+    parts, turn, start = [], 0, 0
+    for end in range(1, len(ids) + 1):
+        if end < len(ids) and mask[end] == mask[start]:
+            continue
+        sampled = bool(mask[start])
+        turn += sampled
+        label = f"[turn {turn}]" if sampled else "[context]"
+        parts.append(f"{label} {tokenizer.decode(ids[start:end], skip_special_tokens=sampled)}")
+        start = end
+    return " ".join(parts)
 
 
 SAMPLES_FILE = "samples.jsonl"

@@ -18,6 +18,7 @@ from trainer.distributed.data_parallel import DataParallel
 from trainer.rewards.functions import compute_rewards
 from trainer.rl.dynamic_sampling import Drawn
 from trainer.rl.engines import sampling_spec
+from trainer.rl.episode_sampler import episode_metrics
 from trainer.rl.stops import EngineFailed, RewardFailed, stop_together
 
 
@@ -80,13 +81,15 @@ def drawn_metrics(drawn: Drawn, dp: DataParallel) -> dict[str, float]:
     """Rollout and reward metrics of every sample drawn this step (timings: this rank's)."""
     r = drawn.rollouts
     m = {"perf/rollout_s": drawn.generate_s,
-         "perf/rollout_tokens_per_s": r.num_completion_tokens / max(drawn.generate_s, 1e-9),
+         # sampled tokens: an episode's stream also holds the environment's replies, which nothing sampled
+         "perf/rollout_tokens_per_s": r.num_sampled_tokens / max(drawn.generate_s, 1e-9),
          "perf/reward_s": drawn.reward_s}
     m.update(dp.mean_metrics({"rollout/mean_length": _mean([len(c) for c in r.completion_ids]),
                               "rollout/frac_truncated": _mean([float(f == "length") for f in r.finish_reasons])}))
     m.update(dp.mean_metrics({"reward/mean": _mean(drawn.rewards),
                               **{f"reward/{name}": _mean(vals) for name, vals in drawn.per_fn.items()}}))
     m.update(spread_metrics(drawn, dp))
+    m.update(episode_metrics(drawn.episodes, dp))
     return m
 
 

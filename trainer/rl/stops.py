@@ -35,6 +35,14 @@ class EngineFailed(RunStopped):
     exit_status = 4
 
 
+class EnvironmentFailed(RunStopped):
+    """An episode's environment raised, broke its contract (``reset`` / ``step`` returned another shape) or
+    overstayed ``env.timeout_s``; the message names the environment class and the call. (A tool that raises or
+    hangs is not one: its error goes back to the model as the tool message.)"""
+
+    exit_status = 7
+
+
 class ParityLimitExceeded(RunStopped):
     """The rollout/trainer mismatch broke a recipe limit with ``parity.on_violation: stop``."""
 
