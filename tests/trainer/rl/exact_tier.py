@@ -16,6 +16,7 @@ from trainer.rl.loop import train
 from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
+ENVS = Path(__file__).resolve().with_name("episode_envs.py")
 ARCH_PROMPTS = [[1, 5, 9, 13, 20, 30], [2, 7, 8], [3, 4, 11, 12, 14, 15, 16, 17, 18, 19, 21]]
 ZERO_KEYS = ("parity/mae", "parity/max_abs", "parity/kl_k3", "parity/rmse")
 
@@ -36,16 +37,22 @@ def _run(tmp_path, name, *sets):
     # to the reference policy (the base model, also in the engine's numerics: trainer.models.exact.reference)
     ("bfloat16", ("train.steps=2", "rollout.prompts_per_step=3", "algorithm.group_size=8", "algorithm.epochs=2",
                   "train.micro_batch_size=8", "algorithm.kl_coef=0.05")),
+    # multi-turn episodes (a user's environment file): the replies inside the completion stream are read by both
+    # forwards, and every turn's tokens are identical (parity/turn_<k>/*)
+    ("float32", ("train.steps=2", "rollout.prompts_per_step=4", "algorithm.group_size=4", "train.micro_batch_size=16",
+                 f"env.class={ENVS}:FollowUp", "env.max_turns=2", "env.max_tokens=128")),
 ])
 def test_engine_and_trainer_logprobs_are_identical_at_every_step(tmp_path, dtype, sets):
     rows = _run(tmp_path, f"exact-{dtype}", f"model.dtype={dtype}", *sets)
     steps = [r for r in rows if "parity/mae" in r]
     assert len(steps) == int(sets[0].split("=")[1])
     for r in steps:
-        for key in ZERO_KEYS:
+        turn_keys = [k for k in r if k.startswith("parity/turn_")]
+        assert bool(turn_keys) == any(s.startswith("env.") for s in sets)
+        for key in ZERO_KEYS + tuple(k for k in turn_keys if r[k] == r[k]):  # NaN: a turn no episode reached
             assert r[key] == 0.0, (r["step"], key, r[key])
         assert r["parity/num_tokens"] > 0
-        if "parity/topk_kl" in r or dtype == "float32":
+        if "parity/topk_kl" in r or "parity.topk=4" in sets:
             assert r["parity/topk_kl"] == 0.0
     probes = [r for r in rows if "probe/mae" in r]
     assert probes and all(r["probe/mae"] == 0.0 and r["probe/max_abs"] == 0.0 for r in probes)
