@@ -38,7 +38,21 @@ so the generation prompt ends with ``<|assistant|>`` and a finished assistant
 turn ends with the EOS token, where generation stops. The assistant content is
 wrapped in ``{% generation %}`` so ``apply_chat_template(...,
 return_assistant_tokens_mask=True, return_dict=True)`` marks the tokens an SFT
-loss should train on. The tokenizer adds no special tokens on plain ``encode``
+loss should train on.
+
+Tools (``apply_chat_template(tools=[JSON schemas])``), for the multi-turn tool
+task (``trainer.data.tasks.arithmetic_tools``); the template stays append-only::
+
+    <|bos|><|system|>tools: calculate<|end|><|user|>{question}<|end|>
+    <|assistant|><tool_call>{"name": "calculate", "arguments": {"expression": "7 - 2 + 5"}}</tool_call><|end|>
+    <|user|>tool: 10<|end|><|assistant|>The answer is 10.<|end|>
+
+Only the tool names are listed, not their schemas: the model has 256
+positions. A tool call is a Hermes block, exactly ``json.dumps({"name": ...,
+"arguments": ...})``, so ``trainer.environments.tool_calls.parse_hermes`` reads
+back what the model writes; it is inside the ``{% generation %}`` block. A tool
+result is a user turn marked ``tool: `` (the vocabulary has no room for a tool
+role token). The tokenizer adds no special tokens on plain ``encode``
 (the template writes ``<|bos|>`` itself).
 """
 
@@ -67,19 +81,37 @@ __all__ = [
 
 # Bump whenever the build's output changes for the same parameters (corpus,
 # template, init, file layout): cached builds are keyed by it.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|end|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, "<|user|>", "<|assistant|>", "<|system|>")
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    # Tool names only, not their JSON schemas: the model has 256 positions.
+    "{% if tools %}{{ '<|system|>tools: ' }}"
+    "{% for tool in tools %}{{ tool['function']['name'] if tool['function'] is defined else tool['name'] }}"
+    "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ eos_token }}{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unsupported chat role: ' + message['role'] + \"; expected system, user or assistant\") }}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unsupported chat role: ' + message['role'] + \"; expected system, user, assistant or tool\") }}"
     "{% endif %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|assistant|>' }}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{{ '<|assistant|>' }}{% generation %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    # What json.dumps({"name": ..., "arguments": ...}) writes, so parse_hermes reads it back.
+    "{% if fn['arguments'] is string %}"
+    "{{ '<tool_call>{\"name\": ' + fn['name'] | tojson + ', \"arguments\": ' + fn['arguments'] + '}</tool_call>' }}"
+    "{% else %}"
+    "{{ '<tool_call>' + {'name': fn['name'], 'arguments': fn['arguments']} | tojson + '</tool_call>' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{{ eos_token }}{% endgeneration %}"
+    "{% elif message['role'] == 'tool' %}"
+    # No <|tool|> token: the vocabulary is full, so a tool reply is a user turn with a marker.
+    "{{ '<|user|>tool: ' + message['content'] + eos_token }}"
     "{% else %}"
     "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
     "{% endif %}"

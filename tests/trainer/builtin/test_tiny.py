@@ -97,8 +97,67 @@ def test_assistant_turn_ends_with_eos_and_is_masked(tok):
 
 
 def test_unknown_role_is_refused(tok):
-    with pytest.raises(Exception, match="unsupported chat role: tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="unsupported chat role: critic; expected system, user, assistant or tool"):
+        tok.apply_chat_template([{"role": "critic", "content": "x"}], tokenize=False)
+
+
+def test_renderings_without_tools_are_unchanged(tok):
+    # Pinned text: the single-turn demo's numbers (and builtin:tiny's warm start) depend on it.
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION},
+                {"role": "assistant", "content": "The answer is 8."}, {"role": "user", "content": "Sure?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|bos|><|system|>Be brief.<|end|><|user|>" + QUESTION + "<|end|><|assistant|>The answer is 8."
+                    "<|end|><|user|>Sure?<|end|><|assistant|>")
+    assert tok.apply_chat_template(messages[1:2], tokenize=False, tools=[]) == "<|bos|><|user|>" + QUESTION + "<|end|>"
+
+
+TOOLS = [{"type": "function", "function": {"name": "calculate", "parameters": {"type": "object", "properties": {}}}},
+         {"type": "function", "function": {"name": "lookup"}}]
+CALL = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "7 - 2"}}}
+EPISODE = [{"role": "user", "content": "Tom has 7 apples and eats 2."},
+           {"role": "assistant", "content": "", "tool_calls": [CALL]},
+           {"role": "tool", "content": "5"},
+           {"role": "assistant", "content": "The answer is 5."}]
+
+
+def test_tools_tool_calls_and_tool_messages(tok):
+    from trainer.environments.tool_calls import parse_hermes
+
+    text = tok.apply_chat_template(EPISODE, tools=TOOLS, tokenize=False)
+    block = '<tool_call>{"name": "calculate", "arguments": {"expression": "7 - 2"}}</tool_call>'
+    assert block == "<tool_call>" + json.dumps({"name": "calculate", "arguments": {"expression": "7 - 2"}}) + "</tool_call>"
+    assert text == ("<|bos|><|system|>tools: calculate, lookup<|end|><|user|>Tom has 7 apples and eats 2.<|end|>"
+                    "<|assistant|>" + block + "<|end|><|user|>tool: 5<|end|><|assistant|>The answer is 5.<|end|>")
+    # what the model writes parses back into the message it came from
+    assert parse_hermes(block)["tool_calls"] == [CALL]
+    two = {"role": "assistant", "content": "Let me see.", "tool_calls": [CALL, CALL]}
+    assert tok.apply_chat_template([EPISODE[0], two], tokenize=False).endswith(
+        "<|assistant|>Let me see." + block + block + "<|end|>")
+
+
+def test_tool_episode_is_append_only_and_masks_the_assistant(tok):
+    def render(n, generation_prompt=False):
+        return tok.apply_chat_template(EPISODE[:n], tools=TOOLS, tokenize=False,
+                                       add_generation_prompt=generation_prompt)
+
+    for n in range(1, len(EPISODE)):
+        assert render(n + 1).startswith(render(n)), n
+        if EPISODE[n]["role"] == "assistant":  # the generation prompt is where the assistant's turn starts
+            assert render(n + 1).startswith(render(n, True)), n
+    enc = tok.apply_chat_template(EPISODE, tools=TOOLS, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    ids, mask = enc["input_ids"], enc["assistant_masks"]
+    marked = "".join(tok.decode([i], skip_special_tokens=False) for i, m in zip(ids, mask) if m)
+    block = '<tool_call>{"name": "calculate", "arguments": {"expression": "7 - 2"}}</tool_call>'
+    assert marked == block + "<|end|>" + "The answer is 5.<|end|>"
+
+
+def test_observation_ids_of_a_tool_reply(tok):
+    from trainer.rl.turn_tokens import observation_ids
+
+    ids = observation_ids(tok, EPISODE[:1], [{"role": "tool", "content": "5"}], TOOLS, stop_id=tok.eos_token_id)
+    assert ids == tok("<|user|>tool: 5<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids)[0] == "<|user|>" and ids[-1] == 4
 
 
 def test_round_trip_task_text_and_arbitrary_bytes(tok):
