@@ -8,7 +8,7 @@ backs the data source ``builtin:<name>`` (``trainer.data.datasets.load_prompt_da
 
 from __future__ import annotations
 
-from trainer.data.tasks import arithmetic, arithmetic_prefs
+from trainer.data.tasks import arithmetic, arithmetic_prefs, arithmetic_tools
 
 __all__ = ["BUILTIN_DATASETS", "BUILTIN_REWARDS", "DEFAULT_NUM_EXAMPLES"]
 
@@ -16,6 +16,8 @@ BUILTIN_DATASETS = {
     "arithmetic": arithmetic.arithmetic_dataset,
     # prompt / chosen / rejected pairs for `parityrl train-rm` (not an RL prompt source)
     "arithmetic_preferences": arithmetic_prefs.preference_dataset,
+    # two-step problems for tool-using episodes (scored by arithmetic.exact_answer)
+    "arithmetic_tools": arithmetic_tools.arithmetic_tools_dataset,
 }
 
 BUILTIN_REWARDS = {
