@@ -73,9 +73,15 @@ class SFTDataConfig:
     split: str = "train"
     prompt_column: str = "prompt"
     # The target completion comes from a column, or from a function
-    # f(prompt, **columns) -> str given as "module:function". Exactly one is set.
+    # f(prompt, **columns) -> str given as "module:function", or the whole conversation comes from a function
+    # f(prompt, **columns) -> list of chat messages (messages_fn: multi-turn, tool calls; trained on the
+    # assistant turns only). Exactly one is set.
     completion_column: Optional[str] = None
     completion_fn: Optional[str] = "trainer.data.tasks.arithmetic:sft_text"
+    messages_fn: Optional[str] = None
+    # Tools offered in the rendered conversation (messages_fn only): a tools spec as env.tools takes,
+    # e.g. "builtin:arithmetic_calculator"; their JSON schemas go to the chat template.
+    tools: Optional[str] = None
     num_examples: Optional[int] = None
     use_chat_template: bool = True
     max_prompt_tokens: int = 64
@@ -134,10 +140,24 @@ def read_sft_recipe(path, overrides=()) -> SFTConfig:
 def validate_sft(cfg: SFTConfig, where: str) -> None:
     need = recipe_rule(where)
     d, t = cfg.data, cfg.train
-    need((d.completion_column is None) != (d.completion_fn is None), "data.completion_column", d.completion_column,
-         "exactly one of data.completion_column / data.completion_fn to be set")
-    need(d.completion_fn is None or (":" in d.completion_fn and all(d.completion_fn.split(":", 1))), "data.completion_fn",
-         d.completion_fn, "'module:function'")
+    sources = [d.completion_column, d.completion_fn, d.messages_fn]
+    # named by the key a recipe adds (messages_fn) when it forgot to null the default completion_fn
+    key = "data.messages_fn" if d.messages_fn is not None else "data.completion_column"
+    need(sum(v is not None for v in sources) == 1, key, getattr(d, key.split(".")[1]),
+         "exactly one of data.completion_column / data.completion_fn / data.messages_fn to be set"
+         + (" (set data.completion_fn: null)" if d.messages_fn is not None and d.completion_fn is not None else ""))
+    for key in ("completion_fn", "messages_fn"):
+        v = getattr(d, key)
+        need(v is None or (":" in v and all(v.split(":", 1))), f"data.{key}", v, "'module:function'")
+    need(d.tools is None or d.messages_fn is not None, "data.tools", d.tools,
+         "null unless data.messages_fn is set (only a conversation can call tools)")
+    need(d.tools is None or (":" in d.tools and all(d.tools.split(":", 1))), "data.tools", d.tools,
+         "a tools spec: 'builtin:<name>', 'module:Name' or 'path/to/file.py:Name'")
+    need(d.messages_fn is None or not d.packing, "data.packing", d.packing,
+         "false when data.messages_fn is set (a conversation is trained on its assistant turns only, in the padded "
+         "layout)")
+    need(d.messages_fn is None or d.use_chat_template, "data.use_chat_template", d.use_chat_template,
+         "true when data.messages_fn is set (the conversation is rendered by the chat template)")
     need(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "an integer >= 1")
     need(d.max_completion_tokens >= 1, "data.max_completion_tokens", d.max_completion_tokens, "an integer >= 1")
     validate_supervised_train(t, need)

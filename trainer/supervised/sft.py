@@ -5,6 +5,14 @@ teaches the output format so that RL starts from a policy with non-zero
 reward. The built-in default model's warm start is exactly
 ``parityrl sft recipes/sft_tiny.yaml``.
 
+The target is a completion (``data.completion_column`` or ``data.completion_fn``) after the prompt, or a whole
+conversation (``data.messages_fn``: ``f(prompt, **columns) -> list of chat messages``, with ``data.tools``
+offered to the template): multi-turn episodes with tool calls and tool results. A conversation's prompt is its
+rendering up to the first assistant turn's generation prompt, its completion the rest, and its targets only the
+tokens the assistant writes (the template's ``{% generation %}`` mask); tool results, later user turns and role
+tags stay in the input as context (``build_token_batch(completion_mask=...)``), as in an RL episode. Padded
+layout only.
+
 Two batch layouts (``data.packing``), one loss: the mean negative log-likelihood
 of the target tokens, computed through the same fused log-prob kernel as RL.
 
@@ -63,11 +71,14 @@ from trainer.supervised.hf_trainer import (
 )
 
 
-def _pairs(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+def _pairs(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]], Optional[list[list[int]]]]:
+    """Prompt ids, completion ids and, for ``data.messages_fn``, the 0/1 mask of the completion ids to train on."""
     d = cfg.data
     ds = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=None,
                              num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
     rows = ds.to_list()
+    if d.messages_fn is not None:
+        return _conversation_pairs(cfg, tokenizer, rows)
     if d.completion_column is not None:
         if d.completion_column not in ds.column_names:
             raise RecipeError(f"data.completion_column = {d.completion_column!r}: no such column in {d.source}; "
@@ -85,7 +96,69 @@ def _pairs(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]
             raise ValueError(f"{d.source}: example {i}: completion has {len(ids)} tokens, more than "
                              f"data.max_completion_tokens = {d.max_completion_tokens}")
         completion_ids.append(ids)
-    return prompt_ids, completion_ids
+    return prompt_ids, completion_ids, None
+
+
+def conversation_example(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None,
+                         ) -> tuple[list[int], list[int], list[int]]:
+    """``(prompt_ids, completion_ids, completion_mask)`` of one conversation.
+
+    The prompt is the rendering up to and including the first assistant turn's generation prompt (what a rollout
+    starts from); the completion is the rest of the conversation's ids, and the mask marks the tokens inside the
+    template's ``{% generation %}`` blocks (the assistant's own text and end-of-turn token) with 1, everything the
+    model reads but does not write (tool results, user turns, the next ``<|assistant|>`` tag) with 0.
+    """
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+    if first is None or first == 0:
+        raise ValueError("the conversation needs a message before its first assistant message and at least one "
+                         f"assistant message; roles: {[m.get('role') for m in messages]}")
+    prompt_text = tokenizer.apply_chat_template(messages[:first], tools=tools, tokenize=False,
+                                                add_generation_prompt=True)
+    # As rollouts encode prompts (trainer.data.datasets.encode_prompts): the template writes any BOS itself.
+    prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+    full = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                         return_assistant_tokens_mask=True)
+    ids, mask = list(full["input_ids"]), list(full["assistant_masks"])
+    if ids[:len(prompt_ids)] != prompt_ids:
+        raise ValueError("the chat template is not append-only here: the conversation's ids do not start with the "
+                         "ids of its prompt (rendered up to the first assistant turn's generation prompt)")
+    if not any(mask[len(prompt_ids):]):
+        raise ValueError("the chat template marks no assistant tokens (return_assistant_tokens_mask): it needs "
+                         "{% generation %} ... {% endgeneration %} around the assistant's text")
+    return prompt_ids, ids[len(prompt_ids):], [int(m) for m in mask[len(prompt_ids):]]
+
+
+def _conversation_pairs(cfg: SFTConfig, tokenizer, rows: list[dict]):
+    from trainer.environments.loading import resolve_tools
+
+    d = cfg.data
+    fn = resolve_reward(d.messages_fn)  # same "module:function" resolution
+    try:
+        tools = resolve_tools(d.tools).schemas if d.tools is not None else None
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        raise RecipeError(f"data.tools = {d.tools!r}: {e}") from None
+    prompts, completions, masks = [], [], []
+    for i, r in enumerate(rows):
+        messages = fn(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"})
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise RecipeError(f"data.messages_fn = {d.messages_fn!r}: example {i}: returned a "
+                              f"{type(messages).__name__}; expected a list of chat messages (dicts)")
+        if d.system_prompt is not None and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": d.system_prompt}, *messages]
+        try:
+            p, c, m = conversation_example(tokenizer, messages, tools)
+        except ValueError as e:
+            raise RecipeError(f"data.messages_fn = {d.messages_fn!r}: example {i}: {e}") from None
+        if len(p) > d.max_prompt_tokens:
+            raise ValueError(f"{d.source}: example {i}: prompt has {len(p)} tokens, more than "
+                             f"data.max_prompt_tokens = {d.max_prompt_tokens}")
+        if len(c) > d.max_completion_tokens:
+            raise ValueError(f"{d.source}: example {i}: completion has {len(c)} tokens, more than "
+                             f"data.max_completion_tokens = {d.max_completion_tokens}")
+        prompts.append(p)
+        completions.append(c)
+        masks.append(m)
+    return prompts, completions, masks
 
 
 def pack_documents(docs: list[list[int]], block_size: int, eos_id: int) -> list[list[int]]:
@@ -151,7 +224,7 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
     model = load_base_model(model_dir, cfg.model.dtype, "cpu", cfg.model.attn_implementation, train_device=args.device)
     if cfg.model.lora.enabled:
         model = add_lora(model, cfg.model.lora)
-    prompt_ids, completion_ids = _pairs(cfg, tokenizer)
+    prompt_ids, completion_ids, completion_masks = _pairs(cfg, tokenizer)
     if cfg.data.packing:
         blocks = _packed_blocks(cfg, prompt_ids, completion_ids, tokenizer.eos_token_id)
         num_rows = len(blocks)
@@ -160,8 +233,9 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
               flush=True)
     else:
         num_rows = len(prompt_ids)
-        make_batch = lambda idx: build_token_batch([prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
-                                                   tokenizer.pad_token_id)
+        make_batch = lambda idx: build_token_batch(
+            [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], tokenizer.pad_token_id,
+            completion_mask=None if completion_masks is None else [completion_masks[i] for i in idx])
     if num_rows < args.per_device_train_batch_size:
         raise RecipeError(f"train.batch_size = {cfg.train.batch_size}: the data has only {num_rows} rows; "
                           "use more examples or a smaller batch")

@@ -1,0 +1,99 @@
+"""Multi-turn SFT examples (`data.messages_fn`, trainer/supervised/sft.py): prompt/completion split, the loss mask
+over the assistant's tokens only, and the recipe rules."""
+from pathlib import Path
+
+import pytest
+
+from trainer.builtin.tiny import build_tokenizer
+from trainer.commands.sft import load_sft_recipe
+from trainer.config import RecipeError
+from trainer.data.tasks.arithmetic_tools import arithmetic_tools_dataset, sft_messages
+from trainer.environments.loading import resolve_tools
+from trainer.models.batch import IGNORE, build_token_batch
+from trainer.supervised import sft
+
+REPO = Path(__file__).resolve().parents[3]
+RECIPE = REPO / "recipes" / "sft_tools_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(512, 256)  # the tiny model's tokenizer and chat template, without a model
+
+
+def _text(tok, ids):
+    return "".join(tok.decode([i], skip_special_tokens=False) for i in ids)
+
+
+def test_one_transcript_trains_exactly_the_assistant_tokens(tok):
+    row = arithmetic_tools_dataset(1, seed=0).to_list()[0]
+    tools = resolve_tools("builtin:arithmetic_calculator").schemas
+    prompt, completion, mask = sft.conversation_example(tok, sft_messages(**row), tools)
+    assert _text(tok, prompt) == ("<|bos|><|system|>tools: calculate<|end|><|user|>" + row["prompt"]
+                                  + "<|end|><|assistant|>")
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "6 - 2 + 1"}}</tool_call><|end|>'
+    assert _text(tok, completion) == call + "<|user|>tool: 5<|end|><|assistant|>" + "The answer is 5.<|end|>"
+    trained = [i for i, m in zip(completion, mask) if m]
+    context = [i for i, m in zip(completion, mask) if not m]
+    assert _text(tok, trained) == call + "The answer is 5.<|end|>"
+    assert _text(tok, context) == "<|user|>tool: 5<|end|><|assistant|>"
+    # the mask is one run of 1s, the tool reply's 0s, then 1s again
+    runs = "".join(str(m) for m in mask)
+    assert runs.strip("1") == "0" * len(context) and runs.startswith("1") and runs.endswith("1")
+
+    batch = build_token_batch([prompt], [completion], tok.pad_token_id, completion_mask=[mask])
+    assert batch.input_ids[0, batch.prompt_len:].tolist() == completion  # context stays in the input
+    assert [t for t in batch.targets[0].tolist() if t != IGNORE] == trained
+    assert batch.mask[0].tolist() == [float(m) for m in mask]
+
+
+def test_recipe_pairs_fit_their_limits(tok):
+    cfg = load_sft_recipe(RECIPE, ["data.num_examples=16"])
+    prompts, completions, masks = sft._pairs(cfg, tok)
+    assert len(prompts) == len(completions) == len(masks) == 16
+    assert max(map(len, prompts)) <= cfg.data.max_prompt_tokens
+    assert max(map(len, completions)) <= cfg.data.max_completion_tokens
+    assert all(len(c) == len(m) and c[-1] == tok.eos_token_id and m[-1] == 1 for c, m in zip(completions, masks))
+
+
+def test_conversation_errors(tok):
+    with pytest.raises(ValueError, match="at least one assistant message"):
+        sft.conversation_example(tok, [{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="marks no assistant tokens"):
+        plain = ("{% for m in messages %}{% if m['role'] == 'assistant' %}>{% endif %}{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}>{% endif %}")
+        sft.conversation_example(_with_template(tok, plain), [{"role": "user", "content": "a"},
+                                                              {"role": "assistant", "content": "b"}])
+
+
+def _with_template(tok, template):
+    other = build_tokenizer(512, 256)
+    other.chat_template = template
+    return other
+
+
+def test_recipe_checks(tmp_path):
+    fn = "data: {completion_fn: null, messages_fn: 'trainer.data.tasks.arithmetic_tools:sft_messages'"
+    cases = {
+        "data: {messages_fn: 'm:f'}": "data.messages_fn = 'm:f': expected exactly one of data.completion_column / "
+                                      "data.completion_fn / data.messages_fn to be set (set data.completion_fn: null)",
+        "data: {completion_fn: null, messages_fn: nomodule}": "data.messages_fn = 'nomodule': expected 'module:function'",
+        fn + ", packing: true}": "data.packing = True: expected false when data.messages_fn is set",
+        fn + ", use_chat_template: false}": "data.use_chat_template = False: expected true when data.messages_fn",
+        "data: {tools: 'builtin:arithmetic_calculator'}": "data.tools = 'builtin:arithmetic_calculator': expected "
+                                                          "null unless data.messages_fn is set",
+        fn + ", tools: calculator}": "data.tools = 'calculator': expected a tools spec",
+    }
+    for text, needle in cases.items():
+        p = tmp_path / "sft.yaml"
+        p.write_text(text + "\n")
+        with pytest.raises(RecipeError) as e:
+            load_sft_recipe(p)
+        assert needle in str(e.value) and str(p) in str(e.value), (text, str(e.value))
+    assert load_sft_recipe(RECIPE).model.path == "builtin:tiny"
+
+
+def test_an_unknown_tools_spec_is_a_recipe_error(tok, tmp_path):
+    cfg = load_sft_recipe(RECIPE, ["data.num_examples=2", "data.tools=builtin:nope"])
+    with pytest.raises(RecipeError, match="data.tools = 'builtin:nope'"):
+        sft._pairs(cfg, tok)
