@@ -12,7 +12,7 @@ from trainer.builtin.tiny import build_tiny_base
 from trainer.config import RecipeError
 
 # The built-in models (``model.path: builtin:...``).
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", SMOLLM2_NAME)
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", "builtin:tiny-tools", SMOLLM2_NAME)
 # Context of the pretrained built-ins, known without building them (SmolLM2's config.json).
 _PRETRAINED_MAX_POSITIONS = {SMOLLM2_NAME: 8192}
 

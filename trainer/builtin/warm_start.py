@@ -1,5 +1,13 @@
-"""``builtin:tiny``: the tiny base after the supervised warm start ``parityrl sft recipes/sft_tiny.yaml``, built
-once into the cache under a hash of the recipe's text and the base's build parameters."""
+"""The warm-started built-in models, each the tiny model after one supervised recipe, built once into the cache
+under a hash of the recipe's text and of the model it starts from.
+
+- ``builtin:tiny``: ``builtin:tiny-base`` after ``parityrl sft recipes/sft_tiny.yaml`` (the arithmetic task's
+  completion format).
+- ``builtin:tiny-tools``: ``builtin:tiny`` after ``parityrl sft recipes/sft_tools_tiny.yaml`` (multi-turn
+  episodes of ``builtin:arithmetic_tools`` that call the calculator, ``data.messages_fn``).
+
+Both budgets are short on purpose: RL starts from a poor but non-zero reward.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -7,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.builtin.tiny import default_cache_dir, ensure_tiny_base, file_lock, tiny_base_dir
@@ -17,22 +26,53 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # Part of the cache key: a change to how the warm start trains (not only to its recipe) must rebuild it.
 # 2: transformers.Trainer's loop and schedule (trainer.supervised.hf_trainer).
 WARM_START_CODE_VERSION = b"2"
-WARM_START_RECIPE = REPO_ROOT / "recipes" / "sft_tiny.yaml"
-# The base the cache key hashes (tiny_base_dir), so the one the recipe must start from.
-WARM_START_BASE = "builtin:tiny-base"
 
 
-def warm_start_dir() -> Path:
-    if not WARM_START_RECIPE.is_file():
-        raise FileNotFoundError(f"{WARM_START_RECIPE}: the warm-start recipe of builtin:tiny is missing "
+@dataclass(frozen=True)
+class WarmStart:
+    name: str  # the model.path that resolves to it
+    recipe: Path
+    base: str  # the model.path the recipe must start from: part of the cache key, so checked
+    prefix: str  # of its cache directory's name
+    what: str  # in the line printed while it builds
+
+
+WARM_STARTS = {w.name: w for w in (
+    WarmStart("builtin:tiny", REPO_ROOT / "recipes" / "sft_tiny.yaml", "builtin:tiny-base", "tiny-sft",
+              "the default model"),
+    WarmStart("builtin:tiny-tools", REPO_ROOT / "recipes" / "sft_tools_tiny.yaml", "builtin:tiny", "tiny-tools-sft",
+              "builtin:tiny-tools"),
+)}
+WARM_START_RECIPE = WARM_STARTS["builtin:tiny"].recipe
+WARM_START_BASE = WARM_STARTS["builtin:tiny"].base
+
+
+def _warm_start(name: str) -> WarmStart:
+    if name not in WARM_STARTS:
+        raise ValueError(f"{name!r} is not a warm-started built-in model; expected one of {', '.join(WARM_STARTS)}")
+    return WARM_STARTS[name]
+
+
+def _base_key(base: str) -> bytes:
+    """What identifies the model a warm start starts from: its cache directory (itself named by a hash)."""
+    if base == "builtin:tiny-base":
+        return str(tiny_base_dir()).encode()
+    return str(warm_start_dir(base)).encode()
+
+
+def warm_start_dir(name: str = "builtin:tiny") -> Path:
+    ws = _warm_start(name)
+    if not ws.recipe.is_file():
+        raise FileNotFoundError(f"{ws.recipe}: the warm-start recipe of {ws.name} is missing "
                                 "(parityrl must be run from its source checkout / an editable install)")
-    key = hashlib.sha256(WARM_START_RECIPE.read_bytes() + str(tiny_base_dir()).encode()
-                         + WARM_START_CODE_VERSION).hexdigest()[:12]
-    return default_cache_dir() / f"tiny-sft-{key}"
+    key = hashlib.sha256(ws.recipe.read_bytes() + _base_key(ws.base) + WARM_START_CODE_VERSION).hexdigest()[:12]
+    return default_cache_dir() / f"{ws.prefix}-{key}"
 
 
-def ensure_warm_started_tiny() -> Path:
-    out = warm_start_dir()
+def ensure_warm_started(name: str) -> Path:
+    """The directory of the warm-started built-in ``name``, building it (and the model it starts from) first if
+    it is not in the cache."""
+    out = warm_start_dir(name)
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -41,25 +81,35 @@ def ensure_warm_started_tiny() -> Path:
         if (out / "config.json").is_file():  # another process finished it while we waited
             return out
         if launched_rank():
-            _build_in_a_child()
+            _build_in_a_child(name)
         else:
-            _build(out)
+            _build(name, out)
     return out
 
 
-def _build(out: Path) -> None:
-    """Train the warm start into ``out`` (the caller holds the build lock)."""
-    print(f"building the default model (once): warm start {WARM_START_RECIPE.name} -> {out}", flush=True)
+def ensure_warm_started_tiny() -> Path:
+    return ensure_warm_started("builtin:tiny")
+
+
+def _base_dir(base: str) -> Path:
+    return ensure_tiny_base() if base == "builtin:tiny-base" else ensure_warm_started(base)
+
+
+def _build(name: str, out: Path) -> None:
+    """Train the warm start ``name`` into ``out`` (the caller holds its build lock)."""
+    ws = _warm_start(name)
+    base_dir = _base_dir(ws.base)  # before this one's line: a first run builds the chain in order
+    print(f"building {ws.what} (once): warm start {ws.recipe.name} -> {out}", flush=True)
     # the stage's run directory (metrics.jsonl) is a scratch folder of the cache, no wandb run
     run_dir = out.parent / f".{out.name}.run-{os.getpid()}"
-    cfg = read_sft_recipe(WARM_START_RECIPE, [f"output_dir={out}", f"logging.run_dir={run_dir}",
-                                              "logging.wandb.mode=disabled"])
-    if cfg.model.path != WARM_START_BASE:
-        raise ValueError(f"{WARM_START_RECIPE}: model.path = {cfg.model.path!r}: expected {WARM_START_BASE!r} "
-                         "(the warm start's cache key is that base's build)")
+    cfg = read_sft_recipe(ws.recipe, [f"output_dir={out}", f"logging.run_dir={run_dir}",
+                                      "logging.wandb.mode=disabled"])
+    if cfg.model.path != ws.base:
+        raise ValueError(f"{ws.recipe}: model.path = {cfg.model.path!r}: expected {ws.base!r} "
+                         f"(the warm start's cache key is that model's build)")
     try:
         # our cache, under the lock: a leftover without config.json is replaced (fit_sft writes atomically)
-        fit_sft(cfg, str(ensure_tiny_base()))
+        fit_sft(cfg, str(base_dir))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -82,14 +132,15 @@ def single_process_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
 
 
-def _build_in_a_child() -> None:
+def _build_in_a_child(name: str) -> None:
     """The warm start as one process, whatever launched this one (the caller holds the build lock)."""
-    proc = subprocess.run([sys.executable, "-m", "trainer.builtin.warm_start"], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "trainer.builtin.warm_start", name], cwd=REPO_ROOT,
                           env=single_process_env(dict(os.environ)))
     if proc.returncode:
-        raise RuntimeError(f"building builtin:tiny's warm start ({WARM_START_RECIPE.name}) failed in its own process "
-                           f"(exit {proc.returncode}); its output is above")
+        raise RuntimeError(f"building {name}'s warm start ({_warm_start(name).recipe.name}) failed in its own "
+                           f"process (exit {proc.returncode}); its output is above")
 
 
 if __name__ == "__main__":  # the build itself, under the lock its parent holds (see _build_in_a_child)
-    _build(warm_start_dir())
+    _name = sys.argv[1] if len(sys.argv) > 1 else "builtin:tiny"
+    _build(_name, warm_start_dir(_name))
