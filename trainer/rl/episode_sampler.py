@@ -197,6 +197,6 @@ def episode_metrics(stats: dict[str, list[float]], dp: DataParallel) -> dict[str
     s = dp.sum_metrics({"n": float(len(stats["turns"])), **{k: float(sum(v)) for k, v in stats.items()}})
     n = max(s["n"], 1.0)
     return {"episode/turns": s["turns"] / n, "episode/tool_calls": s["tool_calls"] / n,
-            "episode/tool_errors": s["tool_errors"] / n, "episode/frac_truncated": s["truncated"] / n,
+            "episode/tool_errors": s["tool_errors"] / n, "episode/truncated_frac": s["truncated"] / n,
             "parity/retokenize_drift_episodes": s["drift"] / n,
             "parity/retokenize_drift_tokens": s["drift_tokens"] / max(s["sampled_tokens"], 1.0)}

@@ -175,7 +175,7 @@ def test_a_stop_token_the_template_does_not_close_with_is_refused(tiny):
 
 
 def test_a_template_that_rewrites_the_content_is_refused(tiny):
-    lower = CHAT_TEMPLATE.replace("message['content'] + eos_token", "message['content'] | lower + eos_token")
+    lower = CHAT_TEMPLATE.replace("{{ message['content'] }}", "{{ message['content'] | lower }}")
     assert lower != CHAT_TEMPLATE
     with pytest.raises(TemplateNotAppendOnly, match="does not contain its content verbatim"):
         observation_ids(tiny, [{"role": "user", "content": "q"}], [], stop_id=EOS, chat_template=lower)
