@@ -55,6 +55,10 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], spec: SamplingSpec, ma
         if max_model_len is not None and len(p) + spec.max_new_tokens > max_model_len:
             raise ValueError(f"prompt_ids[{i}] has {len(p)} tokens; with spec.max_new_tokens = {spec.max_new_tokens} "
                              f"that exceeds the engine's max_model_len = {max_model_len}")
+    if spec.sample_indices and (len(spec.sample_indices) != len(prompt_ids) * spec.n or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in spec.sample_indices)):
+        raise ValueError(f"spec.sample_indices has {len(spec.sample_indices)} entries: expected one integer >= 0 per "
+                         f"sample ({len(prompt_ids)} prompts x n = {spec.n})")
 
 
 def validate_score_request(sequences: Sequence[Sequence[int]], max_model_len: int) -> None:

@@ -443,7 +443,7 @@ class ServerEngine:
                     "request_id": f"parityrl-{tag}-{s}", "token_ids": list(p), "output_mode": "tokens",
                     "sampling_params": {
                         "n": 1, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
-                        "max_tokens": spec.max_new_tokens, "seed": sample_seed(spec.seed, spec.index_offset + s),
+                        "max_tokens": spec.max_new_tokens, "seed": sample_seed(spec.seed, spec.sample_index(s)),
                         "stop_token_ids": list(self.eos_ids), "detokenize": False,
                         # k + 1: see the module docstring (the route cuts [sampled, top...] to this many).
                         "logprobs": k + 1 if k else 0}})

@@ -32,6 +32,9 @@ class SamplingSpec:
     index_offset: global index of this call's first sample. Seeds derive from
         (seed, index_offset + local index), so a data-parallel rank sampling its shard
         draws exactly what one process sampling the whole batch would for those samples.
+    sample_indices: instead of ``index_offset + s``, the global index of each sample s (prompt i's j-th sample
+        is s = i * n + j) when a call's samples are not numbered contiguously: a multi-turn step's turn holds the
+        episodes still live, each keeping its own index (trainer/rl/episodes.py). Empty: ``index_offset + s``.
     """
 
     n: int = 1
@@ -42,6 +45,11 @@ class SamplingSpec:
     seed: int = 0
     logprobs_topk: int = 0
     index_offset: int = 0
+    sample_indices: tuple[int, ...] = ()
+
+    def sample_index(self, s: int) -> int:
+        """The global index of this call's sample ``s`` (the per-sample seed derives from it)."""
+        return self.sample_indices[s] if self.sample_indices else self.index_offset + s
 
 
 @dataclass

@@ -197,7 +197,7 @@ class VLLMEngine(InProcessEngine):
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
         """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n.
 
-        Each sample is its own request with seed ``sample_seed(spec.seed, spec.index_offset + i)``,
+        Each sample is its own request with seed ``sample_seed(spec.seed, spec.sample_index(i))``,
         so the same weights and spec give the same samples, whichever rank draws them.
         """
         validate_request(prompt_ids, spec, self.max_model_len)
@@ -211,7 +211,7 @@ class VLLMEngine(InProcessEngine):
                 params.append(SamplingParams(
                     n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                     max_tokens=spec.max_new_tokens, logprobs=spec.logprobs_topk, flat_logprobs=True,
-                    seed=sample_seed(spec.seed, spec.index_offset + i * spec.n + j), stop_token_ids=list(self.eos_ids),
+                    seed=sample_seed(spec.seed, spec.sample_index(i * spec.n + j)), stop_token_ids=list(self.eos_ids),
                     detokenize=self.load_tokenizer))
         with _preserve_rng():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)

@@ -116,14 +116,16 @@ class EpisodeSampler:
         rows = dp.shard(next(self.batcher))
         prompts = [chat_messages(tokenizer, r["prompt"], cfg.data.system_prompt) for r in rows]
         spec = sampling_spec(cfg, step)
-        # Seeds: each round's episodes take at most max_turns requests each (one per turn); ranks are spaced alike.
-        per_round = cfg.rollout.prompts_per_step * spec.n * env.limits.max_turns
-        first = round_index * per_round + dp.offset(len(rows) * spec.n * env.limits.max_turns)
+        # Seeds (trainer/rl/episodes.py): a round's episodes of every rank, each with one request per turn, after the
+        # earlier rounds'; this rank's episodes numbered from its shard's first.
+        per_turn = cfg.rollout.prompts_per_step * spec.n
         rollouts, episodes, error = None, None, None
         try:
-            rollouts, episodes = run_episodes(self.engine, tokenizer, prompts, rows, env.make,
-                                              replace(spec, index_offset=first), env.limits, tools=env.tools,
-                                              template_kwargs=env.template_kwargs)
+            rollouts, episodes = run_episodes(
+                self.engine, tokenizer, prompts, rows, env.make,
+                replace(spec, index_offset=round_index * per_turn * env.limits.max_turns), env.limits,
+                tools=env.tools, template_kwargs=env.template_kwargs, first_episode=dp.offset(len(rows) * spec.n),
+                episode_stride=per_turn)
         except EngineUnavailable as e:
             error = e
         except (EnvironmentTimeout, EnvironmentContractError, TemplateNotAppendOnly) as e:

@@ -18,10 +18,11 @@ engine's token cap, a reply longer than ``max_observation_tokens``, or a stream 
 (prompt and every turn and reply). A turn's cap is ``min(spec.max_new_tokens, max_tokens - tokens so far)``;
 episodes with the same cap share a call, so a turn is one call until some episode nears its budget.
 
-Seeds: a turn's call numbers its requests after every earlier turn's (``index_offset``), so no two turns of a
-step share a seed and the same step, weights and environments give the same episodes. Episode i's seed in a
-turn depends on which episodes are still live, so data-parallel ranks sample their shards differently from one
-process sampling all (unlike single-turn rollouts).
+Seeds: episode i's turn t (from 0) is sample ``index_offset + t * episode_stride + first_episode + i``
+(``SamplingSpec.sample_indices``): its own index whatever else is live, so no two turns of a step share a seed,
+the same step, weights and environments give the same episodes, and a data-parallel rank running its shard
+(``first_episode`` = its first episode's global index, ``episode_stride`` = the episodes of every rank) samples
+exactly what one process running them all would.
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class Episode:
     turns: int = 0
     finish: str = "stop"
     live: bool = True
+    index: int = 0  # global index: turn t's sample index is index_offset + t * episode_stride + index
 
     def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None) -> None:
         self.ids.extend(int(i) for i in ids)
@@ -85,7 +87,8 @@ class Episode:
 
 def run_episodes(engine, tokenizer, prompts: Sequence[list[dict]], rows: Sequence[dict], make_env: Callable[[], Any],
                  spec: SamplingSpec, limits: EpisodeLimits, *, tools: list[dict] | None = None,
-                 template_kwargs: dict | None = None) -> tuple[Rollouts, list[Episode]]:
+                 template_kwargs: dict | None = None, first_episode: int = 0,
+                 episode_stride: int | None = None) -> tuple[Rollouts, list[Episode]]:
     """``spec.n`` episodes per prompt (groups contiguous, as ``Rollouts`` lays out samples), run to their ends.
 
     Args:
@@ -93,17 +96,20 @@ def run_episodes(engine, tokenizer, prompts: Sequence[list[dict]], rows: Sequenc
         prompts: each row's prompt as chat messages; rows: the dataset rows (given to ``reset``).
         make_env: a new environment per episode (``trainer.environments.contract.Environment``).
         tools: JSON schemas offered through the chat template at every turn (a tool environment's).
+        first_episode, episode_stride: the seeds' numbering (module docstring); default: these episodes alone.
     Returns:
         (rollouts with ``completion_mask``, the episodes in the same order).
     """
     episodes = [_start(make_env(), list(prompts[i // spec.n]), rows[i // spec.n], tokenizer, tools, template_kwargs,
                        limits) for i in range(len(prompts) * spec.n)]
-    requested = 0
-    for _ in range(limits.max_turns):
+    stride = len(episodes) if episode_stride is None else episode_stride
+    for i, e in enumerate(episodes):
+        e.index = first_episode + i
+    for turn in range(limits.max_turns):
         live = [e for e in episodes if e.live]
         if not live:
             break
-        requested = _sample_turn(engine, live, spec, limits, requested)
+        _sample_turn(engine, live, spec, limits, spec.index_offset + turn * stride)
         for e in live:
             if not e.live:  # cut by its token cap: the conversation still holds the turn as written, not stepped
                 e.messages.append({"role": "assistant", "content": _turn_text(e, tokenizer)})
@@ -130,21 +136,21 @@ def _start(env, prompt: list[dict], row: dict, tokenizer, tools, template_kwargs
     return episode
 
 
-def _sample_turn(engine, live: list[Episode], spec: SamplingSpec, limits: EpisodeLimits, requested: int) -> int:
-    """One assistant turn for every live episode: one ``generate`` per distinct token cap. Returns the requests so far."""
+def _sample_turn(engine, live: list[Episode], spec: SamplingSpec, limits: EpisodeLimits, turn_offset: int) -> None:
+    """One assistant turn for every live episode: one ``generate`` per distinct token cap; episode e's request is
+    sample ``turn_offset + e.index``."""
     by_cap: dict[int, list[Episode]] = {}
     for e in live:
         by_cap.setdefault(min(spec.max_new_tokens, limits.max_tokens - e.length), []).append(e)
     for cap, group in sorted(by_cap.items(), reverse=True):
         out = engine.generate([e.prompt_ids + e.ids for e in group],
-                              replace(spec, n=1, max_new_tokens=cap, index_offset=spec.index_offset + requested))
-        requested += len(group)
+                              replace(spec, n=1, max_new_tokens=cap,
+                                      sample_indices=tuple(turn_offset + e.index for e in group)))
         for e, ids, lps, finish in zip(group, out.completion_ids, out.rollout_logprobs, out.finish_reasons):
             e.append(ids, True, lps)
             e.turns += 1
             if finish == "length":  # cut by the cap: the turn never ended, so neither does a reply follow it
                 e.live, e.finish = False, "length"
-    return requested
 
 
 def _turn_text(e: Episode, tokenizer) -> str:

@@ -64,7 +64,8 @@ def test_each_turn_is_one_call_reading_exactly_what_came_before(tok):
                           EpisodeLimits(max_turns=5, max_tokens=200, max_observation_tokens=20))
     assert len(engine.calls) == 2  # two turns, all four episodes in each call
     assert [len(p) for p, _ in engine.calls] == [4, 4] and all(s.n == 1 for _, s in engine.calls)
-    assert [s.index_offset for _, s in engine.calls] == [0, 4]  # no two turns share a seed
+    # each episode keeps its index; turn t adds t x 4 episodes: no two turns share a seed
+    assert [s.sample_indices for _, s in engine.calls] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     reply = [3] + words(tok, "again") + [EOS, 4]  # <|user|>again<|end|><|assistant|>
     for i, e in enumerate(eps):
         assert e.ids == answer + reply + answer and e.mask == [1] * len(answer) + [0] * len(reply) + [1] * len(answer)
@@ -155,3 +156,21 @@ def test_an_environment_that_raises_is_named(tok):
         run_episodes(engine, tok, [[{"role": "user", "content": "q"}]], [{}], Raises, SamplingSpec(max_new_tokens=8),
                      EpisodeLimits(max_turns=3, max_tokens=200, max_observation_tokens=20))
     assert "raised by environment" in " ".join(info.value.__notes__) and "Raises.step()" in info.value.__notes__[0]
+
+
+def test_a_shard_samples_with_the_indices_one_process_would_give_it(tok):
+    """Data parallel: rank 1 of 2 runs episodes 2, 3 of 4; whoever else is live, each keeps its own sample index
+    at every turn (here episode 2 ends after one turn, episode 3 goes on)."""
+    answer = words(tok, "7") + [EOS]
+    engine = ScriptedEngine(lambda call, prompt: (answer, "stop"))
+
+    class EndsFirst(Counter):
+        def reset(self, row):
+            self.turns = row["turns"]
+            return super().reset(row)
+
+    spec = SamplingSpec(n=1, max_new_tokens=8, seed=3, index_offset=100)
+    run_episodes(engine, tok, [[{"role": "user", "content": "1+2"}]] * 2, [{"turns": 1}, {"turns": 3}], EndsFirst,
+                 spec, EpisodeLimits(max_turns=3, max_tokens=200, max_observation_tokens=20), first_episode=2,
+                 episode_stride=4)
+    assert [s.sample_indices for _, s in engine.calls] == [(102, 103), (107,), (111,)]
