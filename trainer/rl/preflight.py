@@ -40,6 +40,7 @@ from trainer.config import RecipeError, RunConfig, read_recipe, read_recipe_leni
 from trainer.config.load import name_overrides
 from trainer.config.validate import sequence_length
 from trainer.data.datasets import load_prompt_dataset, looks_like_path
+from trainer.data.tasks import PROMPT_SOURCES
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_model_config, check_recipe
@@ -78,8 +79,9 @@ def check_data_source(cfg: RunConfig, where: str) -> None:
     """A built-in dataset that exists, or a local file or directory that does; hub ids pass."""
     src = cfg.data.source
     if src.startswith("builtin:"):
-        if src != "builtin:arithmetic":
-            raise RecipeError(f"{where}: data.source = {src!r}: unknown built-in dataset; expected 'builtin:arithmetic'")
+        if src.removeprefix("builtin:") not in PROMPT_SOURCES:
+            raise RecipeError(f"{where}: data.source = {src!r}: unknown built-in dataset; expected one of "
+                              + ", ".join(repr("builtin:" + n) for n in PROMPT_SOURCES))
     # an explicit path prefix, or the data loader's own rule for "this is a file"
     elif (src.startswith((".", "/", "~")) or looks_like_path(src)) and not Path(src).expanduser().exists():
         raise RecipeError(f"{where}: data.source = {src!r}: no such file or directory")

@@ -173,7 +173,8 @@ def retokenize_drift(
     # A conversation that ends with an observation ends, in the stream, with the next generation prompt.
     generation_prompt = conversation[-1].get("role") != "assistant"
     text = _render(tokenizer, conversation, tools, generation_prompt, chat_template, template_kwargs)
-    reencoded = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # verbose=False: a whole episode may be longer than the tokenizer's model_max_length, which is no error here
+    reencoded = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
     upto = runs[-1][1]
     trained = ids[:upto]
     matched = [False] * upto

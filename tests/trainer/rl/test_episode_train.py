@@ -97,3 +97,11 @@ def test_an_environment_that_fails_stops_the_run_with_its_name(tmp_path, vllm_en
     with pytest.raises(EnvironmentFailed, match=r"step 1: .*" + says.replace("(", r"\(").replace(")", r"\)")) as e:
         train(recipe(tmp_path, env, "train.steps=2", f"env.class={ENVS}:{env}"), engine=vllm_engine)
     assert e.value.exit_status == 7
+
+
+def test_episodes_one_step_off_policy(tmp_path, vllm_engine):
+    """rollout.max_staleness 1: the next step's episodes are drawn with the weights before this step's update."""
+    res = train(recipe(tmp_path, "episodes_async", "train.steps=2", "rollout.max_staleness=1"), engine=vllm_engine)
+    assert [h["step"] for h in res.history] == [1, 2]
+    for h in res.history:
+        assert h["parity/turn_1/mae"] < PARITY_MAE_BOUND and 1.0 <= h["episode/turns"] <= 2.0

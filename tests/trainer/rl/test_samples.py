@@ -39,3 +39,15 @@ def test_rows_hold_text_rewards_and_the_samples_parity(tmp_path):
     assert len(lines) == 3 and lines[0]["step"] == 7 and lines[2]["prompt"] == "p1"
     text = console_text(rows)
     assert "t5 t6" in text and "exact 1" in text and text.count("prompt") == 2
+
+
+def test_an_episode_row_shows_its_turns_and_which_tokens_were_trained():
+    from trainer.rl.samples import transcript
+
+    class Letters:  # id -> its letter; 0 is a special token
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join("<s>" if i == 0 and not skip_special_tokens else "" if i == 0 else chr(96 + i)
+                           for i in ids)
+
+    ids, mask = [1, 2, 0, 3, 0, 4], [1, 1, 1, 0, 0, 1]
+    assert transcript(ids, mask, Letters()) == "[turn 1] ab [context] c<s> [turn 2] d"

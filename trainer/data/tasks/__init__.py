@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from trainer.data.tasks import arithmetic, arithmetic_prefs, arithmetic_tools
 
-__all__ = ["BUILTIN_DATASETS", "BUILTIN_REWARDS", "DEFAULT_NUM_EXAMPLES"]
+__all__ = ["BUILTIN_DATASETS", "BUILTIN_REWARDS", "DEFAULT_NUM_EXAMPLES", "PROMPT_SOURCES"]
 
 BUILTIN_DATASETS = {
     "arithmetic": arithmetic.arithmetic_dataset,
@@ -19,6 +19,9 @@ BUILTIN_DATASETS = {
     # two-step problems for tool-using episodes (scored by arithmetic.exact_answer)
     "arithmetic_tools": arithmetic_tools.arithmetic_tools_dataset,
 }
+
+# The built-in datasets an RL recipe can draw prompts from (data.source: builtin:<name>).
+PROMPT_SOURCES = ("arithmetic", "arithmetic_tools")
 
 BUILTIN_REWARDS = {
     "arithmetic.exact_answer": arithmetic.exact_answer_reward,
