@@ -123,6 +123,35 @@ def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_en
 
 
 @pytest.mark.slow
+def test_two_rank_episodes_match_one_process(tmp_path, tiny_model_dir, vllm_engine):
+    """Multi-turn episodes (a user's environment file): each rank runs its shard with the single process's
+    per-episode seeds at every turn (trainer/rl/episodes.py), so step 1's episodes, rewards and per-turn parity
+    token counts are the single process's."""
+    from trainer.rl.loop import train
+    from trainer.rl.preflight import load_recipe
+
+    envs = REPO / "tests/trainer/rl/episode_envs.py"
+    common = ["train.steps=1", "rollout.prompts_per_step=4", "algorithm.group_size=4", "checkpoint.every=0",
+              "logging.wandb.mode=disabled", f"env.class={envs}:FollowUp", "env.max_turns=2", "env.max_tokens=128",
+              "parity.probe_prompts=0"]
+    run2 = tmp_path / "two"
+    proc = subprocess.run([*TORCHRUN, "-m", "trainer.train", str(REPO / "recipes/grpo_tiny.yaml"),
+                           *[x for s in [*common, f"logging.run_dir={run2}", "name=two"] for x in ("--set", s)]],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = [json.loads(x) for x in (run2 / "metrics.jsonl").read_text().splitlines()]
+    one = train(load_recipe(REPO / "recipes/grpo_tiny.yaml", [*common, f"logging.run_dir={tmp_path / 'one'}",
+                                                             "name=one"]), engine=vllm_engine).history
+    s1 = two[-1]
+    for key in ("reward/mean", "reward/env", "parity/num_tokens", "episode/turns", "episode/truncated_frac",
+                "parity/retokenize_drift_episodes"):
+        assert s1[key] == one[0][key], key
+    assert s1["parity/turn_1/mae"] == pytest.approx(one[0]["parity/turn_1/mae"], rel=1e-3)
+    assert (s1["parity/turn_2/mae"] == pytest.approx(one[0]["parity/turn_2/mae"], rel=1e-3)
+            if one[0]["episode/turns"] > 1 else True)
+
+
+@pytest.mark.slow
 def test_two_rank_ppo_matches_one_process(tmp_path, tiny_model_dir, vllm_engine):
     """PPO's batch-level statistics pooled over the ranks: whitened rewards and advantages and the adaptive KL
     controller's beta are the single process's (one update per batch, so the updates see the same rows)."""
