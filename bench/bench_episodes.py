@@ -4,11 +4,20 @@
 
 Episodes (trainer/rl/episodes.py) advance one turn for every live episode per engine call: ``--episodes``
 episodes of ``--turns`` assistant turns, each turn up to ``--tokens`` new tokens, every reply a short user
-message. The baseline samples ``episodes x turns`` single-turn completions of up to ``--tokens`` tokens in one
-call: about the same number of sampled tokens. Both run on the same vLLM engine (the built-in tiny model,
-warm-started), alternating, ``--repeats`` times each; the script prints both rates and their ratio (the issue's
-goal: episodes >= 0.8x). What the episodes pay on top: one call per turn instead of one, the prefill of the
-growing history (vLLM's prefix cache holds the earlier turns), the environment steps and the replies' rendering.
+message. Three baselines on the same vLLM engine (the built-in tiny model, warm-started), alternating,
+``--repeats`` times each (medians):
+
+* ``single-turn, wide``: ``episodes x turns`` single-turn completions of up to ``--tokens`` tokens in one call:
+  about the same number of sampled tokens, with ``turns`` times the concurrency;
+* ``single-turn, narrow``: ``episodes`` completions of up to ``turns x tokens`` tokens: the same number of
+  sequences and the same token cap (the tiny model stops early on its own, so fewer tokens are sampled);
+* ``engine alone``: the episodes' own requests (every turn's prompts, recorded from an episode run) replayed
+  as bare ``generate`` calls: the same work without the episode loop (parsing, environment steps in threads,
+  rendering the replies, bookkeeping), so the ratio is the loop's overhead.
+
+What the episodes pay against the wide batch is the T sequential rounds at 1/T of its concurrency: on a CPU a
+decode step of the tiny model costs about the same for 32 or 128 sequences, so that ratio is near 1/T there
+and closer to 1 where a step's cost grows with the batch (a large model, a GPU).
 """
 from __future__ import annotations
 
@@ -58,30 +67,54 @@ def main() -> None:
                     enforce_eager=True) as engine:
         single_prompts = encode_prompts(tok, [r["prompt"] for r in rows])
 
-        def episodes(seed: int) -> tuple[int, float]:
+        def episode_run(seed: int, eng) -> tuple[int, float]:
             t = time.perf_counter()
-            rollouts, _ = run_episodes(engine, tok, [[{"role": "user", "content": r["prompt"]}]
-                                                     for r in rows[:args.episodes]], rows, AskAgain,
+            rollouts, _ = run_episodes(eng, tok, [[{"role": "user", "content": r["prompt"]}]
+                                                  for r in rows[:args.episodes]], rows, AskAgain,
                                        SamplingSpec(n=1, max_new_tokens=args.tokens, seed=seed), limits)
             return rollouts.num_sampled_tokens, time.perf_counter() - t
 
-        def single(seed: int) -> tuple[int, float]:
+        def single(prompts, tokens: int, seed: int) -> tuple[int, float]:
             t = time.perf_counter()
-            out = engine.generate(single_prompts, SamplingSpec(n=1, max_new_tokens=args.tokens, seed=seed))
+            out = engine.generate(prompts, SamplingSpec(n=1, max_new_tokens=tokens, seed=seed))
             return out.num_sampled_tokens, time.perf_counter() - t
 
-        single(0), episodes(0)  # warm-up: compiled paths, caches
-        runs = {"episodes": [], "single": []}
+        def replay(seed: int) -> tuple[int, float]:
+            recorder = Recorder(engine)
+            episode_run(seed, recorder)
+            t, n = time.perf_counter(), 0
+            for prompts, spec in recorder.calls:
+                n += engine.generate(prompts, spec).num_sampled_tokens
+            return n, time.perf_counter() - t
+
+        cases = {"single-turn, wide": lambda s: single(single_prompts, args.tokens, s),
+                 "single-turn, narrow": lambda s: single(single_prompts[:args.episodes], args.tokens * args.turns, s),
+                 "engine alone": replay,
+                 f"{args.turns}-turn episodes": lambda s: episode_run(s, engine)}
+        for fn in cases.values():  # warm-up: compiled paths, caches
+            fn(0)
+        runs = {name: [] for name in cases}
         for r in range(args.repeats):
-            for name, fn in (("episodes", episodes), ("single", single)):
+            for name, fn in cases.items():
                 runs[name].append(fn(1 + r))
-    rate = {k: statistics.median(n / s for n, s in v) for k, v in runs.items()}
+    rate = {k: statistics.median(n / t for n, t in v) for k, v in runs.items()}
     tokens = {k: statistics.median(n for n, _ in v) for k, v in runs.items()}
+    episodes = f"{args.turns}-turn episodes"
     print(f"CPU: {os.cpu_count()} cores, tiny model, bf16, {args.repeats} runs each (median)")
-    print(f"single-turn: {int(tokens['single'])} sampled tokens per batch, {rate['single']:.0f} tokens/s")
-    print(f"{args.turns}-turn episodes: {int(tokens['episodes'])} sampled tokens per batch, "
-          f"{rate['episodes']:.0f} tokens/s")
-    print(f"ratio episodes / single-turn: {rate['episodes'] / rate['single']:.2f}")
+    for name in runs:
+        ratio = "" if name == episodes else f"   episodes / this: {rate[episodes] / rate[name]:.2f}"
+        print(f"{name:22s} {int(tokens[name]):6d} sampled tokens per batch, {rate[name]:7.0f} tokens/s{ratio}")
+
+
+class Recorder:
+    """The engine, with every generate call's prompts and spec kept (to replay them bare)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, spec):
+        self.calls.append(([list(p) for p in prompts], spec))
+        return self.engine.generate(prompts, spec)
 
 
 if __name__ == "__main__":
