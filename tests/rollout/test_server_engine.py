@@ -726,3 +726,18 @@ def test_one_step_off_policy_against_the_server(server, one_trainer_on_server, t
     assert all(h["staleness/mae"] > 0 for h in res[1:])  # trained one update after the adapter that sampled
     assert all(h["parity/mae"] < PARITY_MAE_BOUND for h in res)  # engine vs that adapter: numerics only
     assert all("perf/prefetch_wait_s" in h for h in res)
+
+
+@pytest.mark.slow
+def test_episodes_against_the_server(server, tmp_path):
+    """Multi-turn episodes in server mode: every turn is a generate request to the server, per-turn parity after
+    the pushes (the server's context is 88 tokens, the episodes' budget here)."""
+    from trainer.rl.loop import train
+
+    envs = REPO / "tests" / "trainer" / "rl" / "episode_envs.py"
+    res = train(cfg_for(tmp_path, "episodes", server.url, "train.steps=2", "checkpoint.every=0",
+                        f"env.class={envs}:FollowUp", "env.max_turns=2", "env.max_tokens=88")).history
+    assert [h["step"] for h in res] == [1, 2]
+    for h in res:
+        assert h["parity/mae"] < PARITY_MAE_BOUND and h["parity/turn_1/mae"] < PARITY_MAE_BOUND
+        assert 1.0 <= h["episode/turns"] <= 2.0 and "reward/env" in h
