@@ -87,3 +87,18 @@ def test_architecture_matrix_decode_is_reproduced_bit_for_bit(arch):
         assert torch.equal(lp, torch.tensor(r.rollout_logprobs[k], dtype=torch.float32)), k
 
 
+
+
+def test_float32_parity_over_episodes_is_as_small_as_single_turn(tmp_path):
+    """Without exact mode, float32 on both sides: the turns after a reply agree with the engine as the first does
+    (the reply's ids are in both forwards' context), within single-turn float32's level (docs/parity-metrics.md)."""
+    cfg = load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [
+        "name=episodes-fp32", f"logging.run_dir={tmp_path / 'episodes-fp32'}", "logging.wandb.mode=disabled",
+        "checkpoint.every=0", "model.dtype=float32", "train.steps=2", "rollout.prompts_per_step=4",
+        "algorithm.group_size=4", "train.micro_batch_size=16", f"env.class={ENVS}:FollowUp", "env.max_turns=2",
+        "env.max_tokens=128"])
+    history = train(cfg).history
+    print("float32 episodes:", [{k: f"{v:.2e}" for k, v in h.items() if k.startswith("parity/turn_")} for h in history])
+    for h in history:
+        assert h["parity/mae"] <= 1e-4 and h["parity/turn_1/mae"] <= 1e-4
+        assert h["episode/turns"] > 1 and h["parity/turn_2/mae"] <= 1e-4
