@@ -57,6 +57,7 @@ from trainer.config.schema import RecipeError
 from trainer.config.supervised import SFTConfig
 from trainer.data.datasets import encode_prompts, load_prompt_dataset
 from trainer.distributed.launch_info import current_backend, describe_launch, device_text
+from trainer.environments.loading import resolve_tools
 from trainer.models.batch import TokenBatch, build_token_batch
 from trainer.models.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
 from trainer.rewards.functions import resolve_reward
@@ -129,8 +130,6 @@ def conversation_example(tokenizer, messages: list[dict], tools: Optional[list[d
 
 
 def _conversation_pairs(cfg: SFTConfig, tokenizer, rows: list[dict]):
-    from trainer.environments.loading import resolve_tools
-
     d = cfg.data
     fn = resolve_reward(d.messages_fn)  # same "module:function" resolution
     try:

@@ -65,6 +65,13 @@ def test_sft_messages_are_a_solved_episode_the_reward_scores():
     assert exact_answer_reward([row["prompt"]], [episode.replace("is 5.", "is 6.")], [row["answer"]]) == [0.0]
 
 
+def test_the_transcripts_tool_reply_is_what_the_calculator_replies():
+    from trainer.environments.arithmetic_tools import calculate
+
+    for row in arithmetic_tools_dataset(200, seed=3).to_list():
+        assert sft_messages(**row)[2]["content"] == calculate(row["expression"])
+
+
 def test_a_rendered_transcript_fits_the_tiny_model():
     from trainer.builtin.tiny import build_tokenizer
     from trainer.environments.loading import resolve_tools

@@ -32,7 +32,6 @@ import random
 import datasets
 
 from trainer.data.tasks.arithmetic import ADD_VERBS, NAMES, OBJECTS, SPLITS, SUB_VERBS, TEST_FRACTION
-from trainer.environments.arithmetic_tools import calculate
 
 __all__ = ["TOOL_NAME", "arithmetic_tools_dataset", "expression", "problem_split", "sft_messages"]
 
@@ -127,11 +126,13 @@ def expression(prompt: str, **columns: object) -> str:
 def sft_messages(prompt: str, **columns: object) -> list[dict]:
     """The solved episode of a row as chat messages: question, tool call, tool result, final answer.
 
-    The tool result is the calculator's own output, so the transcript shows the model what the environment
-    will really reply. A ``data.messages_fn`` for ``parityrl sft`` (``trainer.supervised.sft``).
+    The tool result is the row's answer, which is what the calculator replies to the expression (an integer
+    as text; tests/trainer/data/test_arithmetic_tools.py holds the two equal), so the transcript shows the model
+    what the environment will really reply; the task does not import the environment (data sits below
+    environments in the package order). A ``data.messages_fn`` for ``parityrl sft`` (``trainer.supervised.sft``).
     """
     expr = expression(prompt, **columns)
-    result = calculate(expr)
+    result = str(int(columns["answer"]))
     call = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"expression": expr}}}
     return [
         {"role": "user", "content": prompt},
