@@ -27,15 +27,14 @@ from rollout.base import EngineUnavailable
 from trainer.config import RecipeError, RunConfig
 from trainer.config.validate import episode_max_tokens
 from trainer.data.datasets import chat_messages
-from trainer.distributed.data_parallel import DataParallel
 from trainer.environments.contract import EnvironmentContractError
 from trainer.environments.loading import resolve_environment_class, resolve_tools
 from trainer.environments.tools import ToolEnvironment
-from trainer.rewards.functions import compute_rewards
 from trainer.rl.dynamic_sampling import Drawn
 from trainer.rl.engines import sampling_spec
 from trainer.rl.episodes import EnvironmentTimeout, EpisodeLimits, run_episodes
-from trainer.rl.stops import EngineFailed, EnvironmentFailed, RewardFailed, stop_together
+from trainer.rl.sampling import Sampler, rewards_of
+from trainer.rl.stops import EngineFailed, EnvironmentFailed, stop_together
 from trainer.rl.turn_tokens import TemplateNotAppendOnly, retokenize_drift
 
 # The per-episode records of ``Drawn.episodes`` (each a list with one float per sample).
@@ -97,16 +96,10 @@ class EpisodeEnvironment:
 
 
 @dataclass
-class EpisodeSampler:
+class EpisodeSampler(Sampler):
     """What a multi-turn sampling round needs: ``Sampler``'s fields plus the environment."""
 
-    cfg: RunConfig
-    engine: object
-    batcher: object
-    tokenizer: object
-    reward_fns: dict
-    dp: DataParallel
-    environment: EpisodeEnvironment
+    environment: EpisodeEnvironment = None
 
     def draw(self, step: int, round_index: int = 0) -> Drawn:
         """One prompt batch of ``step`` as episodes: this rank's shard run, scored and measured (``Sampler.draw``'s
@@ -159,23 +152,15 @@ def _rewards(reward_fns: dict, cfg: RunConfig, rows: list[dict], episodes, g: in
     """(total, per source, error): the environment's summed step rewards plus the recipe's functions on episodes."""
     env_rewards = [float(e.reward) for e in episodes]
     per_fn = {"env": env_rewards} if cfg.env.class_ is not None else {}
-    total = list(env_rewards)
     if not reward_fns:
-        return total, per_fn, None
-    completions = ["\n".join(e.assistant_texts) for e in episodes]
+        return env_rewards, per_fn, None
     columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
     columns["messages"] = [e.messages for e in episodes]
-    try:
-        fn_total, fn_values = compute_rewards(reward_fns, cfg.reward.weights, [r["prompt"] for r in rows
-                                                                                for _ in range(g)],
-                                              completions, columns)
-    except Exception as e:  # noqa: BLE001 - the user's function: one line naming it, every rank stops
-        raised_in = "; ".join(getattr(e, "__notes__", []))
-        error = RewardFailed(f"step {step}: " + (f"{raised_in}: {type(e).__name__}: {e}" if raised_in else str(e)))
-        error.__cause__ = e
+    fn_total, fn_values, error = rewards_of(reward_fns, cfg.reward.weights, [r["prompt"] for r in rows for _ in range(g)],
+                                            ["\n".join(e.assistant_texts) for e in episodes], columns, step)
+    if error is not None:
         return None, None, error
-    per_fn.update(fn_values)
-    return [a + b for a, b in zip(total, fn_total)], per_fn, None
+    return [a + b for a, b in zip(env_rewards, fn_total)], {**per_fn, **fn_values}, None
 
 
 def episode_stats(episodes, rollouts, tokenizer, env: EpisodeEnvironment) -> dict[str, list[float]]:
@@ -190,15 +175,3 @@ def episode_stats(episodes, rollouts, tokenizer, env: EpisodeEnvironment) -> dic
                            ("drift", differs), ("drift_tokens", n), ("sampled_tokens", sum(mask))):
             out[key].append(float(value))
     return out
-
-
-def episode_metrics(stats: dict[str, list[float]], dp: DataParallel) -> dict[str, float]:
-    """``episode/*`` and ``parity/retokenize_drift_*`` pooled exactly over every rank's episodes (sums)."""
-    if not stats:
-        return {}
-    s = dp.sum_metrics({"n": float(len(stats["turns"])), **{k: float(sum(v)) for k, v in stats.items()}})
-    n = max(s["n"], 1.0)
-    return {"episode/turns": s["turns"] / n, "episode/tool_calls": s["tool_calls"] / n,
-            "episode/tool_errors": s["tool_errors"] / n, "episode/truncated_frac": s["truncated"] / n,
-            "parity/retokenize_drift_episodes": s["drift"] / n,
-            "parity/retokenize_drift_tokens": s["drift_tokens"] / max(s["sampled_tokens"], 1.0)}

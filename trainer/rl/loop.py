@@ -159,7 +159,7 @@ class Run:
                        value_head=self.value_head, dp=self.dp, exact=self.exact)
 
     @property
-    def sampler(self) -> Sampler | EpisodeSampler:
+    def sampler(self) -> Sampler:
         """The run as a sampling round sees it: completions (trainer/rl/sampling.py), or episodes with ``env``
         (trainer/rl/episode_sampler.py); both hand the step a ``Drawn``."""
         shared = dict(cfg=self.cfg, engine=self.engine, batcher=self.batcher, tokenizer=self.tokenizer,

@@ -18,7 +18,6 @@ from trainer.distributed.data_parallel import DataParallel
 from trainer.rewards.functions import compute_rewards
 from trainer.rl.dynamic_sampling import Drawn
 from trainer.rl.engines import sampling_spec
-from trainer.rl.episode_sampler import episode_metrics
 from trainer.rl.stops import EngineFailed, RewardFailed, stop_together
 
 
@@ -64,17 +63,24 @@ class Sampler:
         g = spec.n
         completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-        total, per_fn, error = None, None, None
-        try:
-            total, per_fn = compute_rewards(self.reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
-                                            completions, columns)
-        except Exception as e:  # noqa: BLE001 - the user's function: one line naming it, every rank stops
-            raised_in = "; ".join(getattr(e, "__notes__", []))  # compute_rewards notes the function that raised
-            error = RewardFailed(f"step {step}: " + (f"{raised_in}: {type(e).__name__}: {e}" if raised_in else str(e)))
-            error.__cause__ = e
+        total, per_fn, error = rewards_of(self.reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
+                                          completions, columns, step)
         stop_together(dp, error)
         return Drawn(rows=rows, rollouts=rollouts, rewards=total, per_fn=per_fn, generate_s=generate_s,
                      reward_s=time.perf_counter() - t)
+
+
+def rewards_of(reward_fns: dict, weights: dict, prompts: list[str], completions: list[str], columns: dict,
+               step: int) -> tuple:
+    """(total, per function, None), or (None, None, ``RewardFailed``) naming the function that failed: the caller
+    stops every rank with it (``stop_together``)."""
+    try:
+        return (*compute_rewards(reward_fns, weights, prompts, completions, columns), None)
+    except Exception as e:  # noqa: BLE001 - the user's function: one line naming it, every rank stops
+        raised_in = "; ".join(getattr(e, "__notes__", []))  # compute_rewards notes the function that raised
+        error = RewardFailed(f"step {step}: " + (f"{raised_in}: {type(e).__name__}: {e}" if raised_in else str(e)))
+        error.__cause__ = e
+        return None, None, error
 
 
 def drawn_metrics(drawn: Drawn, dp: DataParallel) -> dict[str, float]:
@@ -108,3 +114,16 @@ def spread_metrics(drawn: Drawn, dp: DataParallel) -> dict[str, float]:
     var = max(s["sum2"] / n - (s["sum"] / n) ** 2, 0.0)
     return {"reward/std": var ** 0.5, "reward/frac_zero_std_groups": s["flat"] / max(s["groups"], 1.0),
             "rollout/max_length": x["max_len"], "rollout/min_length": -x["neg_min_len"]}
+
+
+def episode_metrics(stats: dict[str, list[float]], dp: DataParallel) -> dict[str, float]:
+    """``episode/*`` and ``parity/retokenize_drift_*`` of multi-turn episodes (``Drawn.episodes``, recorded by
+    trainer/rl/episode_sampler.py), pooled exactly over every rank's episodes (sums); nothing for completions."""
+    if not stats:
+        return {}
+    s = dp.sum_metrics({"n": float(len(stats["turns"])), **{k: float(sum(v)) for k, v in stats.items()}})
+    n = max(s["n"], 1.0)
+    return {"episode/turns": s["turns"] / n, "episode/tool_calls": s["tool_calls"] / n,
+            "episode/tool_errors": s["tool_errors"] / n, "episode/truncated_frac": s["truncated"] / n,
+            "parity/retokenize_drift_episodes": s["drift"] / n,
+            "parity/retokenize_drift_tokens": s["drift_tokens"] / max(s["sampled_tokens"], 1.0)}

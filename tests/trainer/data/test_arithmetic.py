@@ -17,6 +17,7 @@ from trainer.data.tasks.arithmetic import (
     problem_split,
     sft_text,
 )
+from trainer.data.tasks.arithmetic_tools import arithmetic_tools_dataset
 
 _PARSE = re.compile(r"has (\d+) \w+ and (" + "|".join(ADD_VERBS + SUB_VERBS) + r") (\d+)")
 
@@ -152,9 +153,10 @@ def test_format_reward():
         ({"num_examples": 5, "max_operand": 0}, "max_operand=0 must be an int >= 1"),
     ],
 )
-def test_dataset_errors(kwargs, message):
+@pytest.mark.parametrize("dataset", [arithmetic_dataset, arithmetic_tools_dataset])
+def test_dataset_errors(kwargs, message, dataset):
     with pytest.raises(ValueError, match=re.escape(message)):
-        arithmetic_dataset(**kwargs)
+        dataset(**kwargs)
 
 
 def test_registries():

@@ -97,6 +97,15 @@ def test_two_ranks_give_the_single_process_loss_gradient_and_parity(tiny_model_d
         assert r["parity_dp"][k] == pytest.approx(v, rel=1e-4, abs=slack.get(k, 1e-9)), k
 
 
+def two_ranks(recipe: Path, sets: list[str], run_dir: Path) -> list[dict]:
+    """``recipe`` trained by two ranks (torchrun) with ``sets``: its metrics.jsonl rows."""
+    proc = subprocess.run([*TORCHRUN, "-m", "trainer.train", str(recipe),
+                           *[x for s in [*sets, f"logging.run_dir={run_dir}", "name=two"] for x in ("--set", s)]],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_engine):
     from trainer.rl.loop import train
@@ -104,12 +113,7 @@ def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_en
 
     common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
               "logging.wandb.mode=disabled"]
-    run2 = tmp_path / "two"
-    proc = subprocess.run([*TORCHRUN, "-m", "trainer.train", str(REPO / "recipes/grpo_tiny.yaml"),
-                           *[x for s in [*common, f"logging.run_dir={run2}", "name=two"] for x in ("--set", s)]],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    two = [json.loads(x) for x in (run2 / "metrics.jsonl").read_text().splitlines()]
+    two = two_ranks(REPO / "recipes/grpo_tiny.yaml", common, tmp_path / "two")
     one = train(load_recipe(REPO / "recipes/grpo_tiny.yaml", [*common, f"logging.run_dir={tmp_path / 'one'}",
                                                              "name=one"]), engine=vllm_engine).history
     assert [r["step"] for r in two] == [0, 1, 2]
@@ -134,12 +138,7 @@ def test_two_rank_episodes_match_one_process(tmp_path, tiny_model_dir, vllm_engi
     common = ["train.steps=1", "rollout.prompts_per_step=4", "algorithm.group_size=4", "checkpoint.every=0",
               "logging.wandb.mode=disabled", f"env.class={envs}:FollowUp", "env.max_turns=2", "env.max_tokens=128",
               "parity.probe_prompts=0"]
-    run2 = tmp_path / "two"
-    proc = subprocess.run([*TORCHRUN, "-m", "trainer.train", str(REPO / "recipes/grpo_tiny.yaml"),
-                           *[x for s in [*common, f"logging.run_dir={run2}", "name=two"] for x in ("--set", s)]],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    two = [json.loads(x) for x in (run2 / "metrics.jsonl").read_text().splitlines()]
+    two = two_ranks(REPO / "recipes/grpo_tiny.yaml", common, tmp_path / "two")
     one = train(load_recipe(REPO / "recipes/grpo_tiny.yaml", [*common, f"logging.run_dir={tmp_path / 'one'}",
                                                              "name=one"]), engine=vllm_engine).history
     s1 = two[-1]
@@ -162,12 +161,7 @@ def test_two_rank_ppo_matches_one_process(tmp_path, tiny_model_dir, vllm_engine)
     common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
               "logging.wandb.mode=disabled", "algorithm.epochs=1", "algorithm.mini_batches=1",
               "algorithm.whiten_rewards=true", "algorithm.reward_kl_target=0.05"]
-    run2 = tmp_path / "two"
-    proc = subprocess.run([*TORCHRUN, "-m", "trainer.train", str(recipe),
-                           *[x for s in [*common, f"logging.run_dir={run2}", "name=two"] for x in ("--set", s)]],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    two = [json.loads(x) for x in (run2 / "metrics.jsonl").read_text().splitlines()]
+    two = two_ranks(recipe, common, tmp_path / "two")
     one = train(load_recipe(recipe, [*common, f"logging.run_dir={tmp_path / 'one'}", "name=one"]),
                 engine=vllm_engine).history
     s1 = two[1]

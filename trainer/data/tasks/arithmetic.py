@@ -37,6 +37,7 @@ __all__ = [
     "SPLITS",
     "TEST_FRACTION",
     "arithmetic_dataset",
+    "check_dataset_args",
     "exact_answer_reward",
     "extract_answer",
     "format_reward",
@@ -90,6 +91,16 @@ def _cores(split: str, max_operand: int) -> list[tuple[str, int, int]]:
     return [c for c in cores if problem_split(*c) == split]
 
 
+def check_dataset_args(num_examples: object, split: object, max_operand: object) -> None:
+    """``ValueError`` naming the argument unless it is one a built-in arithmetic dataset takes."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not supported; expected one of {SPLITS}")
+    if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples <= 0:
+        raise ValueError(f"num_examples={num_examples!r} must be a positive int")
+    if not isinstance(max_operand, int) or isinstance(max_operand, bool) or max_operand < 1:
+        raise ValueError(f"max_operand={max_operand!r} must be an int >= 1")
+
+
 def arithmetic_dataset(
     num_examples: int, *, seed: int = 0, split: str = "train", max_operand: int = 20
 ) -> datasets.Dataset:
@@ -107,12 +118,7 @@ def arithmetic_dataset(
         the split appears once (in shuffled order) before any repeats; names,
         objects and verbs are drawn independently per row.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not supported; expected one of {SPLITS}")
-    if not isinstance(num_examples, int) or num_examples <= 0:
-        raise ValueError(f"num_examples={num_examples!r} must be a positive int")
-    if not isinstance(max_operand, int) or max_operand < 1:
-        raise ValueError(f"max_operand={max_operand!r} must be an int >= 1")
+    check_dataset_args(num_examples, split, max_operand)
     pool = _cores(split, max_operand)
     if not pool:
         raise ValueError(f"split={split!r} has no problems with max_operand={max_operand}; use a larger max_operand")

@@ -31,7 +31,14 @@ import random
 
 import datasets
 
-from trainer.data.tasks.arithmetic import ADD_VERBS, NAMES, OBJECTS, SPLITS, SUB_VERBS, TEST_FRACTION
+from trainer.data.tasks.arithmetic import (
+    ADD_VERBS,
+    NAMES,
+    OBJECTS,
+    SUB_VERBS,
+    TEST_FRACTION,
+    check_dataset_args,
+)
 
 __all__ = ["TOOL_NAME", "arithmetic_tools_dataset", "expression", "problem_split", "sft_messages"]
 
@@ -88,12 +95,7 @@ def arithmetic_tools_dataset(
         ``expression`` (the calculation, e.g. ``"7 - 2 + 5"``, which ``sft_messages`` calls the tool with). Each
         core of the split appears once (in shuffled order) before any repeats.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not supported; expected one of {SPLITS}")
-    if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples <= 0:
-        raise ValueError(f"num_examples={num_examples!r} must be a positive int")
-    if not isinstance(max_operand, int) or isinstance(max_operand, bool) or max_operand < 1:
-        raise ValueError(f"max_operand={max_operand!r} must be an int >= 1")
+    check_dataset_args(num_examples, split, max_operand)
     pool = _cores(split, max_operand)
     if not pool:
         raise ValueError(f"split={split!r} has no problems with max_operand={max_operand}; use a larger max_operand")
@@ -127,7 +129,7 @@ def sft_messages(prompt: str, **columns: object) -> list[dict]:
     """The solved episode of a row as chat messages: question, tool call, tool result, final answer.
 
     The tool result is the row's answer, which is what the calculator replies to the expression (an integer
-    as text; tests/trainer/data/test_arithmetic_tools.py holds the two equal), so the transcript shows the model
+    as text; tests/trainer/data/test_arithmetic_tools_task.py holds the two equal), so the transcript shows the model
     what the environment will really reply; the task does not import the environment (data sits below
     environments in the package order). A ``data.messages_fn`` for ``parityrl sft`` (``trainer.supervised.sft``).
     """
