@@ -506,6 +506,23 @@ def error_by_position(
     return _binned(pos, d, edges, "position_start", "position_end")
 
 
+def error_by_turn(
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+) -> List[dict]:
+    """Mean |d| by assistant turn of multi-turn episodes (``turn_index``; a single-turn batch is one turn).
+
+    Returns rows {"turn", "num_tokens", "mean_abs_d", "mean_d"} for the turns some row reached."""
+    t, r, mask = _prepare(train_logprobs, rollout_logprobs, mask)
+    turns = turn_index(mask)[mask].double()
+    d = (t - r)[mask]
+    if d.numel() == 0:
+        return []
+    rows = _binned(turns, d, list(range(1, int(turns.max()) + 2)), "turn", "turn_end")
+    return [{**{k: v for k, v in row.items() if k != "turn_end"}, "turn": int(row["turn"])} for row in rows]
+
+
 def error_by_rollout_prob(
     train_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,

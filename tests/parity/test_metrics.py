@@ -342,3 +342,17 @@ def test_compare_by_turn_hand_computed():
     assert math.isclose(got["parity/turn_2/kl_k3"], k3(0.4), rel_tol=1e-5)
     # Asking for more turns than any row reached: NaN, not an error (ranks agree on one count).
     assert math.isnan(compare_by_turn(train, rollout, mask, num_turns=3)["parity/turn_3/mae"])
+
+
+def test_error_by_turn_rows_hand_computed():
+    import torch
+
+    from parity.metrics import error_by_turn
+
+    mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0]])
+    rollout = torch.tensor([[-1.0, -2.0, 0.0, -0.5], [-3.0, 0.0, 0.0, 0.0]])
+    train = rollout + torch.tensor([[0.1, -0.3, 9.0, 0.4], [0.2, 0.0, 0.0, 0.0]])  # the context token's 9.0: nowhere
+    rows = error_by_turn(train, rollout, mask)
+    assert [(r["turn"], r["num_tokens"]) for r in rows] == [(1, 3), (2, 1)]
+    assert abs(rows[0]["mean_abs_d"] - 0.2) < 1e-6 and abs(rows[0]["mean_d"] - 0.0) < 1e-6
+    assert abs(rows[1]["mean_abs_d"] - 0.4) < 1e-6

@@ -489,7 +489,7 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict
     enforce_parity_limits(cfg, step, m, ratio=run.ratio_limit)
     if run.is_main:
         breakdown = step_breakdown(scored.logprobs, batch.rollout_logprobs, batch.mask, batch.targets,
-                                   run.tokenizer, entropy=scored.entropy)
+                                   run.tokenizer, entropy=scored.entropy, by_turn=run.environment is not None)
         with run.records.writing(cfg.run_dir / "parity_breakdown.jsonl", step):
             append_breakdown(cfg.run_dir, step, breakdown)
         if run.logger.wandb_run is not None and (step % cfg.logging.breakdown_every == 0 or step == cfg.train.steps):

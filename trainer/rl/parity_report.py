@@ -13,15 +13,18 @@ from typing import Optional
 
 import torch
 
-from parity.metrics import error_by_entropy, error_by_position, error_by_rollout_prob, worst_tokens
+from parity.metrics import error_by_entropy, error_by_position, error_by_rollout_prob, error_by_turn, worst_tokens
 
 
 def step_breakdown(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor,
-                   tokenizer, entropy: Optional[torch.Tensor] = None, k: int = 10) -> dict:
-    """Mean |d| by completion position, by rollout-probability bin, by trainer-entropy bin, and the worst k tokens."""
+                   tokenizer, entropy: Optional[torch.Tensor] = None, k: int = 10, by_turn: bool = False) -> dict:
+    """Mean |d| by completion position, by rollout-probability bin, by trainer-entropy bin, the worst k tokens,
+    and (``by_turn``: multi-turn episodes) by assistant turn."""
     m = mask > 0
     out = {"by_position": error_by_position(train_lp, rollout_lp, m),
            "by_rollout_prob": error_by_rollout_prob(train_lp, rollout_lp, m)}
+    if by_turn:
+        out["by_turn"] = error_by_turn(train_lp, rollout_lp, m)
     if entropy is not None:
         out["by_entropy"] = error_by_entropy(train_lp, rollout_lp, m, entropy)
     out["worst_tokens"] = [

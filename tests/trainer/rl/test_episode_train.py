@@ -87,6 +87,9 @@ def test_a_grpo_run_on_episodes_logs_parity_per_turn_and_drift(tmp_path, vllm_en
     assert any(h["episode/turns"] > 1 for h in res.history) and "parity/turn_2/mae" in res.history[0]
     rows = [json.loads(line) for line in (tmp_path / "episodes" / "samples.jsonl").read_text().splitlines()]
     assert any("[turn 2]" in r["completion"] and "[context]" in r["completion"] for r in rows)
+    breakdown = [json.loads(line) for line in (tmp_path / "episodes" / "parity_breakdown.jsonl").read_text()
+                 .splitlines()]
+    assert all(b["by_turn"][0]["turn"] == 1 and b["by_turn"][0]["num_tokens"] > 0 for b in breakdown)
     metrics = [json.loads(line) for line in (tmp_path / "episodes" / "metrics.jsonl").read_text().splitlines()]
     assert all("parity/retokenize_drift_episodes" in m for m in metrics if m.get("step", 0) > 0)
 
