@@ -202,6 +202,31 @@ class EnvConfig:
         return self.class_ is not None or self.tools is not None
 
 
+@dataclass
+class EvalConfig:
+    """The recipe's ``eval:`` section: held-out evaluation during RL (trainer/rl/evaluation.py, docs/evaluation.md)."""
+
+    # Every N steps, and before step 1 and after the last; 0 = off.
+    every: int = 0
+    # The held-out prompts: a source read like data.source (null: data.source itself) and its split. The built-in
+    # tasks' "test" split shares no arithmetic fact with "train".
+    source: Optional[str] = None
+    split: str = "test"
+    num_prompts: int = 64  # the source's first N rows (the same every evaluation)
+    # k completions per prompt at `temperature` (top_p / top_k as rollout's): eval/mean@k and eval/pass@<j>;
+    # 0 = none (greedy only)
+    samples: int = 4
+    temperature: float = 1.0
+    pass_k: list[int] = field(default_factory=list)  # the j of eval/pass@j; empty: 1 and `samples`
+    greedy: bool = True  # one greedy completion per prompt too: eval/greedy
+    # A completion counts as solved when this reward function (null: the first of reward.functions) gives at
+    # least success_threshold.
+    success_reward: Optional[str] = None
+    success_threshold: float = 1.0
+    # A column of the held-out rows naming each row's data source: every eval/ accuracy per source too
+    source_column: str = "source"
+
+
 def recipe_key(field_name: str) -> str:
     """The recipe key of a schema field: the name, less the trailing underscore that a Python keyword
     needs as a field name (PEP 8), e.g. ``class_`` -> ``class``."""
@@ -339,6 +364,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

@@ -71,7 +71,7 @@ def validate(cfg: RunConfig, where: str = "<recipe>", checks: Iterable[Check] = 
 
     errors: list[RecipeError] = []
     for check in (_check_name, _check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
-                  _check_env, _check_parity, _check_checkpoint_and_logging, correction, server_url, *checks):
+                  _check_env, _check_eval, _check_parity, _check_checkpoint_and_logging, correction, server_url, *checks):
         try:
             check(cfg, need)
         except RecipeError as e:
@@ -234,6 +234,27 @@ def _check_env(cfg: RunConfig, need: Need) -> None:
          "(use reward.functions, which receive the episode's messages)")
     need("env" not in cfg.reward.functions, "reward.functions.env", cfg.reward.functions.get("env"),
          "another name: reward/env is the environment's summed step rewards")
+
+
+def _check_eval(cfg: RunConfig, need: Need) -> None:
+    e = cfg.eval
+    need(e.every >= 0, "eval.every", e.every, "an integer >= 0 (steps between evaluations; 0 = off)")
+    if not e.every:
+        return
+    need(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "an integer >= 1")
+    need(e.samples >= 0, "eval.samples", e.samples, "an integer >= 0 (completions per prompt; 0 = greedy only)")
+    need(e.samples > 0 or e.greedy, "eval.samples", e.samples, "at least 1 with eval.greedy false (nothing to evaluate)")
+    need(e.samples == 0 or e.temperature > 0, "eval.temperature", e.temperature,
+         "a number > 0 (eval.greedy asks for greedy completions)")
+    for j in e.pass_k:
+        need(1 <= j <= e.samples, "eval.pass_k", e.pass_k,
+             f"integers in [1, eval.samples = {e.samples}]: pass@j needs j of the samples drawn per prompt")
+    fns = list(cfg.reward.functions) + list(cfg.reward.models)
+    need(e.success_reward is None or e.success_reward in fns, "eval.success_reward", e.success_reward,
+         "null or one of reward.functions / reward.models (" + ", ".join(fns) + ")")
+    need(math.isfinite(e.success_threshold), "eval.success_threshold", e.success_threshold, "a finite number")
+    need(bool(fns) or e.success_reward is not None, "eval.success_reward", e.success_reward,
+         "a reward function to judge success by (the recipe has none)")
 
 
 def sequence_length(cfg: RunConfig) -> int:

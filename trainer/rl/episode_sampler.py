@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from rollout.base import EngineUnavailable
+from rollout.types import SamplingSpec
 from trainer.config import RecipeError, RunConfig
 from trainer.config.validate import episode_max_tokens
 from trainer.data.datasets import chat_messages
@@ -31,7 +32,6 @@ from trainer.environments.contract import EnvironmentContractError
 from trainer.environments.loading import resolve_environment_class, resolve_tools
 from trainer.environments.tools import ToolEnvironment
 from trainer.rl.dynamic_sampling import Drawn
-from trainer.rl.engines import sampling_spec
 from trainer.rl.episodes import EnvironmentTimeout, EpisodeLimits, run_episodes
 from trainer.rl.sampling import Sampler, rewards_of
 from trainer.rl.stops import EngineFailed, EnvironmentFailed, stop_together
@@ -101,24 +101,19 @@ class EpisodeSampler(Sampler):
 
     environment: EpisodeEnvironment = None
 
-    def draw(self, step: int, round_index: int = 0) -> Drawn:
-        """One prompt batch of ``step`` as episodes: this rank's shard run, scored and measured (``Sampler.draw``'s
-        seeds; every turn of a round numbers its requests after the earlier turns')."""
+    def sample(self, rows: list[dict], spec: SamplingSpec, step: int, *, first: int, total: int) -> Drawn:
+        """``rows`` (this rank's) run as episodes, scored and measured (``Sampler.sample``'s contract). Seeds
+        (trainer/rl/episodes.py): episode ``first + i``'s turn t is sample ``spec.index_offset + t * total + first +
+        i``; a round's turns all come after the earlier rounds' (``Sampler.draw``'s offset, times max_turns)."""
         cfg, dp, tokenizer, env = self.cfg, self.dp, self.tokenizer, self.environment
         t = time.perf_counter()
-        rows = dp.shard(next(self.batcher))
         prompts = [chat_messages(tokenizer, r["prompt"], cfg.data.system_prompt) for r in rows]
-        spec = sampling_spec(cfg, step)
-        # Seeds (trainer/rl/episodes.py): a round's episodes of every rank, each with one request per turn, after the
-        # earlier rounds'; this rank's episodes numbered from its shard's first.
-        per_turn = cfg.rollout.prompts_per_step * spec.n
         rollouts, episodes, error = None, None, None
         try:
             rollouts, episodes = run_episodes(
                 self.engine, tokenizer, prompts, rows, env.make,
-                replace(spec, index_offset=round_index * per_turn * env.limits.max_turns), env.limits,
-                tools=env.tools, template_kwargs=env.template_kwargs, first_episode=dp.offset(len(rows) * spec.n),
-                episode_stride=per_turn)
+                replace(spec, index_offset=spec.index_offset * env.limits.max_turns), env.limits, tools=env.tools,
+                template_kwargs=env.template_kwargs, first_episode=first, episode_stride=total)
         except EngineUnavailable as e:
             error = e
         except (EnvironmentTimeout, EnvironmentContractError, TemplateNotAppendOnly) as e:

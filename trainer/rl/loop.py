@@ -59,6 +59,7 @@ from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
 from trainer.rl.engines import block_fp8_engine, make_engine, sync_weights
 from trainer.rl.episode_sampler import EpisodeEnvironment, EpisodeSampler
+from trainer.rl.evaluation import Evaluator
 from trainer.rl.learner import Learner, load_policy, prepare_policy
 from trainer.rl.parity_limits import enforce_parity_limits, ratio_limit_for
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
@@ -139,6 +140,7 @@ class Run:
     behaviour: Optional[dict] = None
     records: RecordWrites = field(default_factory=RecordWrites)  # a failed write of a record, till the step's end
     environment: Optional[EpisodeEnvironment] = None  # env: multi-turn episodes (trainer/rl/episode_sampler.py)
+    evaluator: Optional[Evaluator] = None  # eval: held-out evaluation (trainer/rl/evaluation.py)
 
     @property
     def device(self):
@@ -188,6 +190,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     unlogged = None  # (step, metrics) of a step whose update is applied but whose record is not written yet
     try:
         probe_before_training(run)
+        evaluate_before_training(run)
         for step in range(run.start_step + 1, cfg.train.steps + 1):
             boundary.begin(step, _run_state(run))
             t_step = time.perf_counter()
@@ -206,6 +209,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             unlogged = (step, m)
             m["perf/train_s"] = time.perf_counter() - t
             sync_phase(run, step, m)
+            eval_phase(run, step, m)
             m["perf/step_s"] = time.perf_counter() - t_step
             m["perf/peak_memory_gb"] = peak_memory_gb(run.device)  # the run's peak so far (GiB; CPU: RSS)
             quantized = fp8_weight_quantizations(run.policy, reset=True)
@@ -274,6 +278,8 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
     dataset = apply_prompt_budget(dataset, tokenizer, d, verbose=accelerator.is_main_process)  # before the engine
     batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
+    # the held-out rows, checked against the training prompts before the engine starts
+    evaluator = Evaluator.from_config(cfg, dp, tokenizer, dataset)
     # Rule functions and reward models (trainer/rewards/), each logged as reward/<name>.
     reward_fns, _ = build_reward_sources(cfg.reward, accelerator.device)
     value_head, kl_controller, kl_watch, modules = None, None, None, {}
@@ -294,7 +300,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
               # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
               gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules,
-              environment=environment)
+              environment=environment, evaluator=evaluator)
     run.probe = Probe(_probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
                       device=accelerator.device, dp=dp)
     run.ratio_limit = ratio_limit_for(cfg)
@@ -541,6 +547,35 @@ def sync_phase(run: Run, step: int, m: dict) -> None:
         t = time.perf_counter()
         m.update(run.probe(run.engine, run.model))
         m["perf/probe_s"] = time.perf_counter() - t
+
+
+def evaluate_before_training(run: Run) -> None:
+    """The held-out figures of the weights training starts from (logged as step 0); a resumed run's schedule goes
+    on from its step instead."""
+    if run.evaluator is None or run.start_step != 0:
+        return
+    m = run.evaluator(run.sampler, run.model, 0, exact=run.exact)
+    _print_eval(run, 0, m)
+    run.logger.log(0, m, echo=False)
+
+
+def eval_phase(run: Run, step: int, m: dict) -> None:
+    """The held-out evaluation of the weights the engine was just synced to, every eval.every steps and after the
+    last (trainer/rl/evaluation.py)."""
+    if run.evaluator is None or not run.evaluator.due(step):
+        return
+    out = run.evaluator(run.sampler, run.model, step, exact=run.exact)
+    _print_eval(run, step, out)
+    m.update(out)
+
+
+def _print_eval(run: Run, step: int, m: dict) -> None:
+    if not run.is_main:
+        return
+    shown = "  ".join(f"{k[5:]} {v:.3f}" for k, v in m.items()
+                      if k.startswith(("eval/mean@", "eval/pass@", "eval/greedy", "eval/reward/mean")))
+    when = "before step 1" if step == 0 else f"after step {step}"
+    print(f"held-out {when}: {shown}  ({len(run.evaluator.rows)} prompts, {m['perf/eval_s']:.1f} s)", flush=True)
 
 
 def _sync(run: Run) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rollout.base import EngineUnavailable
+from rollout.types import SamplingSpec
 from trainer.config import RunConfig
 from trainer.data.datasets import encode_prompts
 from trainer.distributed.data_parallel import DataParallel
@@ -42,17 +43,24 @@ class Sampler:
         Round ``round_index`` > 0 (dynamic sampling) samples with the seeds of the sample indices
         after the previous rounds', so no two rounds of a step share a seed.
         """
+        rows = self.dp.shard(next(self.batcher))  # every rank draws the same batch and keeps its slice
+        spec = sampling_spec(self.cfg, step)
+        per_round = self.cfg.rollout.prompts_per_step * spec.n
+        return self.sample(rows, replace(spec, index_offset=round_index * per_round), step,
+                           first=self.dp.offset(len(rows) * spec.n), total=per_round)
+
+    def sample(self, rows: list[dict], spec: SamplingSpec, step: int, *, first: int, total: int) -> Drawn:
+        """``rows`` (this rank's) generated with ``spec`` and scored: a sampling round, or a held-out evaluation's
+        (trainer/rl/evaluation.py). Seeds: this rank's samples are ``spec.index_offset + first + s``; ``total``: the
+        samples of every rank in the call (a multi-turn call numbers its turns by it)."""
         cfg, dp, tokenizer, d = self.cfg, self.dp, self.tokenizer, self.cfg.data
         t = time.perf_counter()
-        rows = dp.shard(next(self.batcher))  # every rank draws the same batch and keeps its slice
         prompts = [r["prompt"] for r in rows]
         prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
                                     max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
-        spec = sampling_spec(cfg, step)
-        first = round_index * cfg.rollout.prompts_per_step * spec.n + dp.offset(len(prompt_ids) * spec.n)
         rollouts, error = None, None
         try:
-            rollouts = self.engine.generate(prompt_ids, replace(spec, index_offset=first))
+            rollouts = self.engine.generate(prompt_ids, replace(spec, index_offset=spec.index_offset + first))
         except Exception as e:  # noqa: BLE001 - every rank stops with it (stop_together)
             error = e if isinstance(e, EngineUnavailable) else EngineFailed(
                 f"step {step}: the rollout engine failed to generate: {type(e).__name__}: {' '.join(str(e).split())}")
@@ -63,10 +71,10 @@ class Sampler:
         g = spec.n
         completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-        total, per_fn, error = rewards_of(self.reward_fns, cfg.reward.weights, [p for p in prompts for _ in range(g)],
-                                          completions, columns, step)
+        total_reward, per_fn, error = rewards_of(self.reward_fns, cfg.reward.weights,
+                                                 [p for p in prompts for _ in range(g)], completions, columns, step)
         stop_together(dp, error)
-        return Drawn(rows=rows, rollouts=rollouts, rewards=total, per_fn=per_fn, generate_s=generate_s,
+        return Drawn(rows=rows, rollouts=rollouts, rewards=total_reward, per_fn=per_fn, generate_s=generate_s,
                      reward_s=time.perf_counter() - t)
 
 

@@ -1,0 +1,90 @@
+"""Held-out evaluation: the unbiased pass@k against hand-computed cases, and a run that evaluates (slow tier)."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from trainer.config import RecipeError
+from trainer.rl.evaluation import pass_at_k
+from trainer.rl.loop import train
+from trainer.rl.preflight import load_recipe
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (4, 0, 1, 0.0), (4, 4, 1, 1.0), (4, 1, 1, 0.25), (4, 2, 1, 0.5),
+    # 1 - C(n-c, k)/C(n, k): n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6
+    (4, 1, 2, 0.5),
+    # n=5, c=2, k=3: 1 - C(3,3)/C(5,3) = 1 - 1/10
+    (5, 2, 3, 0.9),
+    (4, 1, 4, 1.0), (4, 0, 4, 0.0),
+    # n - c < k: every k-subset holds a solved sample
+    (4, 3, 2, 1.0),
+])
+def test_pass_at_k_hand_computed(n, c, k, expected):
+    assert math.isclose(pass_at_k(n, c, k), expected, abs_tol=1e-12)
+
+
+def test_pass_at_1_is_the_solved_share_and_pass_at_k_matches_the_binomials():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            assert math.isclose(pass_at_k(n, c, 1), c / n)
+            for k in range(1, n + 1):
+                assert math.isclose(pass_at_k(n, c, k), 1 - math.comb(n - c, k) / math.comb(n, k), abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("n, c, k", [(4, 5, 1), (4, 1, 0), (4, 1, 5), (3, -1, 1)])
+def test_pass_at_k_refuses_impossible_counts(n, c, k):
+    with pytest.raises(ValueError):
+        pass_at_k(n, c, k)
+
+
+def cfg_for(tmp_path, name, *sets):
+    return load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [
+        f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled", "checkpoint.every=0",
+        "rollout.prompts_per_step=4", "algorithm.group_size=4", "train.micro_batch_size=16", *sets])
+
+
+@pytest.mark.parametrize("sets, says", [
+    (("eval.every=1", "eval.pass_k=[5]"), "eval.pass_k = [5]: expected integers in [1, eval.samples = 4]"),
+    (("eval.every=1", "eval.samples=0", "eval.greedy=false"), "eval.samples = 0: expected at least 1"),
+    (("eval.every=1", "eval.success_reward=nope"), "eval.success_reward = 'nope'"),
+])
+def test_eval_recipe_refusals(tmp_path, sets, says):
+    with pytest.raises(RecipeError) as e:
+        cfg_for(tmp_path, "bad", *sets)
+    assert says in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
+def test_a_split_that_overlaps_the_training_prompts_is_refused_before_the_engine(tmp_path):
+    with pytest.raises(RecipeError, match=r"eval.source = 'builtin:arithmetic' \(split 'train'\): .* are also "
+                                          r"training prompts"):
+        train(cfg_for(tmp_path, "overlap", "train.steps=1", "eval.every=1", "eval.split=train"))
+
+
+@pytest.mark.slow
+def test_a_run_evaluates_before_every_n_steps_and_after_the_last(tmp_path, vllm_engine, capsys):
+    res = train(cfg_for(tmp_path, "evals", "train.steps=3", "eval.every=2", "eval.num_prompts=6", "eval.samples=4"),
+                engine=vllm_engine)
+    rows = [json.loads(x) for x in (tmp_path / "evals" / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in rows if "eval/mean@4" in r}
+    assert sorted(evals) == [0, 2, 3]  # before step 1, every 2nd step, after the last
+    for r in evals.values():
+        assert 0.0 <= r["eval/mean@4"] <= r["eval/pass@4"] <= 1.0
+        assert r["eval/pass@1"] == pytest.approx(r["eval/mean@4"])
+        assert 0.0 <= r["eval/greedy"] <= 1.0 and r["eval/mean_length"] > 0
+        assert r["eval/parity/mae"] < 1e-2 and r["eval/parity/num_tokens"] > 0
+        assert r["eval/reward/exact_answer"] == pytest.approx(r["eval/reward/mean"])  # one reward function
+    out = capsys.readouterr().out
+    assert "held-out before step 1: mean@4" in out and "held-out after step 3:" in out
+    assert [h["step"] for h in res.history] == [1, 2, 3] and "eval/mean@4" in res.history[1]
+    # the same weights, the same seed: an evaluation is reproducible (step 0's again from a fresh run)
+    again = train(cfg_for(tmp_path, "evals2", "train.steps=1", "eval.every=2", "eval.num_prompts=6",
+                          "eval.samples=4"), engine=vllm_engine)
+    assert again.history
+    rows2 = [json.loads(x) for x in (tmp_path / "evals2" / "metrics.jsonl").read_text().splitlines()]
+    first2 = next(r for r in rows2 if r["step"] == 0 and "eval/mean@4" in r)
+    assert first2["eval/mean@4"] == evals[0]["eval/mean@4"] and first2["eval/greedy"] == evals[0]["eval/greedy"]
