@@ -4,8 +4,11 @@ the RL loop, and map how it ended to the documented exit statuses (docs/runs-and
 0 done; 1 an unexpected error (a bug: one line, the traceback with --debug or PARITYRL_DEBUG=1);
 2 the input was refused before anything started (recipe, --set, dataset, reward module, paths, run directory);
 3 a parity limit with ``parity.on_violation: stop``; 4 the rollout engine failed or its server is unavailable;
-5 a reward function failed mid-run; 128 + N stopped by signal N (SIGTERM 143, SIGINT 130) at a step boundary.
-Statuses 3-5 and 128 + N leave a checkpoint of the last completed step, named in the message.
+5 a reward function failed mid-run; 6 a checkpoint, a step's record, or (at the start) the run directory or
+one of its first files could not be written (a full disk, no permission); 7 an episode's environment failed;
+128 + N stopped by signal N (SIGTERM 143, SIGINT 130) at a step boundary.
+Statuses 3-7 and 128 + N leave a checkpoint of the last completed step, named in the message (a start that
+could not write its run directory trained nothing).
 """
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         return 2
     # late: the loop imports vLLM (seconds); a refused recipe has answered before that
     from rollout.base import EngineUnavailable
+    from trainer.io.write_failure import StartNotWritten
     from trainer.rl.loop import train
     from trainer.rl.stops import RunStopped
 
@@ -92,6 +96,11 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
     except (FileExistsError, FileNotFoundError) as e:  # run-directory state: a user decision, not a crash
         _say(with_resume_command(str(e), command))
         return 2
+    except StartNotWritten as e:  # as a full disk mid-run (status 6), not as a bug
+        _say(f"stopped: {e}; nothing was trained"
+             + (f", its checkpoints are untouched: fix that and continue with `{command}`" if resume
+                else ": fix that and start it again"))
+        return e.exit_status
     except KeyboardInterrupt:  # Ctrl-C before the loop's own handler is installed (loading, engine start)
         _say("interrupted while starting up, before this process trained a step; nothing to checkpoint"
              + (f"; its checkpoints are untouched: continue with `{command}`" if resume else ""))

@@ -87,11 +87,18 @@ class RunLock:
         if previous:  # released by its holder's death: a clean exit empties the file
             self.note = (f"note: took over the lock of {self.path.parent} left by {_describe(previous)}, "
                          "which is no longer running")
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:  # a full disk: the caller reports it; the lock is not left held by a lost handle
+            try:
+                f.close()
+            except OSError:  # its buffered bytes fail the same way
+                pass
+            raise
         self._f = f
         _HELD.add(self)
 

@@ -2,12 +2,17 @@
 
 ``metrics.jsonl`` gets one JSON object per step with exactly the keys sent to
 wandb (plus ``step``); it is appended and flushed line by line, so a crash
-loses at most the step being written. After a resume, steps after the
-checkpoint appear twice; readers take the last occurrence of a step. A crash in
-the middle of a write leaves a partial last line: the next run on the directory
-moves it to ``metrics.jsonl.partial-<time>`` (with a note) before appending, so
-its first record starts on a line of its own instead of being glued to the
-fragment and lost to every reader.
+loses at most the step being written. A resume (``resumed_step``) first moves the
+rows past its checkpoint, which it trains again, to ``metrics.superseded.jsonl``
+(and likewise ``samples.jsonl`` and ``parity_breakdown.jsonl``;
+trainer/io/superseded_rows.py says why moved, not marked), so a step appears
+once. A crash in the middle of a write leaves a partial last line: the next run
+on the directory moves it to ``metrics.jsonl.partial-<time>`` (with a note)
+before appending, so its first record starts on a line of its own instead of
+being glued to the fragment and lost to every reader.
+
+A file of the run directory that cannot be written here (a full disk at the
+start) raises ``write_failure.StartNotWritten``: one sentence, exit status 6.
 
 wandb runs online when credentials exist (``WANDB_API_KEY`` or a netrc entry),
 offline otherwise (``wandb sync`` uploads it later); an online start that fails
@@ -25,6 +30,9 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
+
+from trainer.io import superseded_rows
+from trainer.io.write_failure import writing_at_start
 
 
 def _has_wandb_credentials() -> bool:
@@ -153,7 +161,10 @@ def eta_text(step: int, first_step: Optional[int], since_first_s: float, total_s
 class RunLogger:
     def __init__(self, run_dir: Path, *, config: dict, wandb_mode: str = "auto", project: str = "parityrl",
                  entity: Optional[str] = None, name: str = "run", total_steps: int = 0, print_every: int = 1,
-                 enabled: bool = True, resume: bool = False, tags: tuple[str, ...] = ()):
+                 enabled: bool = True, resume: bool = False, tags: tuple[str, ...] = (),
+                 resumed_step: Optional[int] = None):
+        """``resumed_step``: the step of the checkpoint this process resumed from (None: not a resume); the rows
+        of the record files past it are moved aside, with one line on the console and a wandb summary key."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled  # False on non-main processes
         self.total_steps = total_steps
@@ -167,14 +178,25 @@ class RunLogger:
         self.wandb_mode = "disabled"
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        set_aside_partial_line(self.metrics_path)
-        self._file = open(self.metrics_path, "a", buffering=1)
+        moved: dict[str, list[int]] = {}
+        with writing_at_start(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for record in superseded_rows.RECORD_FILES:  # before the rows are read, so none is glued to a fragment
+                set_aside_partial_line(self.run_dir / record)
+            if resumed_step is not None:  # before the append below opens it: a handle open during a rewrite would write to the replaced file
+                moved = superseded_rows.move_superseded_rows(self.run_dir, resumed_step)
+        with writing_at_start(self.run_dir, self.metrics_path):
+            self._file = open(self.metrics_path, "a", buffering=1)
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
             self.wandb_run, self.wandb_mode = self._start_wandb(mode, project, entity, name,
                                                                 {**config, "packages": package_versions()},
                                                                 resume=resume, tags=tags)
+        line = superseded_rows.resume_line(self.run_dir, resumed_step, moved, wandb=self.wandb_run is not None)
+        if line:
+            print(line, flush=True)
+            steps = superseded_rows.step_ranges([s for v in moved.values() for s in v])
+            self.summary({"resume/superseded_steps": f"{steps} (resumed from step {resumed_step})"})
 
     def _run_id(self, resume: bool) -> str:
         """The wandb run id of this run directory: kept in ``wandb_run_id`` so that ``--resume`` continues the
@@ -185,7 +207,8 @@ class RunLogger:
         if resume and path.is_file() and path.read_text().strip():
             return path.read_text().strip()
         run_id = secrets.token_hex(4)  # wandb's ids are short lowercase alphanumerics
-        path.write_text(run_id + "\n")
+        with writing_at_start(self.run_dir, path):
+            path.write_text(run_id + "\n")
         return run_id
 
     def _start_wandb(self, mode: str, project: str, entity: Optional[str], name: str, config: dict, *,

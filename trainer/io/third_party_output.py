@@ -27,6 +27,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from trainer.io.write_failure import writing_at_start
+
 __all__ = ["EXPECTED", "ConsoleFilter", "LineSorter", "attach", "install", "is_expected", "shutdown"]
 
 # (pattern, why it is expected). Searched in each line; keep them specific to one message.
@@ -145,9 +147,19 @@ class ConsoleFilter:
         with self._lock:
             if self._log is not None:
                 return
-            self._log = open(path, "a", encoding="utf-8", errors="replace")
-            self._log.writelines(self._pending)
-            self._log.flush()
+            log = open(path, "a", encoding="utf-8", errors="replace")
+            try:
+                log.writelines(self._pending)
+                log.flush()
+            except OSError:
+                # a full disk: the lines stay pending and the readers keep buffering instead of writing to a
+                # file that fails every line (the start then stops with the failure's own sentence)
+                try:
+                    log.close()
+                except OSError:
+                    pass
+                raise
+            self._log = log
             self._pending.clear()
 
     def close(self) -> None:
@@ -240,6 +252,7 @@ def attach(run_dir: Path, rank: int = 0, name: str = "engine") -> Optional[Path]
     if _ACTIVE is None:
         return None
     path = Path(run_dir) / (f"{name}.log" if rank == 0 else f"{name}.rank{rank}.log")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _ACTIVE.attach(path)
+    with writing_at_start(run_dir, path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _ACTIVE.attach(path)
     return path

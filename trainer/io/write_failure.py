@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import errno
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 # Below this much free space, a failed write of several MB was stopped by the disk (a filesystem
 # reserves blocks, so "full" is rarely 0 bytes free).
@@ -78,3 +79,27 @@ def disk_full(where: Path, *, free: Optional[int], needed: Optional[int] = None,
     if written:
         known.append(f"{size(written)} written before it failed")
     return f"the disk is full at {where} ({', '.join(known)})"
+
+
+class StartNotWritten(RuntimeError):
+    """The run directory or one of its first files (the lock, ``engine.log``, ``recipe.yaml``, ``metrics.jsonl``,
+    the wandb id) could not be written when the run started: a full disk, no permission. Nothing was trained;
+    `parityrl train` exits with status 6, as for a checkpoint or a step's record that cannot be written."""
+
+    exit_status = 6
+
+
+@contextmanager
+def writing_at_start(run_dir: Path, path: Optional[Path] = None) -> Iterator[None]:
+    """An ``OSError`` of the writes inside (``path``, or the run directory itself) raised as ``StartNotWritten``
+    with ``describe``'s sentence, so that a full disk at the start reads as it does mid-run instead of as a bug.
+    ``FileExistsError`` and ``FileNotFoundError`` pass unchanged: the run directory's state (another writer,
+    a file where the directory should be), which `parityrl train` refuses with status 2."""
+    try:
+        yield
+    except (FileExistsError, FileNotFoundError):
+        raise
+    except OSError as e:
+        target = Path(path) if path is not None else Path(run_dir)
+        why = describe(e, Path(run_dir), free=free_bytes(target))
+        raise StartNotWritten(f"{target} could not be written at the run's start: {why}") from e

@@ -1,5 +1,7 @@
 """A run directory's own state: its writer, its recorded recipe, which checkpoint a resume takes.
 
+- A write of the run directory's first files that fails (a full disk at the start: the lock,
+  ``recipe.yaml``) raises ``write_failure.StartNotWritten``, exit status 6 with one sentence.
 - ``claim_run_dir``: the lock (one writer, trainer/io/run_lock.py), then the partial
   ``.tmp_step_*`` folders of unfinished checkpoint writes are removed, and a resume's
   recipe is compared with the recorded one (refused before anything loads).
@@ -22,7 +24,8 @@ import yaml
 
 from trainer.config import RunConfig, to_dict
 from trainer.io import checkpoint as ckpt
-from trainer.io.run_lock import RunLock, RunStateError, claim
+from trainer.io.run_lock import LOCK_FILE, RunLock, RunStateError, claim
+from trainer.io.write_failure import writing_at_start
 
 RECIPE_FILE = "recipe.yaml"
 CHANGES_FILE = "recipe_changes.jsonl"
@@ -91,7 +94,8 @@ def resume_changes(cfg: RunConfig) -> list[tuple[str, Any, Any]]:
 
 def claim_run_dir(cfg: RunConfig, *, resume: bool) -> RunLock:
     """Lock the run directory, remove partial checkpoint folders, refuse a resume that changes a refused key."""
-    lock = claim(cfg.run_dir)
+    with writing_at_start(cfg.run_dir, Path(cfg.run_dir) / LOCK_FILE):  # the run directory's first writes
+        lock = claim(cfg.run_dir)
     try:
         if lock.note:
             print(lock.note, flush=True)
@@ -125,15 +129,16 @@ def record_recipe(run, *, resumed: bool) -> None:
     _apply_to_optimizer(cfg, run.optimizer, run.scheduler, [k for k, _, _ in changes])
     if not run.is_main:
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
     if not resumed or first:
         if resumed:
             print(f"note: {run_dir} has no {RECIPE_FILE} (an older run); recording this resume's recipe", flush=True)
-        (run_dir / RECIPE_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        with writing_at_start(run_dir, run_dir / RECIPE_FILE):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / RECIPE_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return
     for key, was, now in changes:
         print(f"resuming with {key} {now!r} (was {was!r})", flush=True)
-    with open(run_dir / CHANGES_FILE, "a") as f:
+    with writing_at_start(run_dir, run_dir / CHANGES_FILE), open(run_dir / CHANGES_FILE, "a") as f:
         f.write(json.dumps({"resumed_at_step": run.start_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                             "changes": {k: {"was": was, "now": now} for k, was, now in changes}}) + "\n")
 
