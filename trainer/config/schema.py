@@ -326,6 +326,10 @@ class PrecisionConfig:
 class CheckpointConfig:
     every: int = 10  # steps; 0 = only at the end
     keep_last: int = 2
+    # A metric (e.g. eval/mean@4): the step where it was best is checkpointed and kept besides keep_last
+    # (trainer/rl/evaluation.py ``BestCheckpoint``); null = none. best_mode: max or min is best.
+    best_metric: Optional[str] = None
+    best_mode: Literal["max", "min"] = "max"
 
 
 @dataclass

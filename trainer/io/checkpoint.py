@@ -134,7 +134,9 @@ def _finish(tmp: Path, final: Path, run_dir: Path, step: int, *, scheduler, stat
     _make_room(final, step)
     os.replace(tmp, final)
     # Only older ones: a newer step_* still there is one resume skipped as damaged; it must not push this one out.
-    older = [p for s, p in list_checkpoints(run_dir) if s < step]
+    # The best step by checkpoint.best_metric (recorded in the state) is kept besides keep_last.
+    best = (state.get("best") or {}).get("step")
+    older = [p for s, p in list_checkpoints(run_dir) if s < step and s != best]
     for old in older[:max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final

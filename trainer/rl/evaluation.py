@@ -243,4 +243,62 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-__all__ = ["EVAL_INDEX_OFFSET", "Evaluator", "eval_rows", "eval_spec", "pass_at_k"]
+__all__ = ["EVAL_INDEX_OFFSET", "BestCheckpoint", "Evaluator", "eval_metric_names", "eval_rows", "eval_spec",
+           "pass_at_k"]
+
+
+def eval_metric_names(cfg: RunConfig) -> list[str]:
+    """The ``eval/`` keys an evaluation of ``cfg`` logs (without the per-source ones)."""
+    e = cfg.eval
+    if not e.every:
+        return []
+    names = []
+    if e.samples:
+        names += [f"eval/mean@{e.samples}", *(f"eval/pass@{j}" for j in (e.pass_k or sorted({1, e.samples}))),
+                  "eval/reward/mean", *(f"eval/reward/{n}" for n in [*cfg.reward.functions, *cfg.reward.models]),
+                  "eval/mean_length", "eval/frac_truncated", *("eval/" + k for k in _PARITY_KEYS)]
+    if e.greedy:
+        names.append("eval/greedy")
+    return names
+
+
+@dataclass
+class BestCheckpoint:
+    """``checkpoint.best_metric``: the best value so far and its step, kept in the run state (so a resume goes on
+    comparing against it, and the checkpoint pruning keeps that step: trainer/io/checkpoint.py)."""
+
+    metric: Optional[str]
+    mode: str = "max"
+    value: Optional[float] = None
+    step: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "BestCheckpoint":
+        """``RecipeError`` before the engine starts for a metric the run never logs."""
+        c = cfg.checkpoint
+        if c.best_metric is not None:
+            names = eval_metric_names(cfg) + ["reward/mean"] + [f"reward/{n}" for n in
+                                                                [*cfg.reward.functions, *cfg.reward.models]]
+            if c.best_metric not in names and not (c.best_metric.startswith("eval/") and cfg.eval.every
+                                                    and c.best_metric.count("/") >= 2
+                                                    and c.best_metric.split("/")[1] not in ("reward", "parity")):
+                raise RecipeError(f"checkpoint.best_metric = {c.best_metric!r}: the run never logs it; expected one "
+                                  f"of {', '.join(names)} (or eval/<source>/... for a source column)")
+        return cls(metric=c.best_metric, mode=c.best_mode)
+
+    def update(self, step: int, metrics: dict) -> bool:
+        """Whether ``metrics`` (step ``step``'s) hold a new best; then it is recorded."""
+        v = metrics.get(self.metric) if self.metric else None
+        if v is None or v != v:  # not logged this step, or NaN
+            return False
+        better = self.value is None or (v > self.value if self.mode == "max" else v < self.value)
+        if better:
+            self.value, self.step = float(v), step
+        return better
+
+    def state_dict(self) -> dict:
+        return {"metric": self.metric, "value": self.value, "step": self.step}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if state and state.get("metric") == self.metric:  # another metric named now: start over
+            self.value, self.step = state.get("value"), state.get("step")

@@ -59,7 +59,7 @@ from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
 from trainer.rl.engines import block_fp8_engine, make_engine, sync_weights
 from trainer.rl.episode_sampler import EpisodeEnvironment, EpisodeSampler
-from trainer.rl.evaluation import Evaluator
+from trainer.rl.evaluation import BestCheckpoint, Evaluator
 from trainer.rl.learner import Learner, load_policy, prepare_policy
 from trainer.rl.parity_limits import enforce_parity_limits, ratio_limit_for
 from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
@@ -141,6 +141,7 @@ class Run:
     records: RecordWrites = field(default_factory=RecordWrites)  # a failed write of a record, till the step's end
     environment: Optional[EpisodeEnvironment] = None  # env: multi-turn episodes (trainer/rl/episode_sampler.py)
     evaluator: Optional[Evaluator] = None  # eval: held-out evaluation (trainer/rl/evaluation.py)
+    best: Optional[BestCheckpoint] = None  # checkpoint.best_metric (checkpointed)
 
     @property
     def device(self):
@@ -189,8 +190,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     preemption = Preemption(announce=run.is_main).install()
     unlogged = None  # (step, metrics) of a step whose update is applied but whose record is not written yet
     try:
-        probe_before_training(run)
-        evaluate_before_training(run)
+        probe_before_training(run, evaluate_before_training(run))
         for step in range(run.start_step + 1, cfg.train.steps + 1):
             boundary.begin(step, _run_state(run))
             t_step = time.perf_counter()
@@ -224,10 +224,10 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # After logging (the step's record keeps the probe values), before the checkpoint.
             enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)",
                                    ratio=run.ratio_limit)
-            checkpoint_phase(run, step, result)
+            checkpoint_phase(run, step, result, m)
             _stop_if_preempted(run, preemption, step)
         result.wandb = run.logger.wandb_location
-        print_summary(result.history, result.final_checkpoint, run.logger)
+        print_summary(result.history, result.final_checkpoint, run.logger, run.best)
     except (RunStopped, EngineUnavailable) as e:
         if unlogged is not None and boundary.applied:  # the stop checkpoints this step: its record goes with it
             with run.records.writing(run.logger.metrics_path, unlogged[0]):  # a failure here: the stop's error wins
@@ -300,7 +300,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
               # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
               gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules,
-              environment=environment, evaluator=evaluator)
+              environment=environment, evaluator=evaluator, best=BestCheckpoint.from_config(cfg))
     run.probe = Probe(_probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
                       device=accelerator.device, dp=dp)
     run.ratio_limit = ratio_limit_for(cfg)
@@ -317,7 +317,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     run.logger = RunLogger(cfg.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode,
                            project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity, name=cfg.name,
                            total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main,
-                           resume=resume, tags=run_tags(cfg))
+                           resume=resume, tags=run_tags(cfg), resumed_step=run.start_step if resume else None)
     return run
 
 
@@ -355,6 +355,7 @@ def _restore(run: Run) -> int:
     run.ratio_limit.load_state_dict(state.get("parity_limit"))
     run.prefetch.load_state_dict(state.get("prefetch"))
     run.tokens_seen = float(state.get("tokens_seen", 0.0))  # older checkpoints: counted from the resume
+    run.best.load_state_dict(state.get("best"))
     if run.is_main:
         print(f"resumed from {latest} (step {state['step']})", flush=True)
     return state["step"]
@@ -388,16 +389,19 @@ def _probe_prompt_ids(cfg: RunConfig, dataset, tokenizer) -> list:
                           system_prompt=d.system_prompt)
 
 
-def probe_before_training(run: Run) -> None:
-    """The engine must already agree with the trainer before the first step (or the first after a resume)."""
+def probe_before_training(run: Run, evaluated: Optional[dict] = None) -> None:
+    """The engine must already agree with the trainer before the first step (or the first after a resume).
+    ``evaluated``: the held-out evaluation before step 1, logged in the same step-0 record."""
     m0 = run.probe(run.engine, run.model)
     if not m0:
+        if evaluated and run.is_main:
+            run.logger.log(0, evaluated, echo=False)
         return
     if run.is_main:
         print(f"probe before step {run.start_step + 1}: mae {m0.get('probe/mae', float('nan')):.2e}  "
               f"kl_k3 {m0.get('probe/kl_k3', float('nan')):.1e}  on {int(m0['probe/num_tokens'])} tokens", flush=True)
         if run.start_step == 0:  # a resumed run has logged this step already; wandb steps only increase
-            run.logger.log(0, m0, echo=False)
+            run.logger.log(0, {**m0, **(evaluated or {})}, echo=False)
     # every rank sees the same pooled values and stops together
     enforce_parity_limits(run.cfg, run.start_step, m0, prefix="probe/", when=" (probe before training)",
                            ratio=run.ratio_limit, start=True)
@@ -549,14 +553,15 @@ def sync_phase(run: Run, step: int, m: dict) -> None:
         m["perf/probe_s"] = time.perf_counter() - t
 
 
-def evaluate_before_training(run: Run) -> None:
-    """The held-out figures of the weights training starts from (logged as step 0); a resumed run's schedule goes
-    on from its step instead."""
+def evaluate_before_training(run: Run) -> dict:
+    """The held-out figures of the weights training starts from (step 0's record, with the probe's); a resumed
+    run's schedule goes on from its step instead."""
     if run.evaluator is None or run.start_step != 0:
-        return
+        return {}
     m = run.evaluator(run.sampler, run.model, 0, exact=run.exact)
     _print_eval(run, 0, m)
-    run.logger.log(0, m, echo=False)
+    run.best.update(0, m)  # the starting weights' figure is the one to beat (no checkpoint holds step 0)
+    return m
 
 
 def eval_phase(run: Run, step: int, m: dict) -> None:
@@ -598,10 +603,15 @@ def _warn_truncation(run: Run, step: int, m: dict) -> None:
         print(msg, flush=True)
 
 
-def checkpoint_phase(run: Run, step: int, result: TrainResult) -> None:
+def checkpoint_phase(run: Run, step: int, result: TrainResult, m: dict) -> None:
+    """Every checkpoint.every steps, after the last, and at a new best of checkpoint.best_metric (kept besides
+    keep_last: trainer/io/checkpoint.py)."""
     cfg = run.cfg
     every = cfg.checkpoint.every
-    if not ((every and step % every == 0) or step == cfg.train.steps):
+    best = run.best.update(step, m)
+    if best and run.is_main:
+        print(f"best {run.best.metric} so far: {run.best.value:.4g} at step {step} (checkpoint kept)", flush=True)
+    if not ((every and step % every == 0) or step == cfg.train.steps or best):
         return
     save_step(run, step, result)
 
@@ -610,7 +620,7 @@ def _run_state(run: Run) -> dict:
     """What a checkpoint keeps besides weights, optimizer, scheduler and RNG."""
     return {"batcher": run.batcher.state_dict(), "name": run.cfg.name, "probe": run.probe.state_dict(),
             "parity_limit": run.ratio_limit.state_dict(),
-            "prefetch": run.prefetch.state_dict(), "tokens_seen": run.tokens_seen,
+            "prefetch": run.prefetch.state_dict(), "tokens_seen": run.tokens_seen, "best": run.best.state_dict(),
             **({"kl_controller": run.kl_controller.state_dict()} if run.kl_controller else {})}
 
 

@@ -35,7 +35,7 @@ def whole_run(metrics_path: Path, h: list[dict]) -> list[dict]:
     return rows or h
 
 
-def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLogger) -> None:
+def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLogger, best=None) -> None:
     """The run's end (``h``: this process's per-step records; the summary reads the whole run back from
     metrics.jsonl): reward at its start and end, its mean mismatch, where its checkpoint and metrics are."""
     if not h or not logger.enabled:
@@ -55,8 +55,41 @@ def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLo
     print("\n=== parityrl run summary ===")
     print(f"reward   first {k} step(s): {first:.3f}   last {k} step(s): {last:.3f}   change {last - first:+.3f}")
     print(f"parity   mean |d| over the run: {mae:.2e}   mean kl_k3: {kl:.2e}   worst token |d|: {worst:.2e}")
+    held_out = held_out_line(logger.metrics_path)
+    if held_out:
+        print(held_out)
     if peak:  # records written before perf/peak_memory_gb existed have none
         print(f"memory   peak {peak:.2f} GiB ({PEAK_MEMORY_NOTE})")
     print(f"checkpoint  {final_checkpoint}")
+    if best is not None and best.metric and best.step is not None:  # checkpoint.best_metric
+        where = (f"{Path(final_checkpoint).parent / f'step_{best.step:06d}'}" if best.step and final_checkpoint
+                 else "the starting weights (no checkpoint)")
+        print(f"best        {best.metric} {best.value:.4g} at step {best.step}: {where}")
     print(f"metrics     {logger.metrics_path}")
     print(f"wandb       {logger.wandb_location}")
+
+
+def held_out_line(metrics_path: Path) -> str:
+    """``held-out`` accuracy at the run's first and last evaluation (trainer/rl/evaluation.py), or "" without any:
+    the last record of a step wins, as in ``whole_run``."""
+    try:
+        lines = Path(metrics_path).read_text().splitlines()
+    except OSError:
+        return ""
+    by_step: dict[int, dict] = {}
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and any(k.startswith("eval/") for k in row):
+            by_step[row["step"]] = row
+    if not by_step:
+        return ""
+    first, last = by_step[min(by_step)], by_step[max(by_step)]
+    keys = [k for k in first if k.startswith(("eval/mean@", "eval/greedy")) and k.count("/") == 1]
+
+    def shown(row: dict) -> str:
+        return "  ".join(f"{k[5:]} {row[k]:.3f}" for k in keys if isinstance(row.get(k), (int, float)))
+
+    return f"held-out step {min(by_step)}: {shown(first)}   step {max(by_step)}: {shown(last)}"

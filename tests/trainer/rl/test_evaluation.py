@@ -88,3 +88,39 @@ def test_a_run_evaluates_before_every_n_steps_and_after_the_last(tmp_path, vllm_
     rows2 = [json.loads(x) for x in (tmp_path / "evals2" / "metrics.jsonl").read_text().splitlines()]
     first2 = next(r for r in rows2 if r["step"] == 0 and "eval/mean@4" in r)
     assert first2["eval/mean@4"] == evals[0]["eval/mean@4"] and first2["eval/greedy"] == evals[0]["eval/greedy"]
+
+
+def test_best_metric_that_is_never_logged_is_refused(tmp_path):
+    from trainer.rl.evaluation import BestCheckpoint
+
+    with pytest.raises(RecipeError, match=r"checkpoint.best_metric = 'eval/mean@4': the run never logs it"):
+        BestCheckpoint.from_config(cfg_for(tmp_path, "b", "eval.every=0", "checkpoint.best_metric=eval/mean@4"))
+    with pytest.raises(RecipeError, match=r"expected one of eval/mean@4, eval/pass@1, eval/pass@4"):
+        BestCheckpoint.from_config(cfg_for(tmp_path, "b", "eval.every=2", "checkpoint.best_metric=eval/mean@8"))
+    best = BestCheckpoint.from_config(cfg_for(tmp_path, "b", "eval.every=2", "checkpoint.best_metric=eval/greedy",
+                                              "checkpoint.best_mode=min"))
+    assert best.update(2, {"eval/greedy": 0.5}) and not best.update(4, {"eval/greedy": 0.6})
+    assert not best.update(5, {}) and best.update(6, {"eval/greedy": 0.25}) and best.step == 6
+
+
+@pytest.mark.slow
+def test_the_best_evaluations_checkpoint_is_kept_and_survives_a_resume(tmp_path, vllm_engine, capsys):
+    from trainer.io.checkpoint import list_checkpoints
+
+    sets = ("eval.every=1", "eval.num_prompts=4", "eval.samples=2", "checkpoint.keep_last=1",
+            "checkpoint.best_metric=eval/reward/mean")
+    res = train(cfg_for(tmp_path, "best", "train.steps=3", *sets), engine=vllm_engine)
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "best" / "metrics.jsonl").read_text().splitlines())}
+    values = [rows[s]["eval/reward/mean"] for s in (0, 1, 2, 3)]
+    best_step = max(range(4), key=lambda s: (values[s], -s))  # the first of the highest
+    kept = [s for s, _ in list_checkpoints(tmp_path / "best")]
+    assert kept == sorted({3} | ({best_step} if best_step else set())), (values, kept)
+    state = json.loads((tmp_path / "best" / "checkpoints" / "step_000003" / "state.json").read_text())
+    assert state["best"] == {"metric": "eval/reward/mean", "value": values[best_step], "step": best_step}
+    assert "best        eval/reward/mean" in capsys.readouterr().out
+    assert res.history
+    # a resume restores the best so far, and its own first step is not evaluated as "before step 1" again
+    more = train(cfg_for(tmp_path, "best", "train.steps=4", *sets), resume=True, engine=vllm_engine)
+    assert [h["step"] for h in more.history] == [4]
+    rows = [json.loads(x) for x in (tmp_path / "best" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/reward/mean" in r] == [0, 1, 2, 3, 4]
