@@ -124,3 +124,20 @@ def test_the_best_evaluations_checkpoint_is_kept_and_survives_a_resume(tmp_path,
     assert [h["step"] for h in more.history] == [4]
     rows = [json.loads(x) for x in (tmp_path / "best" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval/reward/mean" in r] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_resume_moves_the_rows_past_its_checkpoint_aside(tmp_path, vllm_engine, capsys):
+    """A kill between a step's record and its checkpoint: the resumed run trains that step again, and the record
+    holds it once (the earlier row in metrics.superseded.jsonl)."""
+    import shutil
+
+    sets = ("eval.every=0", "checkpoint.every=1", "checkpoint.keep_last=3")
+    train(cfg_for(tmp_path, "killed", "train.steps=3", *sets), engine=vllm_engine)
+    shutil.rmtree(tmp_path / "killed" / "checkpoints" / "step_000003")
+    train(cfg_for(tmp_path, "killed", "train.steps=3", *sets), resume=True, engine=vllm_engine)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]
+    moved = [json.loads(x) for x in (tmp_path / "killed" / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in moved] == [3] and moved[0]["superseded_by_resume_from"] == 2
+    assert "resuming from step 2: moved the rows of step" in capsys.readouterr().out
