@@ -145,6 +145,12 @@ def test_two_rank_episodes_match_one_process(tmp_path, tiny_model_dir, vllm_engi
     for key in ("reward/mean", "reward/env", "parity/num_tokens", "episode/turns", "episode/truncated_frac",
                 "parity/retokenize_drift_episodes"):
         assert s1[key] == one[0][key], key
+    # the held-out evaluation before step 1 (the recipe's eval: section): each rank runs its share of the prompts
+    # with the single process's seeds, pooled exactly
+    one0 = json.loads((tmp_path / "one" / "metrics.jsonl").read_text().splitlines()[0])
+    assert two[0]["step"] == one0["step"] == 0
+    for key in ("eval/mean@4", "eval/pass@4", "eval/greedy", "eval/reward/mean", "eval/parity/num_tokens"):
+        assert two[0][key] == one0[key], key
     assert s1["parity/turn_1/mae"] == pytest.approx(one[0]["parity/turn_1/mae"], rel=1e-3)
     assert (s1["parity/turn_2/mae"] == pytest.approx(one[0]["parity/turn_2/mae"], rel=1e-3)
             if one[0]["episode/turns"] > 1 else True)

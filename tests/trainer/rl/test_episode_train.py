@@ -108,3 +108,12 @@ def test_episodes_one_step_off_policy(tmp_path, vllm_engine):
     assert [h["step"] for h in res.history] == [1, 2]
     for h in res.history:
         assert h["parity/turn_1/mae"] < PARITY_MAE_BOUND and 1.0 <= h["episode/turns"] <= 2.0
+
+
+def test_held_out_evaluation_runs_episodes(tmp_path, vllm_engine):
+    """With env: the evaluation's completions are episodes too, scored by the same rewards."""
+    res = train(recipe(tmp_path, "episodes_eval", "train.steps=1", "eval.every=1", "eval.num_prompts=4",
+                       "eval.samples=2"), engine=vllm_engine)
+    h = res.history[0]
+    assert 0.0 <= h["eval/mean@2"] <= h["eval/pass@2"] <= 1.0 and "eval/reward/env" in h
+    assert h["eval/parity/mae"] < PARITY_MAE_BOUND and h["eval/parity/num_tokens"] > 0

@@ -141,3 +141,32 @@ def test_a_resume_moves_the_rows_past_its_checkpoint_aside(tmp_path, vllm_engine
     moved = [json.loads(x) for x in (tmp_path / "killed" / "metrics.superseded.jsonl").read_text().splitlines()]
     assert [r["step"] for r in moved] == [3] and moved[0]["superseded_by_resume_from"] == 2
     assert "resuming from step 2: moved the rows of step" in capsys.readouterr().out
+
+
+def test_accuracies_per_source_and_overall_hand_computed(tmp_path):
+    """Three prompts (sources a, a, b), 2 samples each, solved 2/2, 0/2 and 1/2, and their greedy completions."""
+    from rollout.types import Rollouts
+    from trainer.distributed.data_parallel import DataParallel
+    from trainer.rl.dynamic_sampling import Drawn
+    from trainer.rl.evaluation import Evaluator
+
+    cfg = cfg_for(tmp_path, "src", "eval.every=1", "eval.samples=2", "eval.num_prompts=3")
+    rows = [{"prompt": "p0", "source": "a"}, {"prompt": "p1", "source": "a"}, {"prompt": "p2", "source": "b"}]
+    ev = Evaluator(cfg=cfg, rows=rows, dp=DataParallel.current(), pad_id=0)
+
+    def drawn(solved, n):
+        r = Rollouts(prompt_ids=[[1]] * len(solved), completion_ids=[[5, 6]] * len(solved),
+                     rollout_logprobs=[[-1.0, -1.0]] * len(solved), finish_reasons=["stop"] * len(solved), group_size=n)
+        return Drawn(rows=rows, rollouts=r, rewards=list(solved), per_fn={"exact_answer": list(solved)})
+
+    sums, per_source = {}, {}
+    ev._accumulate(drawn([1.0, 1.0, 0.0, 0.0, 1.0, 0.0], 2), 2, sums, per_source, "sampled")
+    ev._accumulate(drawn([1.0, 0.0, 0.0], 1), 1, sums, per_source, "greedy")
+    m = ev._finish(sums, per_source)
+    assert m["eval/mean@2"] == pytest.approx((1 + 0 + 0.5) / 3)
+    assert m["eval/pass@2"] == pytest.approx((1 + 0 + 1) / 3) and m["eval/pass@1"] == pytest.approx(m["eval/mean@2"])
+    assert m["eval/greedy"] == pytest.approx(1 / 3)
+    assert m["eval/a/mean@2"] == pytest.approx(0.5) and m["eval/b/mean@2"] == pytest.approx(0.5)
+    assert m["eval/a/pass@2"] == pytest.approx(0.5) and m["eval/b/pass@2"] == pytest.approx(1.0)
+    assert m["eval/a/greedy"] == pytest.approx(0.5) and m["eval/b/greedy"] == 0.0
+    assert m["eval/reward/mean"] == pytest.approx(0.5) and m["eval/frac_truncated"] == 0.0
