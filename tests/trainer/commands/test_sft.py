@@ -45,7 +45,16 @@ def test_packed_loss_is_next_token_cross_entropy_over_the_block(tiny_model_dir):
 
 
 def test_recipe_checks(tmp_path):
+    fn = "data: {completion_fn: null, messages_fn: 'trainer.data.tasks.arithmetic_tools:sft_messages'"
     cases = {
+        "data: {messages_fn: 'm:f'}": "data.messages_fn = 'm:f': expected exactly one of data.completion_column / "
+                                      "data.completion_fn / data.messages_fn to be set (set data.completion_fn: null)",
+        "data: {completion_fn: null, messages_fn: nomodule}": "data.messages_fn = 'nomodule': expected 'module:function'",
+        fn + ", packing: true}": "data.packing = True: expected false when data.messages_fn is set",
+        fn + ", use_chat_template: false}": "data.use_chat_template = False: expected true when data.messages_fn",
+        "data: {tools: 'builtin:arithmetic_calculator'}": "data.tools = 'builtin:arithmetic_calculator': expected "
+                                                          "null unless data.messages_fn is set",
+        fn + ", tools: calculator}": "data.tools = 'calculator': expected a tools spec",
         "data: {packing: true, block_size: 1}": "data.block_size = 1: expected an integer >= 2",
         "data: {packing: true, block_size: 512}": "data.block_size = 512: expected at most the model's context of 256",
         "model: {lora: {enabled: false}}\noutput_format: adapter": "output_format = 'adapter': expected 'merged' when",
@@ -58,7 +67,7 @@ def test_recipe_checks(tmp_path):
             load_sft_recipe(p)
         assert needle in str(e.value) and str(p) in str(e.value), (text, str(e.value))
     # the shipped recipes validate
-    for name in ("sft_tiny.yaml", "sft_lora_tiny.yaml"):
+    for name in ("sft_tiny.yaml", "sft_lora_tiny.yaml", "sft_tools_tiny.yaml"):
         assert load_sft_recipe(REPO / "recipes" / name, check_paths=False).name == name.removesuffix(".yaml")
 
 

@@ -72,27 +72,6 @@ def _with_template(tok, template):
     return other
 
 
-def test_recipe_checks(tmp_path):
-    fn = "data: {completion_fn: null, messages_fn: 'trainer.data.tasks.arithmetic_tools:sft_messages'"
-    cases = {
-        "data: {messages_fn: 'm:f'}": "data.messages_fn = 'm:f': expected exactly one of data.completion_column / "
-                                      "data.completion_fn / data.messages_fn to be set (set data.completion_fn: null)",
-        "data: {completion_fn: null, messages_fn: nomodule}": "data.messages_fn = 'nomodule': expected 'module:function'",
-        fn + ", packing: true}": "data.packing = True: expected false when data.messages_fn is set",
-        fn + ", use_chat_template: false}": "data.use_chat_template = False: expected true when data.messages_fn",
-        "data: {tools: 'builtin:arithmetic_calculator'}": "data.tools = 'builtin:arithmetic_calculator': expected "
-                                                          "null unless data.messages_fn is set",
-        fn + ", tools: calculator}": "data.tools = 'calculator': expected a tools spec",
-    }
-    for text, needle in cases.items():
-        p = tmp_path / "sft.yaml"
-        p.write_text(text + "\n")
-        with pytest.raises(RecipeError) as e:
-            load_sft_recipe(p)
-        assert needle in str(e.value) and str(p) in str(e.value), (text, str(e.value))
-    assert load_sft_recipe(RECIPE).model.path == "builtin:tiny"
-
-
 def test_an_unknown_tools_spec_is_a_recipe_error(tok, tmp_path):
     cfg = load_sft_recipe(RECIPE, ["data.num_examples=2", "data.tools=builtin:nope"])
     with pytest.raises(RecipeError, match="data.tools = 'builtin:nope'"):
