@@ -1,0 +1,128 @@
+"""Rollout routing replay for Hugging Face mixture-of-experts models: the trainer's forward uses the experts the
+engine chose.
+
+The engine and the trainer compute the router's logits with different kernels, so near-ties flip the top-k
+(R3, arXiv 2510.11370: about 10% of router decisions on Qwen3-30B-A3B). With replay, each MoE layer's router
+takes its expert ids from the routes the engine returned, and its gate weights from the live router: the softmax
+of the router logits gathered at those ids (and normalised as the model does), so the router still gets a
+gradient. Where a token has no route (id -1: the engine returned none for it) the router's own selection is used
+and counted.
+
+Supported: transformers' ``TopKRouter`` modules of the families parityrl trains, whose ``forward(hidden)`` returns
+``(router_logits, scores, indices)`` (read in transformers 5.19's ``modeling_qwen2_moe.py``, ``qwen3_moe``,
+``mixtral``, ``olmoe``): ``ROUTERS`` says per class how its scores are normalised and cast. Another MoE router
+is refused by name rather than replayed wrongly.
+
+Layout: ``routes`` is [batch, positions, MoE layers, top_k] aligned with the model's ``input_ids`` (a router sees
+its input flattened to batch x positions rows). ``RoutingReplay`` is installed once; ``set_routes`` holds the
+routes until ``clear``, so that gradient checkpointing's recompute in the backward pass (which calls the router
+again) replays the same selection. Every forward records the router's own top-k (``own``) for the routing parity
+(``parity.routing``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ROUTERS", "RouterRule", "RoutingReplay", "UnsupportedRouting", "moe_routers"]
+
+
+class UnsupportedRouting(ValueError):
+    """A model whose MoE routers this module cannot replay (or a dense model asked to replay)."""
+
+
+@dataclass(frozen=True)
+class RouterRule:
+    """How a router family turns its top-k probabilities into gate weights."""
+
+    normalize: Optional[str]  # an attribute holding whether to renormalise (e.g. norm_topk_prob), or None: always
+    cast_to_logits_dtype: bool  # whether the weights are cast back to the logits' dtype
+
+
+ROUTERS: dict[str, RouterRule] = {
+    "Qwen2MoeTopKRouter": RouterRule(normalize="norm_topk_prob", cast_to_logits_dtype=True),
+    "Qwen3MoeTopKRouter": RouterRule(normalize="norm_topk_prob", cast_to_logits_dtype=True),
+    "OlmoeTopKRouter": RouterRule(normalize="norm_topk_prob", cast_to_logits_dtype=True),
+    "MixtralTopKRouter": RouterRule(normalize=None, cast_to_logits_dtype=False),
+}
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MoE routers in layer order; [] for a dense model. ``UnsupportedRouting`` for a router class
+    that ``ROUTERS`` does not know (a module named ``*Router``, or an MoE block's ``gate`` with a ``top_k``)."""
+    found = []
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if cls in ROUTERS:
+            found.append(module)
+        elif cls.endswith("Router") or (name.endswith(".gate") and hasattr(module, "top_k")):
+            raise UnsupportedRouting(f"{name} is a {cls}: routing replay supports {sorted(ROUTERS)}")
+    return found
+
+
+class RoutingReplay:
+    """Wraps every router of ``model`` (once); inert until ``set_routes``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = moe_routers(model)
+        if not self.routers:
+            raise UnsupportedRouting(f"{type(model).__name__} has no mixture-of-experts router to replay")
+        self.top_k = int(self.routers[0].top_k)
+        self.num_experts = int(self.routers[0].num_experts)
+        self.routes: Optional[torch.Tensor] = None
+        self.own: list[Optional[torch.Tensor]] = [None] * len(self.routers)  # the last forward's own top-k
+        self.unrouted = 0  # (token, layer) selections the router made itself for lack of a route, since set_routes
+        for layer, router in enumerate(self.routers):
+            router.forward = self._wrapped(router, layer)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.routers)
+
+    def set_routes(self, routes: Optional[torch.Tensor]) -> None:
+        """Replay ``routes`` [batch, positions, layers, top_k] (-1: none) in every forward until ``clear``."""
+        if routes is not None:
+            if routes.dim() != 4 or routes.shape[2:] != (self.num_layers, self.top_k):
+                raise ValueError(f"routes: expected [batch, positions, {self.num_layers} MoE layers, top_k "
+                                 f"{self.top_k}], got {tuple(routes.shape)}")
+            if routes.dtype.is_floating_point:
+                raise ValueError(f"routes: expected integer expert ids, got {routes.dtype}")
+            bad = routes >= self.num_experts
+            if bad.any():
+                where = bad.nonzero()[0].tolist()
+                raise ValueError(f"routes: expert id {int(routes[tuple(where)])} at (row {where[0]}, position "
+                                 f"{where[1]}, MoE layer {where[2]}) is out of range: the model has "
+                                 f"{self.num_experts} experts")
+        self.routes, self.unrouted = routes, 0
+
+    def clear(self) -> None:
+        self.routes = None
+
+    def _wrapped(self, router: torch.nn.Module, layer: int):
+        rule = ROUTERS[type(router).__name__]
+
+        def forward(hidden_states: torch.Tensor):
+            hidden = hidden_states.reshape(-1, router.hidden_dim)
+            logits = F.linear(hidden, router.weight)
+            probs = torch.softmax(logits.float(), dim=-1)
+            top, own = torch.topk(probs, router.top_k, dim=-1)
+            self.own[layer] = own.detach()
+            if self.routes is not None:
+                given = self.routes[:, :, layer].reshape(-1, router.top_k).to(own.device)
+                if given.shape[0] != own.shape[0]:
+                    raise ValueError(f"routes hold {given.shape[0]} tokens for MoE layer {layer}, whose input has "
+                                     f"{own.shape[0]}: the routes must be laid out as the model's input_ids")
+                missing = (given < 0).any(-1, keepdim=True)
+                self.unrouted += int(missing.sum())
+                own = torch.where(missing, own, given.long())
+                top = probs.gather(-1, own)  # differentiable in the router's weight: the router keeps learning
+            if rule.normalize is None or getattr(router, rule.normalize):
+                top = top / top.sum(dim=-1, keepdim=True)
+            if rule.cast_to_logits_dtype:
+                top = top.to(logits.dtype)
+            return logits, top, own
+
+        return forward
