@@ -103,6 +103,13 @@ class Evaluator:
         if len(rows) < dp.world:
             raise RecipeError(f"{where}: {len(rows)} held-out rows for {dp.world} processes; expected at least one "
                               "per process (eval.num_prompts, or a larger source)")
+        # every rank the same number of prompts: ZeRO-3 gathers the weights in every forward of the scoring pass,
+        # which every rank must run as often as the others
+        usable = len(rows) - len(rows) % dp.world
+        if usable < len(rows) and dp.rank == 0:
+            print(f"eval: {len(rows)} held-out prompts for {dp.world} processes: evaluating the first {usable}",
+                  flush=True)
+        rows = rows[:usable]
         seen = {r["prompt"] for r in train_rows}
         shared = [r["prompt"] for r in rows if r["prompt"] in seen]
         if shared:
@@ -224,19 +231,12 @@ def _ratios(p: dict[str, float], prefix: str, accuracy_only: bool = False) -> di
 
 
 def _shard(rows: list[dict], dp: DataParallel) -> list[dict]:
-    """This rank's contiguous share; the first ``len % world`` ranks take one more (any prompt count works)."""
-    lo, hi = _bounds(len(rows), dp)
-    return rows[lo:hi]
+    """This rank's contiguous share (the rows are a multiple of the ranks: ``Evaluator.from_config``)."""
+    return dp.shard(rows, what="eval.num_prompts")
 
 
 def _first(rows: list[dict], dp: DataParallel) -> int:
-    return _bounds(len(rows), dp)[0]
-
-
-def _bounds(n: int, dp: DataParallel) -> tuple[int, int]:
-    base, extra = divmod(n, dp.world)
-    lo = dp.rank * base + min(dp.rank, extra)
-    return lo, lo + base + (dp.rank < extra)
+    return dp.offset(len(rows) // dp.world)
 
 
 def _device(model) -> torch.device:
