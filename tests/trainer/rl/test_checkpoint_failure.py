@@ -175,7 +175,7 @@ def test_a_run_whose_disk_fills_while_writing_metrics_stops_at_that_steps_end_wi
 
     sets = [f"logging.run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "rollout.engine=hf",
             "rollout.prompts_per_step=2", "algorithm.group_size=2", "rollout.max_new_tokens=4", "train.steps=3",
-            "checkpoint.every=0", "parity.probe_prompts=0", "data.num_examples=8"]
+            "checkpoint.every=0", "parity.probe_prompts=0", "data.num_examples=8", "eval.every=0"]
     real = RunLogger._write
 
     def full_at_step_2(self, step, metrics):

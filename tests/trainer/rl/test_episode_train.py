@@ -42,7 +42,7 @@ def recipe(tmp_path, name, *sets):
     return load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [
         f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled", "checkpoint.every=0",
         "rollout.prompts_per_step=4", "algorithm.group_size=4", "train.micro_batch_size=16",
-        f"env.class={ENVS}:FollowUp", "env.max_turns=2", "env.max_tokens=128", *sets])
+        f"env.class={ENVS}:FollowUp", "env.max_turns=2", "env.max_tokens=128", "eval.every=0", *sets])
 
 
 def test_the_trainer_scores_exactly_the_ids_the_engine_read_and_sampled(tiny_model_dir, vllm_engine):

@@ -40,6 +40,7 @@ def run(tmp_path: Path, name: str, *extra: str, env: dict | None = None) -> subp
     sets = [f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled", "rollout.engine=hf",
             "rollout.prompts_per_step=4", "algorithm.group_size=4", "rollout.max_new_tokens=8", "train.steps=4",
             "train.micro_batch_size=16", "checkpoint.every=0", "parity.probe_prompts=0", "data.num_examples=32",
+            "eval.every=0",  # the reward's calls are counted: the held-out evaluation would call it too
             f"reward.functions={{r: '{tmp_path / 'reward.py'}:reward'}}"]
     argv = [sys.executable, "-m", "trainer", "train", str(REPO / "recipes" / "grpo_tiny.yaml"), *extra]
     for s in sets:
