@@ -71,6 +71,11 @@ def eval_rows(cfg: RunConfig, tokenizer) -> list[dict]:
     return [ds[i] for i in range(min(e.num_prompts, len(ds)))]
 
 
+def pass_ks(cfg: RunConfig) -> list[int]:
+    """The j of ``eval/pass@j``: ``eval.pass_k``, or 1 and ``eval.samples``."""
+    return list(cfg.eval.pass_k) or sorted({1, cfg.eval.samples})
+
+
 def eval_spec(cfg: RunConfig, step: int, *, greedy: bool) -> SamplingSpec:
     """The evaluation's sampling: k samples at eval.temperature (top_p / top_k as rollout's), or one greedy
     completion (top_k 1: the argmax, whose engine log-prob is 0 and is not compared)."""
@@ -159,8 +164,7 @@ class Evaluator:
             if kind == "greedy":
                 values = {"n_greedy": 1.0, "greedy": float(c)}
             else:
-                values = {"n": 1.0, f"mean@{k}": c / k,
-                          **{f"pass@{j}": pass_at_k(k, c, j) for j in (e.pass_k or sorted({1, k}))}}
+                values = {"n": 1.0, f"mean@{k}": c / k, **{f"pass@{j}": pass_at_k(k, c, j) for j in pass_ks(self.cfg)}}
             targets = [sums] + ([per_source.setdefault(str(row[e.source_column]), {})]
                                 if e.source_column in row else [])
             for target in targets:
@@ -254,7 +258,7 @@ def eval_metric_names(cfg: RunConfig) -> list[str]:
         return []
     names = []
     if e.samples:
-        names += [f"eval/mean@{e.samples}", *(f"eval/pass@{j}" for j in (e.pass_k or sorted({1, e.samples}))),
+        names += [f"eval/mean@{e.samples}", *(f"eval/pass@{j}" for j in pass_ks(cfg)),
                   "eval/reward/mean", *(f"eval/reward/{n}" for n in [*cfg.reward.functions, *cfg.reward.models]),
                   "eval/mean_length", "eval/frac_truncated", *("eval/" + k for k in _PARITY_KEYS)]
     if e.greedy:

@@ -15,21 +15,30 @@ def _mean(xs: list) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def whole_run(metrics_path: Path, h: list[dict]) -> list[dict]:
-    """Every step's record, step 1 on, from ``metrics_path``; the last record of a step wins (a resume repeats
-    the steps after its checkpoint). ``h`` (this process's records) when the file cannot be read."""
+def _last_row_per_step(metrics_path: Path, wanted) -> Optional[dict[int, dict]]:
+    """Step -> its last record in ``metrics_path`` among those ``wanted(row)`` accepts (a resume may repeat a step;
+    a killed run may leave a partial last line); None when the file cannot be read."""
     try:
         lines = Path(metrics_path).read_text().splitlines()
     except OSError:
-        return h
+        return None
     by_step: dict[int, dict] = {}
     for line in lines:
         try:
             row = json.loads(line)
-        except ValueError:  # a partial last line of a killed run
+        except ValueError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= 1 and "reward/mean" in row:
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and wanted(row):
             by_step[row["step"]] = row
+    return by_step
+
+
+def whole_run(metrics_path: Path, h: list[dict]) -> list[dict]:
+    """Every step's record, step 1 on, from ``metrics_path``; the last record of a step wins (a resume repeats
+    the steps after its checkpoint). ``h`` (this process's records) when the file cannot be read."""
+    by_step = _last_row_per_step(metrics_path, lambda row: row["step"] >= 1 and "reward/mean" in row)
+    if by_step is None:
+        return h
     last = h[-1]["step"] if h else None
     rows = [by_step[k] for k in sorted(by_step) if last is None or k <= last]
     return rows or h
@@ -72,18 +81,7 @@ def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLo
 def held_out_line(metrics_path: Path) -> str:
     """``held-out`` accuracy at the run's first and last evaluation (trainer/rl/evaluation.py), or "" without any:
     the last record of a step wins, as in ``whole_run``."""
-    try:
-        lines = Path(metrics_path).read_text().splitlines()
-    except OSError:
-        return ""
-    by_step: dict[int, dict] = {}
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and any(k.startswith("eval/") for k in row):
-            by_step[row["step"]] = row
+    by_step = _last_row_per_step(metrics_path, lambda row: any(k.startswith("eval/") for k in row))
     if not by_step:
         return ""
     first, last = by_step[min(by_step)], by_step[max(by_step)]
