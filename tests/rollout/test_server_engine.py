@@ -11,6 +11,7 @@ tests/trainer/rl/test_train_integration.py): the server runs the same vLLM code 
 same CPU, and on these prompts it returns bit-identical samples and log-probs to the
 in-process engine (measured, see the report), so nothing looser is warranted.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -53,6 +54,17 @@ def same_samples(a, b) -> bool:
     varies with the machine's load (full-suite runs saw 4e-4). A stale weight or KV block moves them by O(0.1)
     (MISMATCH_FLOOR), so this still tells the weights apart."""
     return a.completion_ids == b.completion_ids and bool(abs_errors(a.rollout_logprobs, b.rollout_logprobs).max() < 1e-2)
+
+
+def generate_alone(engine, prompts, spec):
+    """``engine.generate(prompts, spec)`` sent one request at a time, each seeded as its sample of the whole call
+    (``index_offset``): every request then runs alone in the engine's batch, so two such calls compare under the
+    same numerics whatever else the machine is doing. Concurrent requests land in batches by arrival, and a bf16
+    near-tie at temperature 0.7 flipped a sampled id under full-suite load."""
+    parts = [engine.generate([p], dataclasses.replace(spec, n=1, index_offset=i * spec.n + j))
+             for i, p in enumerate(prompts) for j in range(spec.n)]
+    return SimpleNamespace(completion_ids=[c for r in parts for c in r.completion_ids],
+                           rollout_logprobs=[lp for r in parts for lp in r.rollout_logprobs])
 
 
 # ---- fast ---------------------------------------------------------------------------------------
@@ -453,6 +465,7 @@ def test_weight_push_changes_outputs_and_keeps_parity(server_engine, hf_referenc
     target = perturbed_copy(hf_reference, names, scale=4.0, seed=0)
     spec = SamplingSpec(n=2, temperature=0.7, max_new_tokens=24, seed=5)
     before = engine.generate(prompts, spec)
+    before_alone = generate_alone(engine, prompts, spec)
     stale = abs_errors(before.rollout_logprobs, hf_logprobs(target, before.prompt_ids, before.completion_ids, 0.7))
 
     with pytest.raises(ValueError, match="k_proj"):  # refused before anything is sent
@@ -472,8 +485,7 @@ def test_weight_push_changes_outputs_and_keeps_parity(server_engine, hf_referenc
     # Pushing the original weights back gives the original samples (and the prefix cache did not
     # serve KV blocks computed with the perturbed weights).
     engine.load_weights([(n, t) for n, t in hf_reference.named_parameters() if n in names])
-    restored = engine.generate(prompts, spec)
-    assert same_samples(restored, before)
+    assert same_samples(generate_alone(engine, prompts, spec), before_alone)
 
 
 @pytest.mark.slow
@@ -490,18 +502,18 @@ def test_a_push_in_layer_chunks_is_one_version_and_a_broken_one_is_refused(serve
     update = [(n, t) for n, t in target.named_parameters() if n in names]
     original = [(n, t) for n, t in hf_reference.named_parameters() if n in names]
     spec = SamplingSpec(n=2, temperature=0.7, max_new_tokens=24, seed=5)
-    before = engine.generate(prompts, spec)
+    before = generate_alone(engine, prompts, spec)
 
     engine.load_weights(update)
     whole_push = dict(engine.last_push)
-    whole = engine.generate(prompts, spec)
+    whole = generate_alone(engine, prompts, spec)
     engine.load_weights(original)
     version = engine._version_n
     engine.load_weight_chunks(layer_chunks(update))
     print(f"push of 6 tensors: whole {whole_push['seconds']:.3f} s, in 2 layer chunks {engine.last_push['seconds']:.3f} s")
     assert engine.last_push["chunks"] == 2 and engine.last_push["tensors"] == 6
     assert engine._version_n == version + 1
-    chunked = engine.generate(prompts, spec)
+    chunked = generate_alone(engine, prompts, spec)
     assert same_samples(chunked, whole)
     assert chunked.completion_ids != before.completion_ids
 
@@ -514,8 +526,7 @@ def test_a_push_in_layer_chunks_is_one_version_and_a_broken_one_is_refused(serve
     with pytest.raises(ServerEngineError, match="partial"):
         engine.generate(prompts, spec)
     engine.load_weight_chunks(layer_chunks(original))
-    restored = engine.generate(prompts, spec)
-    assert same_samples(restored, before)
+    assert same_samples(generate_alone(engine, prompts, spec), before)
 
 
 def overrides_for(tmp_path, name, url, *overrides) -> list[str]:
