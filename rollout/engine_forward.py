@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from rollout.moe_config import is_moe
+
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # What this forward implements; anything else in a config is refused by ``check_supported``.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -37,6 +39,10 @@ HEAD_ROWS = 1024  # positions per lm_head + log_softmax chunk: 1024 x 152k vocab
 def check_supported(config) -> None:
     """Refuse (ValueError naming the op) a model this forward does not reproduce."""
     mt = getattr(config, "model_type", None)
+    if is_moe(config):
+        raise ValueError(f"model_type {mt!r} is a mixture-of-experts model: exact mode does not re-implement vLLM's "
+                         f"fused MoE kernel (its top-k and expert GEMMs); parity.routing_replay makes the two sides "
+                         f"route alike without it (docs/moe.md)")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {mt!r}: exact mode reproduces the engine's forward for "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} only (its ops are not re-implemented for {mt!r})")

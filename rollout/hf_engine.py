@@ -19,12 +19,14 @@ Reproducible: the global torch RNG is seeded per chunk from ``spec.seed`` inside
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
 from rollout.base import InProcessEngine
+from rollout.hf_routes import RouterTap, generation_routes
 from rollout.requests import sample_seed, validate_request
 from rollout.types import Rollouts, SamplingSpec, Scored
 
@@ -51,10 +53,12 @@ class HFEngine(InProcessEngine):
     device: where to load it ("cpu", "cuda").
     eos_ids: stop tokens; default: the model's generation_config / config EOS ids.
     max_batch_size: sequences per ``generate`` call.
+    return_routes: an MoE model's routes in every ``Rollouts.routes``, read from its routers during
+        generation (``rollout.hf_routes``).
     """
 
     def __init__(self, model, *, dtype: str = "bfloat16", device: str = "cpu",
-                 eos_ids: Sequence[int] | None = None, max_batch_size: int = 256) -> None:
+                 eos_ids: Sequence[int] | None = None, max_batch_size: int = 256, return_routes: bool = False) -> None:
         if isinstance(model, (str, Path)):
             from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -70,6 +74,9 @@ class HFEngine(InProcessEngine):
             raise ValueError(f"max_batch_size = {max_batch_size!r}: expected an integer >= 1")
         self.model = model.eval()
         self.max_batch_size = max_batch_size
+        self.return_routes = bool(return_routes)
+        if self.return_routes:
+            RouterTap(model)  # refuses a model without routers now, not at the first generate
         gen, cfg = getattr(model, "generation_config", None), model.config
         if eos_ids is None:
             eos = getattr(gen, "eos_token_id", None)
@@ -90,30 +97,40 @@ class HFEngine(InProcessEngine):
         """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n."""
         validate_request(prompt_ids, spec, self.max_model_len)
         rows = [list(p) for p in prompt_ids for _ in range(spec.n)]
-        completion_ids, logprobs, finish, top_ids, top_lps = [], [], [], [], []
+        completion_ids, logprobs, finish, top_ids, top_lps, routes = [], [], [], [], [], []
         for chunk, start in enumerate(range(0, len(rows), self.max_batch_size)):
-            c, lp, f, ti, tl = self._generate_chunk(rows[start:start + self.max_batch_size], spec,
-                                                    seed=sample_seed(spec.seed, chunk))
+            c, lp, f, ti, tl, r = self._generate_chunk(rows[start:start + self.max_batch_size], spec,
+                                                       seed=sample_seed(spec.seed, chunk))
+            routes += r
             completion_ids += c
             logprobs += lp
             finish += f
             top_ids += ti
             top_lps += tl
         return Rollouts(prompt_ids=rows, completion_ids=completion_ids, rollout_logprobs=logprobs,
-                        finish_reasons=finish, group_size=spec.n, topk_ids=top_ids, topk_logprobs=top_lps)
+                        finish_reasons=finish, group_size=spec.n, topk_ids=top_ids, topk_logprobs=top_lps,
+                        routes=routes)
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (one forward each),
         and with ``topk`` the k most likely tokens at those positions (``rollout.base``)."""
+        routes = []
+
         def row(seq: list[int]):
             ids = torch.tensor([seq], device=self.device)
-            logp = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            with RouterTap(self.model) if self.return_routes else contextlib.nullcontext() as tap:
+                logits = self.model(input_ids=ids).logits
+            if tap is not None:
+                routes.append(torch.stack([calls[0] for calls in tap.calls], 1))  # [len(seq), L, k]
+            logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
             top = logp.topk(topk, dim=-1) if topk else None
             return (logp.gather(-1, ids[0, 1:, None])[:, 0].tolist(), top.indices.tolist() if topk else [],
                     top.values.tolist() if topk else [])
 
-        return Scored.from_rows(map(row, sequences))
+        scored = Scored.from_rows(map(row, sequences))
+        scored.routes = routes
+        return scored
 
     def _generation_config(self, spec: SamplingSpec):
         from transformers import GenerationConfig
@@ -128,7 +145,8 @@ class HFEngine(InProcessEngine):
     def _generate_chunk(self, rows: list[list[int]], spec: SamplingSpec, seed: int):
         """rows: [B][P_b] prompts (already repeated n times).
 
-        Returns completions, log-probs, finish reasons and (if ``spec.logprobs_topk``) top-k ids and log-probs.
+        Returns completions, log-probs, finish reasons, (if ``spec.logprobs_topk``) top-k ids and log-probs, and
+        (if ``return_routes``) the routes of every row.
         """
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -140,7 +158,8 @@ class HFEngine(InProcessEngine):
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             self.model.generation_config = self._generation_config(spec)
-            with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=devices), (RouterTap(self.model) if self.return_routes
+                                                           else contextlib.nullcontext()) as tap:
                 torch.manual_seed(seed)
                 out = self.model.generate(input_ids=input_ids.to(self.device),
                                           attention_mask=attention_mask.to(self.device))
@@ -172,7 +191,9 @@ class HFEngine(InProcessEngine):
             if k:
                 top_ids.append(top_i[b, :end].tolist())
                 top_lps.append(top_v[b, :end].tolist())
-        return completions, logprobs, finish, top_ids, top_lps
+        routes = (generation_routes(tap, [len(r) for r in rows], width, [len(c) for c in completions])
+                  if self.return_routes else [])
+        return completions, logprobs, finish, top_ids, top_lps, routes
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

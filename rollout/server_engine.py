@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import math
 import secrets
 import socket
@@ -71,6 +72,7 @@ from rollout.base import EngineUnavailable
 from rollout.model_files import checkpoint_shapes, eos_token_ids
 from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import sample_seed, validate_request, validate_score_request
+from rollout.routes import NO_ROUTE, decode_routes
 from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.weight_export import payload_bytes
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors
@@ -282,6 +284,9 @@ class ServerEngine:
         each sync, only advance to the version rank 0 sets (``follow_push``).
     version_tag: the weight-version tag; the same on every trainer rank sharing the server
         (rank 0 draws it, the loop broadcasts it), a fresh random one by default.
+    return_routes: an MoE model's routes with every answer (``Rollouts.routes``, ``Scored.routes``), read from the
+        server's workers after each batch (``parityrl_take_routes`` over ``/collective_rpc``); the server must run
+        without prefix caching (``parityrl serve`` starts it so for a recipe that replays or measures routes).
     """
 
     # A push may come as chunks of whole layers, all under one weight version (load_weight_chunks).
@@ -292,7 +297,8 @@ class ServerEngine:
     def __init__(self, url: str, *, model_dir: str | Path, timeout_s: float = 300.0, dtype: str = "bfloat16",
                  max_model_len: int | None = None, eos_ids: Sequence[int] | None = None,
                  transfer_root: str | Path | None = None, max_concurrency: int = 256, pushes_weights: bool = True,
-                 version_tag: str | None = None, connect_timeout_s: float | None = None) -> None:
+                 version_tag: str | None = None, connect_timeout_s: float | None = None,
+                 return_routes: bool = False) -> None:
         self.host, self.port = parse_server_url(url)
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"rollout.server_timeout_s = {timeout_s!r}: expected a number of seconds > 0")
@@ -311,6 +317,8 @@ class ServerEngine:
         self._transfer = None
         self.last_push: dict[str, float] = {}
         self.pushes_weights = bool(pushes_weights)
+        self.return_routes = bool(return_routes)
+        self.route_shape = None
 
         self.startup_wait_s = wait_for_health(self.url, self.timeout_s, connect_timeout_s=connect_timeout_s)
         self._http = _Http(self.url, self.timeout_s)
@@ -329,6 +337,8 @@ class ServerEngine:
                     f"vLLM server at {self.url}: its parityrl_server_info answer is not what this parityrl reads "
                     f"({type(e).__name__}: {e}; it answered {info!r:.300}); restart it with `parityrl serve <recipe>` "
                     "from the same parityrl as the trainer") from None
+            if self.return_routes:
+                self.route_shape = self._start_routes(info)
             # A version of our own: responses generated with anything else are refused.
             self._version_tag, self._version_n = version_tag or secrets.token_hex(4), 0
             if self.pushes_weights:
@@ -357,6 +367,43 @@ class ServerEngine:
         if not isinstance(results, list) or not results or not isinstance(results[0], dict):
             raise ServerEngineError(f"vLLM server at {self.url}: parityrl_server_info returned {out!r:.300}")
         return results[0]
+
+    def _start_routes(self, info: dict[str, Any]) -> dict[str, int]:
+        """Hook the server's MoE routers (``parityrl_install_route_capture``): the routes' shape."""
+        if info.get("prefix_caching") is not False:
+            raise ServerEngineError(f"vLLM server at {self.url}: prefix caching is {info.get('prefix_caching')!r}; "
+                                    "routing replay needs it off (a cached token is never routed): restart it with "
+                                    "`parityrl serve <recipe>` for a recipe whose parity.routing_replay is on or "
+                                    "measure")
+        out = self.http.call("POST", "/collective_rpc", "route capture",
+                             json={"method": "parityrl_install_route_capture"})
+        results = out.get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+            raise ServerEngineError(f"vLLM server at {self.url}: parityrl_install_route_capture returned {out!r:.300}")
+        return results[0]
+
+    def _routes(self, requests: list[tuple[str, int]], what: str) -> list[torch.Tensor]:
+        """The routes of each (request id, sequence length) from the server's workers (rank 0's: every rank of a
+        tensor-parallel group routes the same tokens); an answer without them is an error, never a fallback."""
+        out = self.http.call("POST", "/collective_rpc", f"routes of {what}",
+                             json={"method": "parityrl_take_routes", "args": [json.dumps(requests)]})
+        results = out.get("results") if isinstance(out, dict) else None
+        got = results[0] if isinstance(results, list) and results else None
+        if not isinstance(got, list) or len(got) != len(requests):
+            raise ServerEngineError(f"vLLM server at {self.url}: asked for the routes of {len(requests)} {what}, it "
+                                    f"answered {out!r:.300}")
+        shape = (self.route_shape["layers"], self.route_shape["top_k"])
+        routes = []
+        for (rid, n), enc in zip(requests, got):
+            r = decode_routes(enc, f"vLLM server at {self.url}, routes of request {rid}")
+            if tuple(r.shape) != (n, *shape):
+                raise ServerEngineError(f"vLLM server at {self.url}: routes of request {rid} have shape "
+                                        f"{tuple(r.shape)}, expected ({n}, {shape[0]}, {shape[1]})")
+            if n > 1 and bool((r[:n - 1] == NO_ROUTE).all()):
+                raise ServerEngineError(f"vLLM server at {self.url}: request {rid} came back without routes (the "
+                                        "server's route capture saw none of its tokens)")
+            routes.append(r)
+        return routes
 
     def _check_server(self, info: dict[str, Any], dtype: str, need_len: int | None) -> None:
         def need(ok: bool, what: str, value: Any, expected: str) -> None:
@@ -457,9 +504,12 @@ class ServerEngine:
             finish.append(reason)
             top_ids.append(t_ids)
             top_lps.append(t_lps)
-        return Rollouts(prompt_ids=[list(prompt_ids[s // spec.n]) for s in range(len(bodies))],
-                        completion_ids=completion_ids, rollout_logprobs=logprobs, finish_reasons=finish,
-                        group_size=spec.n, topk_ids=top_ids if k else [], topk_logprobs=top_lps if k else [])
+        prompts = [list(prompt_ids[s // spec.n]) for s in range(len(bodies))]
+        routes = (self._routes([(b["request_id"], len(p) + len(c)) for b, p, c in zip(bodies, prompts, completion_ids)],
+                               "samples") if self.return_routes else [])
+        return Rollouts(prompt_ids=prompts, completion_ids=completion_ids, rollout_logprobs=logprobs,
+                        finish_reasons=finish, group_size=spec.n, topk_ids=top_ids if k else [],
+                        topk_logprobs=top_lps if k else [], routes=routes)
 
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (``VLLMEngine.score``)."""
@@ -472,8 +522,13 @@ class ServerEngine:
                   for k, seq in enumerate(sequences)]
         responses = _run_coroutine(self._post_all(bodies, action=f"score ({len(bodies)} sequences)"))
         version = self._version()
-        return Scored.from_rows(self._parse_prompt_logprobs(k, seq, resp, topk, version)
-                                for k, (seq, resp) in enumerate(zip(sequences, responses)))
+        scored = Scored.from_rows(self._parse_prompt_logprobs(k, seq, resp, topk, version)
+                                  for k, (seq, resp) in enumerate(zip(sequences, responses)))
+        if self.return_routes:  # the prefill's routes of the whole sequence (+1: the one token sampled after it)
+            scored.routes = [r[:len(seq)] for r, seq in zip(
+                self._routes([(b["request_id"], len(seq) + 1) for b, seq in zip(bodies, sequences)], "sequences"),
+                sequences)]
+        return scored
 
     def _parse_prompt_logprobs(self, k: int, seq: list[int], resp: dict, topk: int, version: str):
         def bad(msg: str) -> ServerEngineError:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from rollout.routes import check_routes
+
 
 def group_sample_indices(groups: Sequence[int], group_size: int) -> list[int]:
     """Sample indices of the given groups (prompt indices), in that order: groups are contiguous."""
@@ -72,6 +74,9 @@ class Rollouts:
         and the chat template's turn boundaries: DESIGN.md, "Episodes"); only sampled tokens enter
         the loss, the advantages, the KL terms and the parity metrics, and a context token's
         rollout_logprobs entry is 0.0. Empty: every completion token was sampled (single turn).
+    routes: [S] an MoE model's routes, one int16 tensor [P_i + C_i, MoE layers, top_k] per sample over its
+        prompt and completion (``rollout.routes``: the expert ids the engine's routers chose, -1 where none);
+        empty unless the engine was asked for them.
     """
 
     prompt_ids: list[list[int]]
@@ -83,6 +88,7 @@ class Rollouts:
     topk_ids: list[list[list[int]]] = field(default_factory=list)
     topk_logprobs: list[list[list[float]]] = field(default_factory=list)
     completion_mask: list[list[int]] = field(default_factory=list)
+    routes: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         s = len(self.completion_ids)
@@ -96,6 +102,9 @@ class Rollouts:
             self._check_topk()
         if self.completion_mask:
             self._check_completion_mask()
+        if self.routes:
+            check_routes(self.routes, [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids)],
+                         "Rollouts.routes")
         if self.group_size < 1 or s % self.group_size:
             raise ValueError(f"Rollouts: {s} samples is not a multiple of group_size={self.group_size}")
 
@@ -159,7 +168,8 @@ class Rollouts:
         return Rollouts(prompt_ids=pick(self.prompt_ids), completion_ids=pick(self.completion_ids),
                         rollout_logprobs=pick(self.rollout_logprobs), finish_reasons=pick(self.finish_reasons),
                         group_size=g, completion_texts=pick(self.completion_texts), topk_ids=pick(self.topk_ids),
-                        topk_logprobs=pick(self.topk_logprobs), completion_mask=pick(self.completion_mask))
+                        topk_logprobs=pick(self.topk_logprobs), completion_mask=pick(self.completion_mask),
+                        routes=pick(self.routes))
 
     @classmethod
     def concat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
@@ -177,10 +187,12 @@ class Rollouts:
         # A part without a mask sampled every token: spelled out only when another part has one.
         masks = ([m for p in parts for m in (p.completion_mask or [[1] * len(c) for c in p.completion_ids])]
                  if any(p.completion_mask for p in parts) else [])
+        if any(p.routes for p in parts) and not all(p.routes or not len(p) for p in parts):
+            raise ValueError("Rollouts.concat: some parts carry routes and others none")
         return cls(prompt_ids=joined("prompt_ids"), completion_ids=joined("completion_ids"),
                    rollout_logprobs=joined("rollout_logprobs"), finish_reasons=joined("finish_reasons"),
                    group_size=parts[0].group_size, completion_texts=texts, topk_ids=joined("topk_ids"),
-                   topk_logprobs=joined("topk_logprobs"), completion_mask=masks)
+                   topk_logprobs=joined("topk_logprobs"), completion_mask=masks, routes=joined("routes"))
 
 
 @dataclass
@@ -188,12 +200,14 @@ class Scored:
     """An engine's log-probs of GIVEN sequences (``score``): per sequence, per token t >= 1, at temperature 1.
 
     logprobs[k][t - 1] = log p(x_t | x_<t); with top-k, topk_ids / topk_logprobs[k][t - 1] hold the
-    k most likely tokens at that position, most likely first (else empty lists).
+    k most likely tokens at that position, most likely first (else empty lists). ``routes``: one
+    [len(sequence), MoE layers, top_k] tensor per sequence when the engine returns routes (its prefill's).
     """
 
     logprobs: list[list[float]]
     topk_ids: list[list[list[int]]]
     topk_logprobs: list[list[list[float]]]
+    routes: list = field(default_factory=list)  # an MoE engine's routes of each whole sequence (``rollout.routes``)
 
     @classmethod
     def from_rows(cls, rows: Iterable[tuple[list, list, list]]) -> "Scored":

@@ -39,9 +39,12 @@ import torch
 
 from rollout.base import InProcessEngine
 from rollout.model_files import checkpoint_shapes, eos_token_ids
+from rollout.moe_config import moe_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import sample_seed, validate_request, validate_score_request
+from rollout.routes import NO_ROUTE, ROUTE_DTYPE
 from rollout.types import Rollouts, SamplingSpec, Scored
+from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors, quiet_partial_reload
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
@@ -126,6 +129,10 @@ class VLLMEngine(InProcessEngine):
     max_num_seqs: sequences per scheduler step.
     eos_ids: stop tokens; default: the model dir's generation_config / config EOS ids.
     load_tokenizer: start vLLM's tokenizer and fill ``Rollouts.completion_texts``.
+    return_routes: an MoE model's routes in every ``Rollouts.routes`` (``rollout.routes``). On CPU through
+        the project's capture in the V1 runner (``rollout.vllm_plugins.route_capture``), on CUDA through
+        vLLM's ``enable_return_routed_experts``. Prefix caching is then off: a cached token is never
+        computed, so it would have no route (vLLM's own option keeps routes per KV slot; the capture cannot).
     enable_sleep_mode: CUDA only; needed for ``sleep()``/``wake_up()`` to free memory.
     llm_kwargs: passed to ``vllm.LLM`` as is.
     """
@@ -136,7 +143,7 @@ class VLLMEngine(InProcessEngine):
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
                  eos_ids: Sequence[int] | None = None, load_tokenizer: bool = False,
-                 enable_sleep_mode: bool = False, **llm_kwargs) -> None:
+                 enable_sleep_mode: bool = False, return_routes: bool = False, **llm_kwargs) -> None:
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len = {max_model_len!r}: expected an integer >= 2")
         self.model = str(model)
@@ -168,6 +175,11 @@ class VLLMEngine(InProcessEngine):
         # prompt tokens exceed max_num_batched_tokens (seen with 64 prompts x n=8).
         # Seeded requests are how rollouts stay reproducible, so prefill stays whole.
         llm_kwargs.setdefault("enable_chunked_prefill", False)
+        self.return_routes = bool(return_routes)
+        if self.return_routes:
+            enable_prefix_caching = False
+            if self.cuda:  # vLLM's own capture (Model Runner V2); not run on a GPU by this project yet
+                llm_kwargs.setdefault("enable_return_routed_experts", True)
         # Without a tokenizer, vLLM's chat-template warm-up fails and logs a traceback: expected here.
         with _preserve_rng(), _drop_log("vllm.renderers.base", "Chat template warmup failed", not load_tokenizer):
             self._llm = LLM(self.model, dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
@@ -179,6 +191,21 @@ class VLLMEngine(InProcessEngine):
         # vLLM's CUDA block-FP8 layers load FP8 values + scales (rollout.fp8_weights), not float weights.
         self.fp8_block_weights = llm_kwargs.get("quantization") == "fp8"
         self.packed_modules = self._packed_modules()
+        self._moe_layers = None  # the decoder layers that route (vLLM's own routes hold every layer)
+        self.route_shape = self._install_route_capture() if self.return_routes else None
+
+    def _install_route_capture(self) -> dict:
+        """``{"layers", "top_k", "num_experts"}`` of the model's routes (CPU: hooks the runner's routers)."""
+        if self.cuda:
+            from transformers import AutoConfig
+
+            shape = moe_shape(AutoConfig.from_pretrained(self.model))
+            self._moe_layers = None if shape is None else shape.layers
+            if shape is None:
+                raise ValueError(f"return_routes: {self.model} is not a mixture-of-experts model of "
+                                 f"a supported family (rollout.moe_config.MOE_FAMILIES)")
+            return {"layers": shape.num_layers, "top_k": shape.top_k, "num_experts": shape.num_experts}
+        return self.llm.collective_rpc(install_route_capture)[0]
 
     def _packed_modules(self) -> dict[str, list[str]]:
         try:
@@ -214,7 +241,9 @@ class VLLMEngine(InProcessEngine):
                     seed=sample_seed(spec.seed, spec.sample_index(i * spec.n + j)), stop_token_ids=list(self.eos_ids),
                     detokenize=self.load_tokenizer))
         with _preserve_rng():
+            self._reset_routes()
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        routes = self._routes(outputs) if self.return_routes else []
 
         completion_ids, logprobs, finish, texts, top_ids, top_lps = [], [], [], [], [], []
         for k, out in enumerate(outputs):
@@ -233,7 +262,33 @@ class VLLMEngine(InProcessEngine):
             completion_ids=completion_ids, rollout_logprobs=logprobs, finish_reasons=finish,
             group_size=spec.n, completion_texts=texts if self.load_tokenizer else [],
             topk_ids=top_ids if spec.logprobs_topk else [], topk_logprobs=top_lps if spec.logprobs_topk else [],
+            routes=routes,
         )
+
+    def _reset_routes(self) -> None:
+        """Forget the routes of earlier requests (CPU capture: a new batch of requests starts)."""
+        if self.return_routes and not self.cuda:
+            self.llm.collective_rpc(reset_routes)
+
+    def _routes(self, outputs) -> list[torch.Tensor]:
+        """Each output's routes [prompt + completion tokens, MoE layers, top_k] (``rollout.routes``)."""
+        lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs]
+        if not self.cuda:
+            return self.llm.collective_rpc(take_routes, args=([(o.request_id, n) for o, n in zip(outputs, lengths)],))[0]
+        shape = (self.route_shape["layers"], self.route_shape["top_k"])
+        out = []
+        for o, n in zip(outputs, lengths):
+            got = o.outputs[0].routed_experts  # [tokens, every decoder layer, k]
+            if got is not None and self._moe_layers is not None:
+                got = got[:, list(self._moe_layers)]
+            if got is None or tuple(got.shape[1:]) != shape:
+                raise RuntimeError(f"vLLM returned routed_experts of shape {None if got is None else got.shape} "
+                                   f"for request {o.request_id}; expected [tokens, {shape[0]} MoE layers, {shape[1]}]")
+            r = torch.full((n, *shape), NO_ROUTE, dtype=ROUTE_DTYPE)
+            m = min(n, got.shape[0])
+            r[:m] = torch.from_numpy(got[:m].astype("int16"))
+            out.append(r)
+        return out
 
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence: one prefill, no decoding.
@@ -253,7 +308,10 @@ class VLLMEngine(InProcessEngine):
         params = [SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=topk, seed=sample_seed(0, k),
                                  detokenize=False) for k in range(len(sequences))]
         with _preserve_rng():
+            self._reset_routes()
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        # the sequence's routes; the one token sampled after it is not part of it
+        routes = ([r[:len(seq)] for r, seq in zip(self._routes(outputs), sequences)] if self.return_routes else [])
 
         def row(k: int, seq: list[int], plp):
             positions = None if plp is None else [
@@ -261,8 +319,10 @@ class VLLMEngine(InProcessEngine):
             return read_prompt_logprobs(seq, positions, topk,
                                         lambda msg: RuntimeError(f"score: vLLM's answer for sequence {k}: {msg}"))
 
-        return Scored.from_rows(row(k, seq, out.prompt_logprobs)
-                                for k, (seq, out) in enumerate(zip(sequences, outputs)))
+        scored = Scored.from_rows(row(k, seq, out.prompt_logprobs)
+                                  for k, (seq, out) in enumerate(zip(sequences, outputs)))
+        scored.routes = routes
+        return scored
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -308,6 +308,11 @@ def _compare_digest(summary: dict, out: str) -> str:
         f"kl_k3 {fmt('parity/kl_k3')}   pearson {fmt('parity/pearson', '.6f')}   "
         f"prob_mae {fmt('parity/prob_mae')}   rho outside [0.9, 1.1] {fmt('parity/frac_rho_outside_0.9_1.1', '.4f')}",
     ]
+    if "routing" in summary:  # an MoE model: replayed, and the same tokens without replay
+        r, u = summary["routing"], summary["routing"]["unreplayed"]
+        lines.append(f"routing agree {r['parity/routing_agree']:.4f} (tokens differing in a layer "
+                     f"{r['parity/routing_tokens_any_diff']:.4f}); without replay: kl_k3 {u['parity/kl_k3']:.3e}, "
+                     f"max |d| {u['parity/max_abs']:.3e}")
     if "self_check_result" in summary:
         lines.append(f"self-check {'passed' if summary['self_check_result']['passed'] else 'FAILED'}")
     lines.append(f"report  {out}")

@@ -49,6 +49,7 @@ server's settings before the first rollout.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -70,6 +71,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+from rollout.routes import encode_routes
+from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
 from rollout.weight_updates import quiet_partial_reload
 
 BACKEND = "parityrl_file"
@@ -307,8 +310,9 @@ register()
 class ParityrlWorkerExtension:
     """Mixed into every vLLM worker by ``--worker-extension-cls`` (see the module docstring).
 
-    Importing this module registered the backend; the method below reports the
-    settings the trainer relies on. Names carry a ``parityrl_`` prefix because vLLM
+    Importing this module registered the backend; ``parityrl_server_info`` reports the
+    settings the trainer relies on, and the two route methods serve rollout routing replay
+    (``rollout.vllm_plugins.route_capture``). Names carry a ``parityrl_`` prefix because vLLM
     refuses an extension attribute that the worker class already has.
     """
 
@@ -329,4 +333,18 @@ class ParityrlWorkerExtension:
             "tensor_parallel_size": int(pc.tensor_parallel_size),
             "world_size": int(pc.world_size),
             "rank": int(getattr(self, "rank", 0)),
+            "prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
         }
+
+    def parityrl_install_route_capture(self) -> dict[str, int]:
+        """Hook the model's MoE routers (``route_capture``; once) and forget earlier requests' routes: the shape
+        of the routes ``parityrl_take_routes`` hands out."""
+        shape = install_route_capture(self)
+        reset_routes(self)
+        return shape
+
+    def parityrl_take_routes(self, requests_json: str) -> list[dict]:
+        """The routes of each ``[request id, sequence length]`` of the JSON list (``collective_rpc`` passes
+        strings only), encoded for the wire (``rollout.routes.encode_routes``)."""
+        requests = [(str(rid), int(n)) for rid, n in json.loads(requests_json)]
+        return [encode_routes(r) for r in take_routes(self, requests)]

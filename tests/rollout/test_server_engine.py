@@ -752,3 +752,50 @@ def test_episodes_against_the_server(server, tmp_path):
     for h in res:
         assert h["parity/mae"] < PARITY_MAE_BOUND and h["parity/turn_1/mae"] < PARITY_MAE_BOUND
         assert 1.0 <= h["episode/turns"] <= 2.0 and "reward/env" in h
+
+
+# ---- routes over the wire (rollout routing replay against a server) ------------------------------------
+@pytest.mark.slow
+def test_a_client_asking_for_routes_is_refused_by_a_server_with_prefix_caching(server, tiny_model_dir):
+    from rollout.server_engine import UnusableServer
+
+    with pytest.raises(UnusableServer, match="prefix caching is True; routing replay needs it off"):
+        ServerEngine(server.url, model_dir=tiny_model_dir, timeout_s=120, max_model_len=88, return_routes=True)
+
+
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory):
+    """`parityrl serve` for the architecture zoo's random Qwen3-MoE with routing replay: started without prefix
+    caching, its workers capturing routes."""
+    from trainer.builtin.zoo import ensure_arch_model
+
+    moe = str(ensure_arch_model("qwen3_moe", dtype="bfloat16"))
+    s = Server(tmp_path_factory.mktemp("moe_server"), f"model.path={moe}", "parity.routing_replay=on")
+    yield s, moe
+    s.kill(signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_routes_come_over_the_wire_and_replay_trains_against_the_server(moe_server, tmp_path):
+    from rollout.routes import NO_ROUTE
+    from trainer.rl.loop import train
+
+    server, moe = moe_server
+    engine = ServerEngine(server.url, model_dir=moe, timeout_s=120, max_model_len=88, return_routes=True)
+    try:
+        assert engine.route_shape == {"layers": 2, "top_k": 2, "num_experts": 8}
+        out = engine.generate([[1, 3, 40, 77, 301, 4], [1, 3, 9, 500, 4]],
+                              SamplingSpec(n=2, temperature=1.0, max_new_tokens=12, seed=2))
+        for p, c, r in zip(out.prompt_ids, out.completion_ids, out.routes):
+            assert r.shape == (len(p) + len(c), 2, 2) and (r[-1] == NO_ROUTE).all() and (r[:-1] >= 0).all()
+        seqs = [p + c for p, c in zip(out.prompt_ids, out.completion_ids)]
+        assert [tuple(r.shape) for r in engine.score(seqs).routes] == [(len(s), 2, 2) for s in seqs]
+    finally:
+        engine.close()
+
+    rows = train(cfg_for(tmp_path, "moe", server.url, f"model.path={moe}", "parity.routing_replay=on",
+                         "parity.unreplayed_every=1", "train.steps=2", "checkpoint.every=0", "eval.every=0")).history
+    assert [h["step"] for h in rows] == [1, 2]
+    for h in rows:
+        assert h["parity/routing_unrouted"] == 0 and 0.9 < h["parity/routing_agree"] <= 1.0
+        assert h["parity/kl_k3"] < 0.3 * h["parity/unreplayed/kl_k3"]

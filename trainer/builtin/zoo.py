@@ -22,7 +22,7 @@ from pathlib import Path
 
 from trainer.builtin.tiny import build_tokenizer, default_cache_dir, file_lock
 
-__all__ = ["ARCHITECTURES", "INIT_STD", "VOCAB", "build_arch_model", "ensure_arch_model"]
+__all__ = ["ARCHITECTURES", "INIT_STD", "MOE_ARCHITECTURES", "VOCAB", "build_arch_model", "ensure_arch_model"]
 
 INIT_STD = 0.2
 VOCAB = 512  # the tiny tokenizer fills exactly this many ids
@@ -45,15 +45,28 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
                                          decoder_sparse_step=1, mlp_only_layers=[])),
 }
 
+# The other mixture-of-experts families that routing replay covers (trainer.models.routing_replay), outside
+# the architecture matrix (Qwen2-MoE stands for MoE there): the routing measurements (bench/bench_routing.py)
+# and the replay tests build them. Top-2 of 8 (Mixtral: of 4), as in the issue's measurements.
+MOE_ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+                                         norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None)),
+    "olmoe": ("OlmoeConfig", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2)),
+}
+_ALL = {**ARCHITECTURES, **MOE_ARCHITECTURES}
+
 
 def build_arch_model(arch: str, seed: int = 0):
-    """(model float32, tokenizer) for one entry of ``ARCHITECTURES``."""
+    """(model float32, tokenizer) for one entry of ``ARCHITECTURES`` or ``MOE_ARCHITECTURES``."""
     import torch
     import transformers
 
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"arch = {arch!r}: expected one of {sorted(ARCHITECTURES)}")
-    cls_name, extra = ARCHITECTURES[arch]
+    if arch not in _ALL:
+        raise ValueError(f"arch = {arch!r}: expected one of {sorted(_ALL)}")
+    cls_name, extra = _ALL[arch]
     tok = build_tokenizer(VOCAB, _COMMON["max_position_embeddings"])
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     config = getattr(transformers, cls_name)(**{**_COMMON, **ids, **extra})

@@ -27,8 +27,11 @@ from parity.metrics import compare, error_by_position
 from parity.report import check_out_dir, prepare_out_dir, require_report_deps, write_report
 from rollout.hf_engine import HFEngine
 from rollout.types import Rollouts, SamplingSpec
+from trainer.distributed.data_parallel import DataParallel
 from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.policy import load_base_model, load_tokenizer
+from trainer.models.routing_mode import routing_mode
+from trainer.models.routing_replay import RoutingReplay
 from trainer.precision import DEFAULT_RECIPE, recipe_for
 from trainer.rl.compare_inputs import (
     CompareError,
@@ -50,6 +53,7 @@ from trainer.rl.compare_report import (
 )
 from trainer.rl.engines import start_vllm
 from trainer.rl.parity_report import step_breakdown
+from trainer.rl.routing_parity import pooled_routing_metrics, replay_paused
 from trainer.rl.scoring import score_batch
 
 __all__ = ["run_compare"]
@@ -63,18 +67,19 @@ Progress = Optional[Callable[[str], None]]
 
 
 def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len: int, seed: int,
-                  kv_cache_bytes: Optional[int], work_dir, topk: int = 0, precision: str = DEFAULT_RECIPE):
+                  kv_cache_bytes: Optional[int], work_dir, topk: int = 0, precision: str = DEFAULT_RECIPE,
+                  return_routes: bool = False):
     if kind == "hf":
         # The scoring model itself: one copy of the weights, and identical weights by construction.
-        return HFEngine(model)
+        return HFEngine(model, return_routes=return_routes)
     # started as training starts its engine (the FP8 export on CUDA included), so compare measures it
     return start_vllm(model_dir, precision=precision, dtype=dtype, max_model_len=max_model_len, seed=seed,
                       work_dir=work_dir, max_logprobs=max(20, topk), kv_cache_memory_bytes=kv_cache_bytes,
-                      enforce_eager=True)
+                      enforce_eager=True, return_routes=return_routes)
 
 
 def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_len, seed, kv_cache_bytes, say,
-              work_dir, precision=DEFAULT_RECIPE):
+              work_dir, precision=DEFAULT_RECIPE, return_routes=False):
     """Rollouts from ``engine`` (an object: used as is; a name: started here and closed after)."""
     if not isinstance(engine, str):
         engine_len = getattr(engine, "max_model_len", None)
@@ -86,7 +91,7 @@ def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_le
     say(f"starting the {engine} engine (max_model_len {max_model_len})")
     owned = _start_engine(engine, model_dir, model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                           kv_cache_bytes=kv_cache_bytes, work_dir=work_dir, topk=spec.logprobs_topk,
-                          precision=precision)
+                          precision=precision, return_routes=return_routes)
     try:
         return owned.generate(prompt_ids, spec)
     finally:
@@ -101,25 +106,40 @@ def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_le
 def _score(model, batch: TokenBatch, *, temperature: float, batch_size: int, chunk_size: Optional[int],
            progress: Progress):
     """Trainer log-probs and entropies [S, C] (float32, CPU, 0 at masked positions) of ``batch``'s completions,
-    and, when the batch carries the engine's top-k ids, the trainer's log-probs of those ids [S, C, k] (else None)."""
+    when the batch carries the engine's top-k ids, the trainer's log-probs of those ids [S, C, k] (else None),
+    and with routes the routing parity sums (``Scores.routing``, else None)."""
     scores = score_batch(model, batch, micro_batch_size=batch_size, temperature=temperature, chunk_size=chunk_size,
                          progress=progress)
     m = (batch.mask > 0).cpu()
     top = None if scores.topk is None else scores.topk.float().cpu() * m.unsqueeze(-1)
-    return scores.logprobs.float().cpu() * m, scores.entropy.float().cpu() * m, top
+    return scores.logprobs.float().cpu() * m, scores.entropy.float().cpu() * m, top, scores.routing
 
 
 def _score_sides(model, rollouts: Rollouts, pad_id: int, device, *, self_check: bool, say: Progress, **score_kw):
-    """(rollouts, batch, trainer log-probs, entropy, trainer top-k log-probs or None); with ``self_check``
-    the rollouts' engine log-probs (and top-k log-probs) are first replaced by a trainer scoring of the
-    same tokens (``trainer.rl.compare_report``)."""
+    """(rollouts, batch, trainer log-probs, entropy, trainer top-k log-probs or None, routing sums or None); with
+    ``self_check`` the rollouts' engine log-probs (and top-k log-probs) are first replaced by a trainer scoring of
+    the same tokens (``trainer.rl.compare_report``)."""
     batch = batch_from_rollouts(rollouts, pad_id, device)
-    lp_t, ent, top = _score(model, batch, progress=say, **score_kw)
+    lp_t, ent, top, routing = _score(model, batch, progress=say, **score_kw)
     if self_check:
         rollouts = self_check_rollouts(rollouts, lp_t, top)
         batch = batch_from_rollouts(rollouts, pad_id, device)
-        lp_t, ent, top = _score(model, batch, progress=say, **score_kw)
-    return rollouts, batch, lp_t, ent, top
+        lp_t, ent, top, routing = _score(model, batch, progress=say, **score_kw)
+    return rollouts, batch, lp_t, ent, top, routing
+
+
+def _routing_report(model, batch: TokenBatch, lp_r: torch.Tensor, mask: torch.Tensor, routing: dict,
+                    say: Progress, **score_kw) -> dict:
+    """An MoE model's routing parity with replay (the report's metrics) and the same tokens scored without it:
+    ``{"parity/routing_*": ..., "unreplayed": {parity metrics and routing agreement}}`` (docs/moe.md)."""
+    say("scoring again without routing replay (the trainer's routers choosing)")
+    with replay_paused(model):
+        lp_u, _, top_u, own = _score(model, batch, progress=say, **score_kw)
+    unreplayed = compare(lp_u, lp_r, mask > 0, train_topk_logprobs=top_u,
+                         rollout_topk_logprobs=None if top_u is None else batch.topk_logprobs.cpu())
+    one = DataParallel()  # one process: its sums are the totals
+    return {**pooled_routing_metrics(routing, one),
+            "unreplayed": {**unreplayed, **pooled_routing_metrics(own, one)}}
 
 
 # ----------------------------------------------------------------------------------
@@ -215,22 +235,28 @@ def run_compare(
     engine_name = kind if isinstance(kind, str) else type(kind).__name__
     say(f"generating: {len(prompts)} prompts x {n} with {engine_name}, up to {max_new_tokens} new tokens")
     t0 = time.monotonic()
+    # a mixture-of-experts model of a replayed family: the engine returns its routes and the trainer replays them
+    moe = routing_mode("auto", hf.config, where="parityrl compare") == "replay"
     rollouts = _generate(kind, model_dir, hf, prompt_ids, spec, dtype=dtype, max_model_len=context, seed=seed,
-                         kv_cache_bytes=kv_cache_bytes, say=say, work_dir=out, precision=precision)
+                         kv_cache_bytes=kv_cache_bytes, say=say, work_dir=out, precision=precision,
+                         return_routes=moe)
     # The scoring side is the recipe's trainer model (FP8 linears where both phases run the same FP8
     # forward), transformed after generation: an "hf" engine shares this model object, and the records
     # that transform it refuse the HF engine (check_settings).
     hf = recipe_for(precision).transform(hf)
+    if rollouts.routes:
+        RoutingReplay(hf)
     t_gen = time.monotonic() - t0
 
     say(f"scoring: {len(rollouts)} samples, {rollouts.num_completion_tokens} tokens with the trainer's forward")
     t0 = time.monotonic()
-    rollouts, batch, lp_t, ent, top_t = _score_sides(hf, rollouts, tokenizer.pad_token_id, device, self_check=self_check,
-                                              temperature=spec.temperature, batch_size=batch_size,
-                                              chunk_size=chunk_size, say=say)
+    score_kw = dict(temperature=spec.temperature, batch_size=batch_size, chunk_size=chunk_size)
+    rollouts, batch, lp_t, ent, top_t, routing = _score_sides(hf, rollouts, tokenizer.pad_token_id, device,
+                                                              self_check=self_check, say=say, **score_kw)
+    lp_r, mask, targets = batch.rollout_logprobs.cpu(), batch.mask.cpu(), batch.targets.cpu()
+    routing = None if routing is None else _routing_report(hf, batch, lp_r, mask, routing, say, **score_kw)
     t_score = time.monotonic() - t0
 
-    lp_r, mask, targets = batch.rollout_logprobs.cpu(), batch.mask.cpu(), batch.targets.cpu()
     metrics = compare(lp_t, lp_r, mask > 0, train_topk_logprobs=top_t,
                       rollout_topk_logprobs=None if top_t is None else batch.topk_logprobs.cpu())
     breakdowns = step_breakdown(lp_t, lp_r, mask, targets, tokenizer, entropy=ent, k=worst_k)
@@ -250,6 +276,7 @@ def run_compare(
         "self_check": bool(self_check),
         **({"self_check_result": self_check_result(metrics)} if self_check else {}),
         "metrics": metrics,
+        **({"routing": routing} if routing is not None else {}),
         "settings": {
             "engine": engine_name, "temperature": spec.temperature, "top_p": top_p, "top_k": top_k,
             "max_new_tokens": max_new_tokens, "n": n, "seed": seed, "dtype": dtype, "device": device,

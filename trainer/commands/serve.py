@@ -38,6 +38,7 @@ import shlex
 import sys
 
 import torch
+from transformers import AutoConfig
 
 from rollout.server_engine import parse_server_url
 from trainer.builtin.resolve import resolve_model_path
@@ -45,6 +46,7 @@ from trainer.config import RecipeError, RunConfig
 from trainer.config.validate import sequence_length
 from trainer.io import third_party_output
 from trainer.io.child_processes import run_supervised
+from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.checks import server_problem
 
@@ -119,6 +121,8 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
             "--worker-extension-cls", WORKER_EXTENSION]
     if r.enforce_eager:
         argv.append("--enforce-eager")
+    if _routes_asked(cfg, model_dir, where):  # a cached token is never computed, so it would have no route
+        argv.append("--no-enable-prefix-caching")
     if not cuda:
         argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_bytes)]
     env = dict(os.environ)
@@ -139,6 +143,18 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
         if bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     return argv, env
+
+
+def _routes_asked(cfg: RunConfig, model_dir: str, where: str) -> bool:
+    """Whether a trainer of ``cfg`` asks this server for routes (``trainer.models.routing_mode``, as server mode)."""
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError):  # not a local model: vLLM's own start-up says what is wrong with it
+        return False
+    try:
+        return routing_mode(cfg.parity.routing_replay, config, where=where) != "off"
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
 
 
 def run_serve(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend: str = "auto",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from trainer.algorithms import ALGORITHMS
 
@@ -311,6 +311,14 @@ class ParityConfig:
     # On by default: what is normal depends on model depth and dtype (docs/parity-metrics.md "What
     # is normal"), a jump on the same fixed sequences does not. null = off.
     max_mae_ratio: Optional[float] = 5.0
+    # Mixture-of-experts models: auto | on | off | measure (trainer/models/routing_mode.py, docs/moe.md).
+    # on: the trainer's routers use the experts the engine chose (rollout routing replay, R3: arXiv
+    # 2510.11370); measure: only log how often they agree; auto: on for a supported MoE family, else off.
+    # YAML 1.1 reads a bare on / off as true / false: both spellings are accepted.
+    routing_replay: Union[bool, Literal["auto", "on", "off", "measure"]] = "auto"
+    # With replay, every this many steps the step's batch is also scored without it -> parity/unreplayed/*
+    # (what replay removes: one more gradient-free forward on those steps). 0 = never.
+    unreplayed_every: int = 10
 
 
 @dataclass

@@ -286,6 +286,7 @@ def _check_parity(cfg: RunConfig, need: Need) -> None:
     need(p.probe_prompts >= 0, "parity.probe_prompts", p.probe_prompts, "an integer >= 0 (0 = off)")
     need(p.probe_every >= 1, "parity.probe_every", p.probe_every, "an integer >= 1 (syncs between probes)")
     need(p.probe_first >= 0, "parity.probe_first", p.probe_first, "an integer >= 0 (first syncs always probed)")
+    need(p.unreplayed_every >= 0, "parity.unreplayed_every", p.unreplayed_every, "an integer >= 0 (0 = never)")
 
 
 def _check_checkpoint_and_logging(cfg: RunConfig, need: Need) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.types import Rollouts
+from trainer.models.routing_replay import PAD
 
 IGNORE = -100  # target id that fused_logprobs skips (log-prob 0, no gradient)
 
@@ -27,6 +28,9 @@ class TokenBatch:
     prompt_len: P (so hidden[:, P-1 : P-1+C] predicts targets).
     topk_ids, topk_logprobs: [S, C, k] the engine's top-k tokens and log-probs at each
         completion position (0 where mask is 0), or None when the engine returned none.
+    routes: [S, P+C, MoE layers, top_k] int16 expert ids aligned with input_ids (``Rollouts.routes``):
+        ``rollout.routes.NO_ROUTE`` where the engine returned none, ``routing_replay.PAD`` on padding and
+        after each row's last sampled token (no route matters there); None without routes.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +42,7 @@ class TokenBatch:
     prompt_len: int
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -59,6 +64,7 @@ class TokenBatch:
             prompt_len=p - first_real,
             topk_ids=None if self.topk_ids is None else self.topk_ids[idx, :c],
             topk_logprobs=None if self.topk_logprobs is None else self.topk_logprobs[idx, :c],
+            routes=None if self.routes is None else self.routes[idx, cols],
         )
 
 
@@ -75,7 +81,25 @@ def batch_from_rollouts(rollouts: Rollouts, pad_id: int, device: torch.device | 
                 ids[i, :len(ti)] = torch.tensor(ti, dtype=torch.long)
                 lps[i, :len(tl)] = torch.tensor(tl, dtype=torch.float32)
         batch.topk_ids, batch.topk_logprobs = ids.to(device), lps.to(device)
+    if rollouts.routes:
+        batch.routes = aligned_routes(rollouts.routes, batch).to(device)
     return batch
+
+
+def aligned_routes(routes: list[torch.Tensor], batch: TokenBatch) -> torch.Tensor:
+    """Each sample's [P_i + C_i, L, k] routes placed as its tokens are in ``input_ids`` (prompt left-padded to P);
+    PAD on padding and from each row's last sampled token on: the hidden state there predicts nothing the loss
+    or the metrics read, so neither its route nor its lack of one matters."""
+    s, width = batch.input_ids.shape
+    p = batch.prompt_len
+    out = torch.full((s, width, *routes[0].shape[1:]), PAD, dtype=routes[0].dtype)
+    mask = batch.mask.cpu()
+    for i, r in enumerate(routes):
+        start = p - int(batch.attention_mask[i, :p].sum())
+        sampled = mask[i].nonzero()
+        end = p + int(sampled[-1]) if sampled.numel() else start
+        out[i, start:end] = r[:end - start]
+    return out
 
 
 def build_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,

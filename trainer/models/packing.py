@@ -23,16 +23,19 @@ from dataclasses import dataclass
 import torch
 
 from trainer.models.batch import TokenBatch, build_token_batch
+from trainer.models.routing_replay import PAD
 
 
 @dataclass
 class PackedRows:
     """input_ids, position_ids: [R, capacity]; ``source`` [S, C]: the flat index (into R * capacity) of the
-    position whose hidden state predicts each target of the padded batch (0 where the mask is 0)."""
+    position whose hidden state predicts each target of the padded batch (0 where the mask is 0);
+    ``routes`` [R, capacity, L, k]: the batch's routes moved with their tokens (PAD elsewhere), or None."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     source: torch.Tensor
+    routes: torch.Tensor | None = None
 
 
 def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -68,11 +71,15 @@ def pack(batch: TokenBatch, capacity: int | None = None) -> PackedRows:
     input_ids = torch.zeros((len(rows), capacity), dtype=batch.input_ids.dtype, device=device)
     position_ids = torch.zeros((len(rows), capacity), dtype=batch.position_ids.dtype, device=device)
     base = torch.zeros(s, dtype=torch.long)  # flat index of each sequence's column 0 of the padded row
+    routes = None if batch.routes is None else torch.full((len(rows), capacity, *batch.routes.shape[2:]), PAD,
+                                                          dtype=batch.routes.dtype, device=device)
     for r, members in enumerate(rows):
         col = 0
         for i in members:
             n, start = lengths[i], starts[i]
             input_ids[r, col:col + n] = batch.input_ids[i, start:start + n]
+            if routes is not None:
+                routes[r, col:col + n] = batch.routes[i, start:start + n]
             position_ids[r, col:col + n] = torch.arange(n, device=device)
             base[i] = r * capacity + col - start
             col += n
@@ -80,7 +87,7 @@ def pack(batch: TokenBatch, capacity: int | None = None) -> PackedRows:
     # padded column P-1+j predicts target j
     source = base[:, None] + (batch.prompt_len - 1) + torch.arange(c)[None, :]
     source = torch.where(batch.mask.cpu() > 0, source, torch.zeros_like(source))
-    return PackedRows(input_ids, position_ids, source.to(device))
+    return PackedRows(input_ids, position_ids, source.to(device), routes)
 
 
 def unpack(packed_out: torch.Tensor, packed: PackedRows) -> torch.Tensor:

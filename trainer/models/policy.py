@@ -27,6 +27,7 @@ from trainer.models.attention import attn_kwargs
 from trainer.models.batch import TokenBatch
 from trainer.models.packing import pack, packing_error, unpack
 from trainer.models.policy_forward import wrapped_policy_forward
+from trainer.models.routing_replay import attached_replay
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -136,6 +137,12 @@ def completion_hidden(model, batch: TokenBatch, value_head=None, *, pack_sequenc
     """
     wrapped = wrapped_policy_forward(model)
     packed = pack(batch) if pack_sequences else None
+    replay = attached_replay(model)
+    if replay is not None:  # the engine's routes, laid out as the inputs; a batch without them: the routers' own
+        replay.set_routes(None if batch.routes is None else batch.routes if packed is None else packed.routes)
+    elif batch.routes is not None:
+        raise ValueError("completion_hidden: the batch carries routes but the model has no RoutingReplay installed "
+                         "(trainer.models.routing_replay)")
     # Packed rows carry no attention mask: transformers reads the sequence boundaries from the position ids.
     inputs = (dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
               if packed is None else

@@ -5,8 +5,9 @@ The engine and the trainer compute the router's logits with different kernels, s
 (R3, arXiv 2510.11370: about 10% of router decisions on Qwen3-30B-A3B). With replay, each MoE layer's router
 takes its expert ids from the routes the engine returned, and its gate weights from the live router: the softmax
 of the router logits gathered at those ids (and normalised as the model does), so the router still gets a
-gradient. Where a token has no route (id -1: the engine returned none for it) the router's own selection is used
-and counted.
+gradient. Where a token has no route (``NO_ROUTE`` = -1: the engine returned none for it) the router's own
+selection is used and counted; ``PAD`` (-2) marks positions whose route does not matter (padding, and the tokens
+after a sequence's last sampled one), also left to the router and not counted.
 
 Supported: transformers' ``TopKRouter`` modules of the families parityrl trains, whose ``forward(hidden)`` returns
 ``(router_logits, scores, indices)`` (read in transformers 5.19's ``modeling_qwen2_moe.py``, ``qwen3_moe``,
@@ -17,17 +18,26 @@ Layout: ``routes`` is [batch, positions, MoE layers, top_k] aligned with the mod
 its input flattened to batch x positions rows). ``RoutingReplay`` is installed once; ``set_routes`` holds the
 routes until ``clear``, so that gradient checkpointing's recompute in the backward pass (which calls the router
 again) replays the same selection. Every forward records the router's own top-k (``own``) for the routing parity
-(``parity.routing``).
+(``parity.routing``): ``last_stats`` compares it with the routes given. With replay, a layer's own choice is
+made on hidden states that the earlier layers' replayed experts produced: it answers "would this router, given
+the engine's inputs, have chosen the engine's experts", layer by layer. ``replay=False`` only measures.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ROUTERS", "RouterRule", "RoutingReplay", "UnsupportedRouting", "moe_routers"]
+from parity.routing import routing_stats
+from rollout.routes import NO_ROUTE
+
+__all__ = ["PAD", "ROUTERS", "RouterRule", "RoutingReplay", "UnsupportedRouting", "attached_replay", "moe_routers"]
+
+PAD = -2  # a position whose route does not matter: the router's own choice, not counted as unrouted
+ATTR = "_parityrl_replay"
 
 
 class UnsupportedRouting(ValueError):
@@ -63,20 +73,37 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-class RoutingReplay:
-    """Wraps every router of ``model`` (once); inert until ``set_routes``."""
+_FOUND: "weakref.WeakKeyDictionary[torch.nn.Module, Optional[RoutingReplay]]" = weakref.WeakKeyDictionary()
 
-    def __init__(self, model: torch.nn.Module):
+
+def attached_replay(model: torch.nn.Module) -> Optional["RoutingReplay"]:
+    """The ``RoutingReplay`` installed in ``model`` (or in the model a wrapper holds), or None; one walk over
+    the modules per model object (a dense model's every forward asks)."""
+    if model not in _FOUND:
+        _FOUND[model] = next((getattr(m, ATTR) for m in model.modules() if getattr(m, ATTR, None) is not None), None)
+    return _FOUND[model]
+
+
+class RoutingReplay:
+    """Wraps every router of ``model`` (once); inert until ``set_routes``. ``replay=False``: the routers keep
+    their own choice and only record it (routing parity without replay)."""
+
+    def __init__(self, model: torch.nn.Module, replay: bool = True):
         self.routers = moe_routers(model)
         if not self.routers:
             raise UnsupportedRouting(f"{type(model).__name__} has no mixture-of-experts router to replay")
+        if any(getattr(r, ATTR, None) is not None for r in self.routers):
+            raise ValueError("RoutingReplay: this model's routers are already wrapped")
+        self.replay = replay
         self.top_k = int(self.routers[0].top_k)
         self.num_experts = int(self.routers[0].num_experts)
         self.routes: Optional[torch.Tensor] = None
         self.own: list[Optional[torch.Tensor]] = [None] * len(self.routers)  # the last forward's own top-k
-        self.unrouted = 0  # (token, layer) selections the router made itself for lack of a route, since set_routes
+        self.unrouted = 0  # (token, layer) selections replay left to the router for lack of a route (NO_ROUTE)
         for layer, router in enumerate(self.routers):
             router.forward = self._wrapped(router, layer)
+            setattr(router, ATTR, self)
+        _FOUND.clear()  # a wrapper looked up before this install must find it now
 
     @property
     def num_layers(self) -> int:
@@ -101,6 +128,17 @@ class RoutingReplay:
     def clear(self) -> None:
         self.routes = None
 
+    def last_stats(self) -> dict[str, torch.Tensor]:
+        """``parity.routing.routing_stats`` of the last forward: its routers' own choice against the routes set,
+        over the positions the engine routed; plus ``unrouted`` (token-layer selections with ``NO_ROUTE``) and
+        ``positions`` (the routes' non-PAD token-layer slots)."""
+        given = self.routes.reshape(-1, self.num_layers, self.top_k).long()
+        own = torch.stack([o.to(given.device) for o in self.own], 1)  # [tokens, L, k]
+        stats = routing_stats(given, own, (given >= 0).all(-1).all(-1))
+        stats["unrouted"] = (given == NO_ROUTE).any(-1).double().sum()
+        stats["positions"] = (given != PAD).any(-1).double().sum()
+        return stats
+
     def _wrapped(self, router: torch.nn.Module, layer: int):
         rule = ROUTERS[type(router).__name__]
 
@@ -115,8 +153,9 @@ class RoutingReplay:
                 if given.shape[0] != own.shape[0]:
                     raise ValueError(f"routes hold {given.shape[0]} tokens for MoE layer {layer}, whose input has "
                                      f"{own.shape[0]}: the routes must be laid out as the model's input_ids")
+            if self.routes is not None and self.replay:
                 missing = (given < 0).any(-1, keepdim=True)
-                self.unrouted += int(missing.sum())
+                self.unrouted += int((given == NO_ROUTE).any(-1).sum())
                 own = torch.where(missing, own, given.long())
                 top = probs.gather(-1, own)  # differentiable in the router's weight: the router keeps learning
             if rule.normalize is None or getattr(router, rule.normalize):

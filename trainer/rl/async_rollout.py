@@ -29,11 +29,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable, Optional
 
 import torch
 
+from rollout.routes import decode_routes, encode_routes
 from rollout.types import Rollouts
 from trainer.rl.dynamic_sampling import Drawn
 
@@ -119,8 +120,9 @@ class Prefetch:
         if self.step is None or self._error is not None:
             return None  # a failed generation is drawn again on resume (from the prompts after it)
         d = self._drawn
+        rollouts = {**asdict(replace(d.rollouts, routes=[])), "routes": [encode_routes(r) for r in d.rollouts.routes]}
         return {"step": self.step,
-                "drawn": {"rows": d.rows, "rollouts": asdict(d.rollouts), "rewards": d.rewards, "per_fn": d.per_fn},
+                "drawn": {"rows": d.rows, "rollouts": rollouts, "rewards": d.rewards, "per_fn": d.per_fn},
                 "behaviour": {n: _encode(t) for n, t in self.behaviour.items()}}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
@@ -128,7 +130,9 @@ class Prefetch:
             return
         d = state["drawn"]
         self.step = int(state["step"])
-        self._drawn = Drawn(rows=d["rows"], rollouts=Rollouts(**d["rollouts"]), rewards=d["rewards"],
+        rollouts = {**d["rollouts"], "routes": [decode_routes(r, "the checkpoint's pending batch")
+                                                for r in d["rollouts"].get("routes", [])]}
+        self._drawn = Drawn(rows=d["rows"], rollouts=Rollouts(**rollouts), rewards=d["rewards"],
                             per_fn=d["per_fn"])
         self.behaviour = {n: _decode(v) for n, v in state["behaviour"].items()}
 

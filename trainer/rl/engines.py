@@ -54,23 +54,26 @@ def start_vllm(model_dir: str, *, precision: str, dtype: str, max_model_len: int
                       **recipe.engine_options(torch.cuda.is_available()))
 
 
-def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None) -> RolloutEngine:
+def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
+                return_routes: bool = False) -> RolloutEngine:
     """The rollout engine of this process. ``dp``: the data-parallel group (server mode: see ``_server_engine``).
+    ``return_routes``: an MoE model's routes with every rollout (``trainer.models.routing_mode``).
 
     The recipe was validated at load: its precision recipe's record refused the engines it cannot run on.
     """
     r = cfg.rollout
     if r.mode == "server":
         # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer.
-        return _server_engine(cfg, model_dir, max_model_len, dp)
+        return _server_engine(cfg, model_dir, max_model_len, dp, return_routes)
     if r.engine == "hf":
-        return HFEngine(model_dir, dtype=cfg.model.dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+        return HFEngine(model_dir, dtype=cfg.model.dtype, device="cuda" if torch.cuda.is_available() else "cpu",
+                        return_routes=return_routes)
     return start_vllm(model_dir, precision=cfg.precision.recipe, dtype=cfg.model.dtype, max_model_len=max_model_len,
                       seed=cfg.train.seed, work_dir=cfg.run_dir,
                       # vLLM refuses requests for more log-probs than max_logprobs (default 20).
                       max_logprobs=max(20, cfg.parity.topk),
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
-                      enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs)
+                      enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, return_routes=return_routes)
 
 
 def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
@@ -81,7 +84,7 @@ def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
                         logprobs_topk=cfg.parity.topk)
 
 
-def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp):
+def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, return_routes: bool = False):
     """One server shared by every data-parallel rank: rank 0 owns the weight transfer and pushes.
 
     Every rank sends its own shard's generate requests (the server batches them). Rank 0
@@ -97,7 +100,7 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp):
     def connect(pushes: bool):
         return ServerEngine(r.server_url, model_dir=model_dir, timeout_s=r.server_timeout_s, dtype=cfg.model.dtype,
                             max_model_len=max_model_len, pushes_weights=pushes, version_tag=tag,
-                            connect_timeout_s=r.server_connect_timeout_s)
+                            connect_timeout_s=r.server_connect_timeout_s, return_routes=return_routes)
 
     engine, error = None, None
     if dp.rank == 0:

@@ -29,8 +29,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+import torch
+
+from rollout.routes import NO_ROUTE, extend_routes
 from rollout.types import Rollouts, SamplingSpec
 from trainer.environments.contract import check_reset_result, check_step_result
 from trainer.environments.tool_calls import parse_assistant
@@ -71,6 +74,14 @@ class Episode:
     finish: str = "stop"
     live: bool = True
     index: int = 0  # global index: turn t's sample index is index_offset + t * episode_stride + index
+    routes: Optional[torch.Tensor] = None  # an MoE engine's routes of the positions its turns computed
+
+    def full_routes(self, like: torch.Tensor) -> torch.Tensor:
+        """``routes`` over every position of the episode (the replies after its last turn have none; an episode
+        whose prompt left no room for a turn has none at all), laid out as ``like``."""
+        known = self.routes if self.routes is not None else like[:0]
+        pad = torch.full((self.length - known.shape[0], *like.shape[1:]), NO_ROUTE, dtype=like.dtype)
+        return torch.cat([known, pad])
 
     def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None) -> None:
         self.ids.extend(int(i) for i in ids)
@@ -118,9 +129,11 @@ def run_episodes(engine, tokenizer, prompts: Sequence[list[dict]], rows: Sequenc
                                  limits.step_timeout_s, "step")
         for e, result in zip(stepping, results):
             _take_step(e, result, tokenizer, tools, template_kwargs, limits)
+    routed = [e.routes for e in episodes if e.routes is not None]
     rollouts = Rollouts(prompt_ids=[e.prompt_ids for e in episodes], completion_ids=[e.ids for e in episodes],
                         rollout_logprobs=[e.logprobs for e in episodes], finish_reasons=[e.finish for e in episodes],
-                        group_size=spec.n, completion_mask=[e.mask for e in episodes])
+                        group_size=spec.n, completion_mask=[e.mask for e in episodes],
+                        routes=[e.full_routes(routed[0]) for e in episodes] if routed else [])
     return rollouts, episodes
 
 
@@ -146,7 +159,10 @@ def _sample_turn(engine, live: list[Episode], spec: SamplingSpec, limits: Episod
         out = engine.generate([e.prompt_ids + e.ids for e in group],
                               replace(spec, n=1, max_new_tokens=cap,
                                       sample_indices=tuple(turn_offset + e.index for e in group)))
-        for e, ids, lps, finish in zip(group, out.completion_ids, out.rollout_logprobs, out.finish_reasons):
+        for k, (e, ids, lps, finish) in enumerate(zip(group, out.completion_ids, out.rollout_logprobs,
+                                                      out.finish_reasons)):
+            if out.routes:  # each position keeps the route of the turn that computed it first (rollout.routes)
+                e.routes = extend_routes(e.routes, out.routes[k])
             e.append(ids, True, lps)
             e.turns += 1
             if finish == "length":  # cut by the cap: the turn never ended, so neither does a reply follow it

@@ -50,6 +50,8 @@ from trainer.models.memory import peak_memory_gb
 from trainer.models.optim import make_scheduler
 from trainer.models.policy import load_tokenizer
 from trainer.models.precision import fp8_weight_quantizations
+from trainer.models.routing_mode import routing_mode
+from trainer.models.routing_replay import RoutingReplay
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_launch, check_model_config
 from trainer.rewards.sources import build_reward_sources
@@ -62,9 +64,10 @@ from trainer.rl.episode_sampler import EpisodeEnvironment, EpisodeSampler
 from trainer.rl.evaluation import BestCheckpoint, Evaluator
 from trainer.rl.learner import Learner, load_policy, prepare_policy
 from trainer.rl.parity_limits import enforce_parity_limits, ratio_limit_for
-from trainer.rl.parity_report import append_breakdown, step_breakdown, wandb_tables
+from trainer.rl.parity_report import append_breakdown, routing_by_layer, step_breakdown, wandb_tables
 from trainer.rl.preemption import Preemption
 from trainer.rl.probe import Probe, due
+from trainer.rl.routing_parity import pooled_routing_metrics, replay_paused
 from trainer.rl.run_state import choose_checkpoint, claim_run_dir, record_recipe
 from trainer.rl.sampling import Sampler, drawn_metrics
 from trainer.rl.scoring import Scores
@@ -142,6 +145,7 @@ class Run:
     environment: Optional[EpisodeEnvironment] = None  # env: multi-turn episodes (trainer/rl/episode_sampler.py)
     evaluator: Optional[Evaluator] = None  # eval: held-out evaluation (trainer/rl/evaluation.py)
     best: Optional[BestCheckpoint] = None  # checkpoint.best_metric (checkpointed)
+    routing: str = "off"  # parity.routing_replay resolved: replay | measure | off (trainer/models/routing_mode.py)
 
     @property
     def device(self):
@@ -195,7 +199,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             boundary.begin(step, _run_state(run))
             t_step = time.perf_counter()
             drawn, m = rollout_phase(run, step)
-            batch = batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device)
+            batch = _with_routes(run, batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device))
             _check_logprobs(batch.rollout_logprobs, batch.mask, run.dp)
             rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)
             t = time.perf_counter()
@@ -273,6 +277,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
         raise RecipeError(f"rollout.max_staleness = {cfg.rollout.max_staleness} with {dp.world} processes: expected "
                           "one process (the prefetch of several ranks sharing a server is not synchronised yet)")
     check_model_config(precision, model.config)  # before the engine starts
+    routing = _routing(cfg, model)
     d = cfg.data
     dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
@@ -300,7 +305,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
               # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
               gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules,
-              environment=environment, evaluator=evaluator, best=BestCheckpoint.from_config(cfg))
+              environment=environment, evaluator=evaluator, best=BestCheckpoint.from_config(cfg), routing=routing)
     run.probe = Probe(_probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
                       device=accelerator.device, dp=dp)
     run.ratio_limit = ratio_limit_for(cfg)
@@ -308,7 +313,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     record_recipe(run, resumed=resume)
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
-        cfg, model_dir, max_model_len=sequence_length(cfg), dp=dp)
+        cfg, model_dir, max_model_len=sequence_length(cfg), dp=dp, return_routes=routing != "off")
     if precision.engine_logprobs:
         run.exact = run.probe.exact = ExactLogprobs(run.engine, policy, getattr(torch, cfg.model.dtype))
     # Always align the engine with the policy being trained (fresh adapter = base weights,
@@ -319,6 +324,29 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
                            total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main,
                            resume=resume, tags=run_tags(cfg), resumed_step=run.start_step if resume else None)
     return run
+
+
+def _routing(cfg: RunConfig, model) -> str:
+    """``parity.routing_replay`` resolved for the loaded model; the trainer's routers wrapped unless "off"."""
+    try:
+        routing = routing_mode(cfg.parity.routing_replay, model.config,
+                               where=f"recipe {cfg.name!r}")
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+    if routing != "off":
+        RoutingReplay(model, replay=routing == "replay")
+    return routing
+
+
+def _with_routes(run: Run, batch: TokenBatch) -> TokenBatch:
+    """The batch with the engine's routes where the run replays or measures them, without them otherwise; an
+    engine that returned none when they were asked for is an error, never a silent fallback to the routers."""
+    if run.routing == "off":
+        batch.routes = None
+    elif batch.routes is None:
+        raise RuntimeError(f"parity.routing_replay: the engine ({type(run.engine).__name__}) returned no routes with "
+                           f"the step's rollouts; it must be started with return_routes=True")
+    return batch
 
 
 def _print_launch(cfg: RunConfig, dp: DataParallel, accelerator) -> None:
@@ -487,6 +515,9 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict
     stats = run.dp.pooled_stats(scored.logprobs, batch.rollout_logprobs, batch.mask, train_topk_logprobs=scored.topk,
                                 rollout_topk_logprobs=batch.topk_logprobs)
     m.update(finalize(stats))
+    if scored.routing is not None:
+        m.update(pooled_routing_metrics(scored.routing, run.dp))
+        unreplayed_phase(run, step, batch, m)
     if run.environment is not None:  # episodes: the same measures per assistant turn, pooled over ranks
         turns = int(run.dp.max_metrics({"t": float(turn_index(batch.mask).max()) if batch.mask.numel() else 0.0})["t"])
         m.update(compare_by_turn(scored.logprobs, batch.rollout_logprobs, batch.mask, turns,
@@ -500,10 +531,24 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict
     if run.is_main:
         breakdown = step_breakdown(scored.logprobs, batch.rollout_logprobs, batch.mask, batch.targets,
                                    run.tokenizer, entropy=scored.entropy, by_turn=run.environment is not None)
+        if scored.routing is not None:
+            breakdown["routing_by_layer"] = routing_by_layer(m)
         with run.records.writing(cfg.run_dir / "parity_breakdown.jsonl", step):
             append_breakdown(cfg.run_dir, step, breakdown)
         if run.logger.wandb_run is not None and (step % cfg.logging.breakdown_every == 0 or step == cfg.train.steps):
             run.logger.wandb_run.log(wandb_tables(breakdown), step=step)
+
+
+def unreplayed_phase(run: Run, step: int, batch: TokenBatch, m: dict) -> None:
+    """With replay, on the run's first step and every ``parity.unreplayed_every``-th: the batch scored once more
+    with the trainer's routers choosing (``parity/unreplayed/*``): the mismatch replay removes."""
+    every = run.cfg.parity.unreplayed_every
+    if run.routing != "replay" or not every or not (step == run.start_step + 1 or step % every == 0):
+        return
+    with replay_paused(run.model):
+        own = score_pass(run.learner, batch)
+    m.update(run.dp.pooled_parity(own.logprobs, batch.rollout_logprobs, batch.mask, prefix="parity/unreplayed/"))
+    m.update(pooled_routing_metrics(own.routing, run.dp, prefix="parity/unreplayed/"))
 
 
 def samples_phase(run: Run, step: int, drawn: Drawn, batch: TokenBatch, scored: Scores) -> None:

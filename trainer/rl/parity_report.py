@@ -35,6 +35,20 @@ def step_breakdown(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch
     return out
 
 
+def routing_by_layer(metrics: dict[str, float]) -> list[dict]:
+    """Per MoE layer, the step's routing agreement (``parity/routing_agree/layer_<l>``), and without replay
+    (``parity/unreplayed/...``) when the step measured it: a table of where routers flip."""
+    rows, layer = [], 0
+    while f"parity/routing_agree/layer_{layer}" in metrics:
+        row = {"moe_layer": layer, "agree": metrics[f"parity/routing_agree/layer_{layer}"]}
+        unreplayed = metrics.get(f"parity/unreplayed/routing_agree/layer_{layer}")
+        if unreplayed is not None:
+            row["agree_unreplayed"] = unreplayed
+        rows.append(row)
+        layer += 1
+    return rows
+
+
 def append_breakdown(run_dir: Path, step: int, breakdown: dict) -> None:
     with open(Path(run_dir) / "parity_breakdown.jsonl", "a") as f:
         f.write(json.dumps({"step": step, **breakdown}) + "\n")

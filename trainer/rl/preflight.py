@@ -42,6 +42,7 @@ from trainer.config.validate import sequence_length
 from trainer.data.datasets import load_prompt_dataset, looks_like_path
 from trainer.data.tasks import PROMPT_SOURCES
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
+from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_model_config, check_recipe
 from trainer.rewards.functions import resolve_reward
@@ -204,6 +205,7 @@ def _check_model(cfg: RunConfig, where: str, report: Report) -> None:
         return
     report.run(check_lora_targets, cfg, where)
     report.run(check_precision_model, cfg, where)
+    report.run(check_routing, cfg, where)
     files_ok, size = report.run(check_model_files, cfg, where)
     if files_ok:
         report.run(check_capacity, cfg, where, size)
@@ -270,6 +272,18 @@ def check_precision_model(cfg: RunConfig, where: str) -> None:
     except (OSError, ValueError):  # a hub id without network: setup checks it again with the loaded model
         return
     check_model_config(recipe, config, where=where, model_path=cfg.model.path)
+
+
+def check_routing(cfg: RunConfig, where: str) -> None:
+    """``parity.routing_replay`` against the model's config and the rollout mode (``routing_mode``)."""
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    except (OSError, ValueError):  # a hub id without network: the run checks it again with the loaded model
+        return
+    try:
+        routing_mode(cfg.parity.routing_replay, config, where=where)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
 
 
 def check_run_dir(cfg: RunConfig, where: str) -> None:

@@ -32,6 +32,7 @@ from rollout.types import Rollouts, SamplingSpec
 from trainer.config import RunConfig
 from trainer.distributed.data_parallel import DataParallel
 from trainer.models.batch import batch_from_rollouts
+from trainer.models.routing_replay import attached_replay
 from trainer.rl.scoring import score_batch
 
 # A fixed seed distinct from every step's (engines.sampling_spec uses seed * 1_000_003 + step).
@@ -70,9 +71,10 @@ class Probe:
         if not self.prompt_ids:
             return {}
         if self.fixed is None:
-            self.fixed = _fit(engine.generate(self.prompt_ids, replace(probe_spec(self.cfg), logprobs_topk=0)),
-                              getattr(engine, "max_model_len", None))
-        return self._compare(model, self._engine_scores(engine))
+            # the generation's routes are not kept: every probe replays its own scoring pass's
+            self.fixed = _fit(replace(engine.generate(self.prompt_ids, replace(probe_spec(self.cfg), logprobs_topk=0)),
+                                      routes=[]), getattr(engine, "max_model_len", None))
+        return self._compare(model, self._engine_scores(engine, replay=attached_replay(model) is not None))
 
     def state_dict(self) -> dict:
         """The fixed sequences (checkpointed, so a resumed run probes the same tokens as an uninterrupted one)."""
@@ -83,8 +85,9 @@ class Probe:
     def load_state_dict(self, state: Optional[dict]) -> None:
         self.fixed = Rollouts(group_size=1, **state) if state else None
 
-    def _engine_scores(self, engine) -> Rollouts:
-        """The fixed sequences with the engine's log-probs of their completion tokens (prefill, T = 1)."""
+    def _engine_scores(self, engine, replay: bool = False) -> Rollouts:
+        """The fixed sequences with the engine's log-probs of their completion tokens (prefill, T = 1), and with
+        ``replay`` the routes of that prefill (an MoE engine's, ``rollout.routes``)."""
         f, topk = self.fixed, self.cfg.parity.topk
         scored = engine.score([p + c for p, c in zip(f.prompt_ids, f.completion_ids)], topk=topk)
 
@@ -94,7 +97,8 @@ class Probe:
         n = len(f.completion_ids)
         return replace(f, rollout_logprobs=[completion_part(scored.logprobs[k], k) for k in range(n)],
                        topk_ids=[completion_part(scored.topk_ids[k], k) for k in range(n)] if topk else [],
-                       topk_logprobs=[completion_part(scored.topk_logprobs[k], k) for k in range(n)] if topk else [])
+                       topk_logprobs=[completion_part(scored.topk_logprobs[k], k) for k in range(n)] if topk else [],
+                       routes=scored.routes if replay else [])
 
     def _compare(self, model, rollouts: Rollouts) -> dict[str, float]:
         batch = batch_from_rollouts(rollouts, self.pad_id, self.device)

@@ -19,6 +19,7 @@ import torch
 
 from trainer.models.batch import TokenBatch
 from trainer.models.policy import completion_hidden, completion_logprobs, logprobs_from_hidden
+from trainer.models.routing_replay import attached_replay
 from trainer.rl.micro_batches import micro_batch_rows
 
 # How often (seconds) a long scoring reports its progress.
@@ -30,7 +31,8 @@ class Scores:
     """Per-token trainer outputs of a whole batch [S, C] (0 where nothing was scored), detached.
 
     ``topk`` [S, C, k]: the trainer's log-probs of the engine's top-k ids (when the batch has them);
-    ``values``: PPO's critic; ``ref_logprobs``: the reference policy (the base model, adapter off).
+    ``values``: PPO's critic; ``ref_logprobs``: the reference policy (the base model, adapter off);
+    ``routing``: an MoE batch's routing parity sums (``RoutingReplay.last_stats``, summed over micro-batches).
     """
 
     logprobs: torch.Tensor
@@ -38,6 +40,7 @@ class Scores:
     topk: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
+    routing: Optional[dict] = None
 
     @classmethod
     def zeros(cls, batch: TokenBatch, *, entropy: bool = True, values: bool = False,
@@ -49,9 +52,11 @@ class Scores:
                    topk=None if batch.topk_ids is None else torch.zeros_like(batch.topk_logprobs),
                    values=zero() if values else None, ref_logprobs=zero() if reference else None)
 
-    def put(self, rows, lp, ent, top, values=None) -> None:
+    def put(self, rows, lp, ent, top, values=None, routing=None) -> None:
         """Write one micro-batch's outputs (its first ``lp.shape[1]`` columns) into ``rows``."""
         c = lp.shape[1]
+        if routing is not None:
+            self.routing = routing if self.routing is None else {k: self.routing[k] + v for k, v in routing.items()}
         self.logprobs[rows, :c] = lp.detach()
         if self.entropy is not None:
             self.entropy[rows, :c] = ent.detach()
@@ -73,7 +78,8 @@ class Scores:
 
 def forward(model, micro: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None, value_head=None,
             exact=None, entropy: bool = True, entropy_grad: bool = False, pack_sequences: bool = False):
-    """(log-probs, entropy or None, top-k log-probs or None, values or None) of one micro-batch from one forward.
+    """(log-probs, entropy or None, top-k log-probs or None, values or None, routing parity sums or None) of one
+    micro-batch from one forward.
 
     Entropy comes from the same kernel pass: it feeds the breakdown of the mismatch by trainer
     entropy and PPO's entropy bonus. Gradients flow when grad is enabled -- to the entropy only
@@ -81,12 +87,14 @@ def forward(model, micro: TokenBatch, *, temperature: float, chunk_size: Optiona
     ``pack_sequences``: the backbone runs on packed rows (``trainer.models.packing``), same outputs.
     """
     hidden, lm_head, values = completion_hidden(model, micro, value_head, pack_sequences=pack_sequences)
+    # read now: a reference pass or a checkpoint's recompute calls the routers again
+    routing = None if micro.routes is None else attached_replay(model).last_stats()
     lp, ent, *top = logprobs_from_hidden(hidden, lm_head, micro, temperature=temperature, chunk_size=chunk_size,
                                          return_entropy=entropy, entropy_grad=entropy_grad, topk_ids=micro.topk_ids)
     top = top[0] if top else None
     if exact is not None:
         lp, ent, top = exact(micro, lp, ent, top, temperature)
-    return lp, ent, top, values
+    return lp, ent, top, values, routing
 
 
 @torch.no_grad()

@@ -1,13 +1,19 @@
 """Rollout routing replay on the Hugging Face MoE families (trainer/models/routing_replay.py) and the routing parity
 metrics (parity/routing.py). Tiny random models at std 0.2, so routers have near-ties and a wrong gather shows."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 
 from parity.routing import routing_metrics, routing_stats
-from trainer.models.routing_replay import RoutingReplay, UnsupportedRouting, moe_routers
+from rollout.hf_routes import RouterTap
+from rollout.routes import NO_ROUTE
+from rollout.types import Rollouts
+from trainer.models.batch import batch_from_rollouts
+from trainer.models.routing_replay import PAD, RoutingReplay, UnsupportedRouting, moe_routers
+from trainer.rl.scoring import forward, score_batch
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
@@ -119,3 +125,80 @@ def test_routing_metrics_hand_computed():
     assert m["parity/routing_tokens_any_diff"] == 1 / 2
     empty = routing_metrics(routing_stats(engine, trainer, torch.zeros(3, dtype=torch.bool)))
     assert math.isnan(empty["parity/routing_agree"])
+
+
+# ---- the scoring forward (trainer.rl.scoring.forward): routes laid out with the batch ---------------------
+PROMPTS = [[5, 9, 3, 17], [8, 1], [40, 2, 11, 12, 13]]
+COMPLETIONS = [[20, 21, 22], [30, 31, 32, 33, 34], [41]]
+
+
+def own_routes(model, seq):
+    """The model's own routes of one whole sequence [len, L, k] (int16, rollout.routes' layout)."""
+    with RouterTap(model) as tap, torch.no_grad():
+        model(torch.tensor([seq]))
+    return torch.stack([c[0] for c in tap.calls], 1)
+
+
+def routed_batch(model, shift: int):
+    """The three samples with routes = each token's own selection shifted by ``shift`` experts (0: its own)."""
+    routes = [(own_routes(model, p + c) + shift) % model.config.num_experts for p, c in zip(PROMPTS, COMPLETIONS)]
+    for r in routes:
+        r[-1] = NO_ROUTE  # as an engine returns them: the last sampled token is never fed back
+    rollouts = Rollouts(prompt_ids=PROMPTS, completion_ids=COMPLETIONS,
+                        rollout_logprobs=[[0.0] * len(c) for c in COMPLETIONS], finish_reasons=["stop"] * 3,
+                        group_size=1, routes=routes)
+    return batch_from_rollouts(rollouts, pad_id=0)
+
+
+def test_routes_are_aligned_with_the_padded_inputs_and_pad_where_nothing_is_predicted():
+    model = build("qwen3_moe")
+    batch = routed_batch(model, 0)
+    assert batch.routes.shape == (3, 5 + 5, 2, 2)
+    # row 1: prompt of 2 left-padded to 5, completion of 5: its tokens' routes at columns 3..8, the last
+    # sampled token (column 9) and the padding PAD
+    assert (batch.routes[1, :3] == PAD).all() and (batch.routes[1, 3:9] >= 0).all() and (batch.routes[1, 9] == PAD).all()
+    # row 2: one completion token: the prompt's routes only (its last position predicts that token)
+    assert (batch.routes[2, :5] >= 0).all() and (batch.routes[2, 5:] == PAD).all()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_scoring_forward_replays_the_same_way_padded_packed_and_in_micro_batches(family):
+    model = build(family)
+    own, other = routed_batch(model, 0), routed_batch(model, 1)
+    plain = forward(model, replace(own, routes=None), temperature=1.0)[0]  # no replay installed
+    RoutingReplay(model)
+    lp, _, _, _, stats = forward(model, own, temperature=1.0)
+    assert torch.equal(lp, plain)  # replaying the model's own choice is the model
+    assert float(stats["agree_by_layer"].sum()) == 2 * float(stats["tokens"]) and stats["unrouted"] == 0
+
+    padded, _, _, _, s_padded = forward(model, other, temperature=1.0)
+    packed, _, _, _, s_packed = forward(model, other, temperature=1.0, pack_sequences=True)
+    micro = score_batch(model, other, micro_batch_size=1, temperature=1.0, entropy=False)
+    assert not torch.allclose(padded, plain, atol=1e-3)  # the engine's selection was used
+    torch.testing.assert_close(packed, padded, atol=2e-5, rtol=0)
+    torch.testing.assert_close(micro.logprobs, padded, atol=2e-5, rtol=0)
+    for k in ("agree_by_layer", "tokens", "tokens_any_diff"):
+        assert torch.equal(s_packed[k], s_padded[k]) and torch.equal(micro.routing[k], s_padded[k])
+    # layer 0 sees the same inputs in both and was given another expert set everywhere: it never agrees
+    assert float(s_padded["agree_by_layer"][0]) == 0 and float(s_padded["tokens"]) == (4 + 3 - 1) + (2 + 5 - 1) + 5
+
+    # a batch without routes afterwards: the routers choose again (the last routes are not left behind)
+    again = forward(model, replace(other, routes=None), temperature=1.0)[0]
+    assert torch.equal(again, plain)
+
+
+def test_gradient_checkpointings_recompute_replays_the_same_routes():
+    grads = []
+    for checkpointing in (False, True):
+        model = build("qwen3_moe")
+        batch = routed_batch(model, 1)
+        RoutingReplay(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        lp = forward(model, batch, temperature=1.0)[0]
+        (lp * batch.mask).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("gate" in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)

@@ -1,12 +1,15 @@
 """rollout.max_staleness 1 (trainer/rl/async_rollout.py): the behaviour adapter, the pending batch, the split
 of the mismatch into parity/* (numerics) and staleness/* (policy lag), and exact resume."""
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from rollout.types import Rollouts
 from trainer.config.schema import RecipeError
 from trainer.rl.async_rollout import Prefetch, _decode, _encode, behaviour_weights, snapshot
+from trainer.rl.dynamic_sampling import Drawn
 from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
@@ -48,6 +51,19 @@ def test_a_failed_prefetch_is_raised_by_the_step_that_takes_it():
     with pytest.raises(RuntimeError, match="engine down"):
         p.take(4)
     assert p.state_dict() is None
+
+
+def test_a_pending_batchs_routes_survive_the_checkpoint_as_json():
+    routes = [torch.randint(-1, 60, (3, 2, 4), dtype=torch.int16), torch.randint(-1, 60, (4, 2, 4), dtype=torch.int16)]
+    drawn = Drawn(rows=[{"prompt": "a"}], rollouts=Rollouts(
+        prompt_ids=[[1, 2], [1, 2]], completion_ids=[[3], [4, 5]], rollout_logprobs=[[-0.5], [-0.1, -0.2]],
+        finish_reasons=["stop", "stop"], group_size=2, routes=routes), rewards=[1.0, 0.0], per_fn={})
+    p = Prefetch()
+    p.launch(2, lambda: drawn, {}, threaded=False)
+    back = Prefetch()
+    back.load_state_dict(json.loads(json.dumps(p.state_dict())))  # the checkpoint's state is JSON
+    restored = back.take(2)[0].rollouts
+    assert all(torch.equal(a, b) for a, b in zip(restored.routes, routes)) and len(restored.routes) == 2
 
 
 @pytest.mark.parametrize("sets, words", [
