@@ -10,7 +10,7 @@ is; that is the runner's batch layout at the time of the forward, read here arou
 * ``query_start_loc.np[:num_reqs + 1]``: where each request's rows start (``_prepare_inputs``);
 * the ``positions`` argument: each row's position in its sequence (prefill rows and decode rows alike).
 
-A request's routes are kept as (positions, ids) chunks until ``take_routes`` assembles them into the
+The rows are kept per forward until ``take_routes`` assembles each request's into the
 [positions, MoE layers, k] layout of ``rollout.routes`` (``NO_ROUTE`` where nothing was computed: the last
 sampled token, and any prefix-cache hit -- which is why an engine that returns routes runs with prefix
 caching off, ``rollout.vllm_engine``). A preempted request that is recomputed overwrites its positions.
@@ -37,53 +37,88 @@ ATTR = "_parityrl_routes"
 
 
 class RouteRecorder:
-    """Per request, the routes of the positions the engine computed since ``reset``."""
+    """Per request, the routes of the positions the engine computed since ``reset``.
+
+    Each forward's rows stay one record (request index, position, ids per row): the bookkeeping per decoding
+    step is a few tensor operations whatever the batch, and ``take`` sorts every row to its request at once
+    (a loop over requests and steps in Python cost more than the capture itself)."""
 
     def __init__(self, layer_ids: Sequence[int], top_k: int, num_experts: int) -> None:
         self.layer_of = {lid: i for i, lid in enumerate(sorted(layer_ids))}  # vLLM decoder layer -> MoE ordinal
         self.top_k, self.num_experts = int(top_k), int(num_experts)
-        self.chunks: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.step = None  # (request ids, row starts, positions, ids [rows, L, k]) during a forward
+        self.step = None  # (row request indices, positions, ids [rows, L, k]) during a forward
+        self.reset()
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_of)
 
+    def reset(self) -> None:
+        self.index: dict[str, int] = {}  # the engine's request id -> its number in the records
+        self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
     def begin(self, req_ids: list[str], starts: list[int], positions: torch.Tensor) -> None:
         rows = starts[-1]
+        numbers = torch.tensor([self.index.setdefault(r, len(self.index)) for r in req_ids], dtype=torch.long)
+        counts = torch.tensor(starts[1:], dtype=torch.long) - torch.tensor(starts[:-1], dtype=torch.long)
         # a copy: on CPU .to() would alias the runner's positions buffer, which the next step overwrites
-        self.step = (req_ids, starts, positions[:rows].to("cpu", torch.long, copy=True),
+        self.step = (numbers.repeat_interleave(counts), positions[:rows].to("cpu", torch.long, copy=True),
                      torch.full((rows, self.num_layers, self.top_k), NO_ROUTE, dtype=ROUTE_DTYPE))
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         if self.step is None:  # a warm-up or profiling forward: no request to attribute it to
             return
-        ids = self.step[3]
+        ids = self.step[2]
         ids[:, self.layer_of[layer_id]] = topk_ids[:ids.shape[0]].to("cpu", ROUTE_DTYPE)
 
     def end(self) -> None:
-        req_ids, starts, positions, ids = self.step
+        if self.step[0].numel():
+            self.records.append(self.step)
         self.step = None
-        for i, rid in enumerate(req_ids):
-            lo, hi = starts[i], starts[i + 1]
-            if hi > lo:
-                self.chunks.setdefault(rid, []).append((positions[lo:hi], ids[lo:hi]))
 
-    def take(self, request_id: str, length: int) -> torch.Tensor:
-        """The routes [length, L, k] of the request the caller named ``request_id`` (forgotten afterwards)."""
-        out = torch.full((length, self.num_layers, self.top_k), NO_ROUTE, dtype=ROUTE_DTYPE)
-        for key in [k for k in self.chunks if _names(k, request_id)]:
-            for pos, ids in self.chunks.pop(key):
-                keep = pos < length
-                out[pos[keep]] = ids[keep]
+    def take(self, requests: Sequence[tuple[str, int]]) -> list[torch.Tensor]:
+        """The routes [length, L, k] of each (caller's request id, length), in order; those requests' rows are
+        forgotten afterwards."""
+        if not self.records:
+            return [self._empty(n) for _, n in requests]
+        req, pos, ids = (torch.cat(x) for x in zip(*self.records))
+        order = torch.sort(req, stable=True).indices  # stable: a recomputed (preempted) position comes later
+        req, pos, ids = req[order], pos[order], ids[order]
+        ends = torch.bincount(req, minlength=len(self.index)).cumsum(0).tolist()
+        names = _name_table(self.index)
+        out, taken = [], []
+        for rid, n in requests:
+            number = names.get(rid)
+            r = self._empty(n)
+            if number is not None:
+                lo, hi = (ends[number - 1] if number else 0), ends[number]
+                p = pos[lo:hi]
+                keep = p < n
+                r[p[keep]] = ids[lo:hi][keep]
+                taken.append(number)
+            out.append(r)
+        if taken:
+            rest = ~torch.isin(req, torch.tensor(taken, dtype=torch.long))
+            self.records = [(req[rest], pos[rest], ids[rest])] if bool(rest.any()) else []
         return out
 
+    def _empty(self, n: int) -> torch.Tensor:
+        return torch.full((n, self.num_layers, self.top_k), NO_ROUTE, dtype=ROUTE_DTYPE)
 
-def _names(key: str, request_id: str) -> bool:
-    """Whether the engine's request id ``key`` is the caller's ``request_id``: the same, or with the engine's
-    random suffix, behind a route's prefix (the server's token route: ``generate-tokens-<id>``)."""
-    base = key.rsplit("-", 1)[0]
-    return request_id in (key, base) or base.endswith("-" + request_id)
+
+def _name_table(index: dict[str, int]) -> dict[str, int]:
+    """Every name a caller may use for an engine request id -> its number: the id, the id without the engine's
+    random suffix, and that behind any route prefix (``generate-tokens-<id>``); the full id itself wins."""
+    table: dict[str, int] = {}
+    for key, number in index.items():
+        base = key.rsplit("-", 1)[0]
+        parts = base.split("-")
+        for i in range(1, len(parts)):  # behind a route's prefix: generate-tokens-<id>
+            table.setdefault("-".join(parts[i:]), number)
+        table[base] = number
+    for key, number in index.items():
+        table[key] = number
+    return table
 
 
 def _runner(worker):
@@ -129,10 +164,9 @@ def install_route_capture(worker) -> dict:
 
 def reset_routes(worker) -> None:
     """Forget every request's routes (a new batch of requests starts)."""
-    getattr(_runner(worker), ATTR).chunks.clear()
+    getattr(_runner(worker), ATTR).reset()
 
 
 def take_routes(worker, requests: Sequence[tuple[str, int]]) -> list[torch.Tensor]:
     """The routes of each (request id, sequence length), in order."""
-    recorder = getattr(_runner(worker), ATTR)
-    return [recorder.take(rid, n) for rid, n in requests]
+    return getattr(_runner(worker), ATTR).take(requests)

@@ -60,9 +60,19 @@ def test_the_recorder_files_each_rows_ids_under_its_request_and_position():
     rec.capture(3, torch.tensor([[1, 1], [2, 2]], dtype=torch.int32))
     rec.end()
     rec.capture(1, torch.tensor([[0, 0]]))  # a forward outside any step (warm-up): ignored
-    a = rec.take("a", 5)  # the caller's id; vLLM suffixed it
+    a, b, none = rec.take([("a", 5), ("b", 3), ("c", 2)])  # the caller's ids; vLLM suffixed them
     assert a[:, 0].tolist() == [[0, 1], [1, 2], [2, 3], [5, 5], [-1, -1]]
     assert a[:, 1].tolist() == [[5, 6], [6, 7], [7, 0], [2, 2], [-1, -1]]
-    b = rec.take("b", 3)
     assert b[:, 0].tolist() == [[3, 4], [4, 5], [6, 6]] and b.dtype == torch.int16
-    assert rec.take("a", 2).eq(NO_ROUTE).all()  # taken once
+    assert none.eq(NO_ROUTE).all()  # a request the engine never saw
+    assert rec.take([("a", 2)])[0].eq(NO_ROUTE).all() and rec.records == []  # taken once, then forgotten
+
+
+def test_a_servers_route_prefix_and_the_engines_suffix_name_the_same_request():
+    rec = RouteRecorder(layer_ids=[0], top_k=1, num_experts=4)
+    rec.begin(["generate-tokens-parityrl-ab12-1-0f0f0f0f", "generate-tokens-parityrl-ab12-11-1e1e1e1e"], [0, 1, 2],
+              torch.tensor([0, 0]))
+    rec.capture(0, torch.tensor([[1], [2]]))
+    rec.end()
+    one, eleven = rec.take([("parityrl-ab12-1", 1), ("parityrl-ab12-11", 1)])
+    assert one.item() == 1 and eleven.item() == 2

@@ -137,12 +137,11 @@ def completion_hidden(model, batch: TokenBatch, value_head=None, *, pack_sequenc
     """
     wrapped = wrapped_policy_forward(model)
     packed = pack(batch) if pack_sequences else None
+    # The engine's routes, laid out as the inputs, where the run replays or measures them (a RoutingReplay is
+    # installed: trainer.rl.loop checks that the engine returned them); a batch without routes: the routers' own.
     replay = attached_replay(model)
-    if replay is not None:  # the engine's routes, laid out as the inputs; a batch without them: the routers' own
+    if replay is not None:
         replay.set_routes(None if batch.routes is None else batch.routes if packed is None else packed.routes)
-    elif batch.routes is not None:
-        raise ValueError("completion_hidden: the batch carries routes but the model has no RoutingReplay installed "
-                         "(trainer.models.routing_replay)")
     # Packed rows carry no attention mask: transformers reads the sequence boundaries from the position ids.
     inputs = (dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
               if packed is None else

@@ -88,7 +88,8 @@ def forward(model, micro: TokenBatch, *, temperature: float, chunk_size: Optiona
     """
     hidden, lm_head, values = completion_hidden(model, micro, value_head, pack_sequences=pack_sequences)
     # read now: a reference pass or a checkpoint's recompute calls the routers again
-    routing = None if micro.routes is None else attached_replay(model).last_stats()
+    replay = None if micro.routes is None else attached_replay(model)
+    routing = None if replay is None else replay.last_stats()
     lp, ent, *top = logprobs_from_hidden(hidden, lm_head, micro, temperature=temperature, chunk_size=chunk_size,
                                          return_entropy=entropy, entropy_grad=entropy_grad, topk_ids=micro.topk_ids)
     top = top[0] if top else None
