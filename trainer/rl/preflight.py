@@ -77,15 +77,19 @@ def check_reward_model_dirs(cfg: RunConfig, where: str) -> None:
 
 
 def check_data_source(cfg: RunConfig, where: str) -> None:
-    """A built-in dataset that exists, or a local file or directory that does; hub ids pass."""
-    src = cfg.data.source
-    if src.startswith("builtin:"):
-        if src.removeprefix("builtin:") not in PROMPT_SOURCES:
-            raise RecipeError(f"{where}: data.source = {src!r}: unknown built-in dataset; expected one of "
-                              + ", ".join(repr("builtin:" + n) for n in PROMPT_SOURCES))
-    # an explicit path prefix, or the data loader's own rule for "this is a file"
-    elif (src.startswith((".", "/", "~")) or looks_like_path(src)) and not Path(src).expanduser().exists():
-        raise RecipeError(f"{where}: data.source = {src!r}: no such file or directory")
+    """``data.source`` and, when evaluation reads another one, ``eval.source``: a built-in dataset that exists, or
+    a local file or directory that does; hub ids pass."""
+    sources = [("data.source", cfg.data.source)]
+    if cfg.eval.every and cfg.eval.source is not None:
+        sources.append(("eval.source", cfg.eval.source))
+    for key, src in sources:
+        if src.startswith("builtin:"):
+            if src.removeprefix("builtin:") not in PROMPT_SOURCES:
+                raise RecipeError(f"{where}: {key} = {src!r}: unknown built-in dataset; expected one of "
+                                  + ", ".join(repr("builtin:" + n) for n in PROMPT_SOURCES))
+        # an explicit path prefix, or the data loader's own rule for "this is a file"
+        elif (src.startswith((".", "/", "~")) or looks_like_path(src)) and not Path(src).expanduser().exists():
+            raise RecipeError(f"{where}: {key} = {src!r}: no such file or directory")
 
 
 def check_context_length(cfg: RunConfig, where: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 from trainer.config import RecipeError
 from trainer.rl.evaluation import pass_at_k
 from trainer.rl.loop import train
-from trainer.rl.preflight import load_recipe
+from trainer.rl.preflight import check_before_loading, load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -56,6 +56,14 @@ def test_eval_recipe_refusals(tmp_path, sets, says):
     with pytest.raises(RecipeError) as e:
         cfg_for(tmp_path, "bad", *sets)
     assert says in str(e.value), str(e.value)
+
+
+def test_a_missing_held_out_file_is_refused_by_its_key_before_anything_loads(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes" / "grpo_tiny.yaml").read_text())
+    with pytest.raises(RecipeError, match=r"eval.source = '/nope/held_out.jsonl': no such file or directory"):
+        check_before_loading(recipe, ["eval.every=5", "eval.source=/nope/held_out.jsonl",
+                                      f"logging.run_dir={tmp_path / 'run'}"], model=False)
 
 
 @pytest.mark.slow
