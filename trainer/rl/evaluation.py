@@ -28,6 +28,7 @@ uninterrupted one would, and two evaluations of the same weights give the same c
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -44,6 +45,7 @@ from trainer.models.batch import batch_from_rollouts
 from trainer.rl.dynamic_sampling import Drawn
 from trainer.rl.sampling import Sampler
 from trainer.rl.scoring import score_batch
+from trainer.rl.stops import RunStopped
 
 # Seeds of evaluation samples sit above every training sample index of the same step (trainer/rl/engines.py's
 # per-step seed, sample indices from 0): a distinct stream.
@@ -140,13 +142,15 @@ class Evaluator:
         per_source: dict[str, dict[str, float]] = {}
         m: dict[str, float] = {}
         if e.samples:
-            drawn = sampler.sample(shard, eval_spec(self.cfg, step, greedy=False), step,
-                                   first=_first(self.rows, dp) * e.samples, total=len(self.rows) * e.samples)
+            with _said_as_evaluation():
+                drawn = sampler.sample(shard, eval_spec(self.cfg, step, greedy=False), step,
+                                       first=_first(self.rows, dp) * e.samples, total=len(self.rows) * e.samples)
             self._accumulate(drawn, e.samples, sums, per_source, "sampled")
             m.update(self._parity(drawn, model, exact))
         if e.greedy:
-            drawn = sampler.sample(shard, eval_spec(self.cfg, step, greedy=True), step, first=_first(self.rows, dp),
-                                   total=len(self.rows))
+            with _said_as_evaluation():
+                drawn = sampler.sample(shard, eval_spec(self.cfg, step, greedy=True), step,
+                                       first=_first(self.rows, dp), total=len(self.rows))
             self._accumulate(drawn, 1, sums, per_source, "greedy")
         m.update(self._finish(sums, per_source))
         m["perf/eval_s"] = time.perf_counter() - t0
@@ -232,6 +236,18 @@ def _ratios(p: dict[str, float], prefix: str, accuracy_only: bool = False) -> di
     out[prefix + "mean_length"] = p["length_sum"] / p["samples"]
     out[prefix + "frac_truncated"] = p["truncated"] / p["samples"]
     return out
+
+
+@contextlib.contextmanager
+def _said_as_evaluation():
+    """A reward function, an environment or the engine failing on held-out prompts: the stop's message says so
+    ("held-out evaluation, step 0: ..."), its type (and exit status) unchanged."""
+    try:
+        yield
+    except RunStopped as e:
+        if e.args and isinstance(e.args[0], str):
+            e.args = (f"held-out evaluation, {e.args[0]}", *e.args[1:])
+        raise
 
 
 def _shard(rows: list[dict], dp: DataParallel) -> list[dict]:

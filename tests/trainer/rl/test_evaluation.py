@@ -9,6 +9,7 @@ from trainer.config import RecipeError
 from trainer.rl.evaluation import pass_at_k
 from trainer.rl.loop import train
 from trainer.rl.preflight import check_before_loading, load_recipe
+from trainer.rl.stops import RewardFailed
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -71,6 +72,16 @@ def test_a_split_that_overlaps_the_training_prompts_is_refused_before_the_engine
     with pytest.raises(RecipeError, match=r"eval.source = 'builtin:arithmetic' \(split 'train'\): .* are also "
                                           r"training prompts"):
         train(cfg_for(tmp_path, "overlap", "train.steps=1", "eval.every=1", "eval.split=train"))
+
+
+@pytest.mark.slow
+def test_a_reward_failing_on_held_out_prompts_says_it_was_the_evaluation(tmp_path, vllm_engine):
+    (tmp_path / "bad_reward.py").write_text("def broken(prompts, completions, **kw):\n"
+                                            "    raise ValueError('no answer key')\n")
+    cfg = cfg_for(tmp_path, "eval_fails", "train.steps=1", "eval.every=1", "eval.num_prompts=2", "eval.samples=2",
+                  f"reward.functions={{broken: '{tmp_path / 'bad_reward.py'}:broken'}}")
+    with pytest.raises(RewardFailed, match=r"^held-out evaluation, step 0: .*broken.*no answer key"):
+        train(cfg, engine=vllm_engine)
 
 
 @pytest.mark.slow
