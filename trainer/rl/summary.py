@@ -64,6 +64,9 @@ def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLo
     print("\n=== parityrl run summary ===")
     print(f"reward   first {k} step(s): {first:.3f}   last {k} step(s): {last:.3f}   change {last - first:+.3f}")
     print(f"parity   mean |d| over the run: {mae:.2e}   mean kl_k3: {kl:.2e}   worst token |d|: {worst:.2e}")
+    routing = routing_line(h)
+    if routing:
+        print(routing)
     held_out = held_out_line(logger.metrics_path)
     if held_out:
         print(held_out)
@@ -76,6 +79,21 @@ def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLo
         print(f"best        {best.metric} {best.value:.4g} at step {best.step}: {where}")
     print(f"metrics     {logger.metrics_path}")
     print(f"wandb       {logger.wandb_location}")
+
+
+def routing_line(h: list[dict]) -> str:
+    """A mixture-of-experts run's routing (docs/moe.md): how often the two sides' routers agree, and on the steps
+    scored both ways, the KL with replay against without it; "" for a run without routes."""
+    agree = [r["parity/routing_agree"] for r in h if r.get("parity/routing_agree") is not None]
+    if not agree:
+        return ""
+    diff = _mean([r["parity/routing_tokens_any_diff"] for r in h if "parity/routing_tokens_any_diff" in r])
+    line = f"routing  routers agree on {_mean(agree):.2%} of (token, layer) choices, {diff:.1%} of tokens differ somewhere"
+    both = [r for r in h if r.get("parity/unreplayed/kl_k3") is not None]
+    if both:
+        with_, without = _mean([r["parity/kl_k3"] for r in both]), _mean([r["parity/unreplayed/kl_k3"] for r in both])
+        line += f"; replay: kl_k3 {with_:.2e} vs {without:.2e} without ({len(both)} step(s) scored both ways)"
+    return line
 
 
 def held_out_line(metrics_path: Path) -> str:

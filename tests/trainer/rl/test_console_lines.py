@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 from trainer.io.run_logger import eta_text
 from trainer.rl.samples import console_rows
-from trainer.rl.summary import print_summary, whole_run
+from trainer.rl.summary import print_summary, routing_line, whole_run
 
 
 def test_eta_counts_only_the_steps_after_the_first_logged_one():
@@ -51,3 +51,12 @@ def test_summary_after_a_resume_covers_the_whole_run(tmp_path, capsys):
 
 def test_summary_without_a_metrics_file_uses_the_process_records(tmp_path):
     assert whole_run(tmp_path / "missing.jsonl", [_rec(1, 0.5)]) == [_rec(1, 0.5)]
+
+
+def test_the_routing_line_averages_the_steps_and_compares_only_those_scored_both_ways():
+    h = [{"parity/routing_agree": 0.99, "parity/routing_tokens_any_diff": 0.02, "parity/kl_k3": 3e-4,
+          "parity/unreplayed/kl_k3": 6e-3},
+         {"parity/routing_agree": 0.97, "parity/routing_tokens_any_diff": 0.04, "parity/kl_k3": 5e-4}]
+    assert routing_line(h) == ("routing  routers agree on 98.00% of (token, layer) choices, 3.0% of tokens differ "
+                               "somewhere; replay: kl_k3 3.00e-04 vs 6.00e-03 without (1 step(s) scored both ways)")
+    assert routing_line([{"parity/kl_k3": 1e-3}]) == ""  # a dense model's run
