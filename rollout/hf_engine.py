@@ -75,8 +75,11 @@ class HFEngine(InProcessEngine):
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self.return_routes = bool(return_routes)
-        if self.return_routes:
-            RouterTap(model)  # refuses a model without routers now, not at the first generate
+        self.route_shape = None
+        if self.return_routes:  # a model without routers is refused now, not at the first generate
+            routers = RouterTap(model).routers
+            self.route_shape = {"layers": len(routers), "top_k": int(routers[0].top_k),
+                                "num_experts": int(routers[0].num_experts)}
         gen, cfg = getattr(model, "generation_config", None), model.config
         if eos_ids is None:
             eos = getattr(gen, "eos_token_id", None)

@@ -39,7 +39,7 @@ import torch
 
 from rollout.base import InProcessEngine
 from rollout.model_files import checkpoint_shapes, eos_token_ids
-from rollout.moe_config import moe_shape
+from rollout.moe_config import is_moe, moe_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import sample_seed, validate_request, validate_score_request
 from rollout.routes import NO_ROUTE, ROUTE_DTYPE
@@ -166,6 +166,7 @@ class VLLMEngine(InProcessEngine):
             memory = {"kv_cache_memory_bytes": kv}
         # In-process engine: must be set before vllm is first imported.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self._refuse_moe_beside_a_dense_engine()
         self._dist_was_initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
         from vllm import LLM
 
@@ -206,6 +207,24 @@ class VLLMEngine(InProcessEngine):
                                  f"a supported family (rollout.moe_config.MOE_FAMILIES)")
             return {"layers": shape.num_layers, "top_k": shape.top_k, "num_experts": shape.num_experts}
         return self.llm.collective_rpc(install_route_capture)[0]
+
+    def _refuse_moe_beside_a_dense_engine(self) -> None:
+        """vLLM's parallel groups are process-wide and made by the first engine: a dense model's leave out the
+        expert-parallel group, and an MoE engine started next fails deep in its model's construction
+        ("expert parallel group is not initialized"). Said here, with what to do."""
+        if not VLLMEngine._live:
+            return
+        from transformers import AutoConfig
+        from vllm.distributed import parallel_state
+
+        try:
+            moe = is_moe(AutoConfig.from_pretrained(self.model))
+        except (OSError, ValueError):  # not a local model: vLLM's own start says what is wrong with it
+            return
+        if moe and parallel_state._EP is None:
+            raise RuntimeError(f"{self.model}: a mixture-of-experts engine cannot start in a process that holds a "
+                               "dense model's vLLM engine (vLLM's parallel groups are process-wide and were made "
+                               "without the expert-parallel one); close that engine first, or use another process")
 
     def _packed_modules(self) -> dict[str, list[str]]:
         try:

@@ -51,7 +51,7 @@ from trainer.models.optim import make_scheduler
 from trainer.models.policy import load_tokenizer
 from trainer.models.precision import fp8_weight_quantizations
 from trainer.models.routing_mode import routing_mode
-from trainer.models.routing_replay import RoutingReplay
+from trainer.models.routing_replay import RoutingReplay, attached_replay
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_launch, check_model_config
 from trainer.rewards.sources import build_reward_sources
@@ -314,6 +314,8 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
         cfg, model_dir, max_model_len=sequence_length(cfg), dp=dp, return_routes=routing != "off")
+    if routing != "off":
+        _check_route_shape(run)
     if precision.engine_logprobs:
         run.exact = run.probe.exact = ExactLogprobs(run.engine, policy, getattr(torch, cfg.model.dtype))
     # Always align the engine with the policy being trained (fresh adapter = base weights,
@@ -336,6 +338,19 @@ def _routing(cfg: RunConfig, model) -> str:
     if routing != "off":
         RoutingReplay(model, replay=routing == "replay")
     return routing
+
+
+def _check_route_shape(run: Run) -> None:
+    """The engine returns routes of the trainer's model's shape (MoE layers, top-k, experts), before any rollout."""
+    replay = attached_replay(run.model)
+    mine = {"layers": replay.num_layers, "top_k": replay.top_k, "num_experts": replay.num_experts}
+    theirs = getattr(run.engine, "route_shape", None)
+    if theirs is None or not getattr(run.engine, "return_routes", False):
+        raise RecipeError(f"parity.routing_replay: the engine ({type(run.engine).__name__}) does not return routes; "
+                          "it must be started with return_routes=True (or set parity.routing_replay: off)")
+    if dict(theirs) != mine:
+        raise RecipeError(f"parity.routing_replay: the engine's routes are {dict(theirs)}, the trainer's model has "
+                          f"{mine}: the engine serves another model")
 
 
 def _with_routes(run: Run, batch: TokenBatch) -> TokenBatch:
