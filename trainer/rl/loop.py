@@ -331,8 +331,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
 def _routing(cfg: RunConfig, model) -> str:
     """``parity.routing_replay`` resolved for the loaded model; the trainer's routers wrapped unless "off"."""
     try:
-        routing = routing_mode(cfg.parity.routing_replay, model.config,
-                               where=f"recipe {cfg.name!r}")
+        routing = routing_mode(cfg.parity.routing_replay, model.config, where=f"recipe {cfg.name!r}")
     except ValueError as e:
         raise RecipeError(str(e)) from None
     if routing != "off":
@@ -560,7 +559,8 @@ def unreplayed_phase(run: Run, step: int, batch: TokenBatch, m: dict) -> None:
     every = run.cfg.parity.unreplayed_every
     if run.routing != "replay" or not every or not (step == run.start_step + 1 or step % every == 0):
         return
-    with replay_paused(run.model):
+    # the policy the step's parity/* measured: an off-policy batch's behaviour adapter (a no-op on-policy)
+    with behaviour_weights(run.policy, run.behaviour), replay_paused(run.model):
         own = score_pass(run.learner, batch)
     m.update(run.dp.pooled_parity(own.logprobs, batch.rollout_logprobs, batch.mask, prefix="parity/unreplayed/"))
     m.update(pooled_routing_metrics(own.routing, run.dp, prefix="parity/unreplayed/"))
