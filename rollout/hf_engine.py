@@ -27,6 +27,7 @@ import torch
 
 from rollout.base import InProcessEngine
 from rollout.hf_routes import RouterTap, generation_routes
+from rollout.moe_config import route_shape
 from rollout.requests import sample_seed, validate_request
 from rollout.types import Rollouts, SamplingSpec, Scored
 
@@ -78,8 +79,7 @@ class HFEngine(InProcessEngine):
         self.route_shape = None
         if self.return_routes:  # a model without routers is refused now, not at the first generate
             routers = RouterTap(model).routers
-            self.route_shape = {"layers": len(routers), "top_k": int(routers[0].top_k),
-                                "num_experts": int(routers[0].num_experts)}
+            self.route_shape = route_shape(len(routers), routers[0].top_k, routers[0].num_experts)
         gen, cfg = getattr(model, "generation_config", None), model.config
         if eos_ids is None:
             eos = getattr(gen, "eos_token_id", None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["MOE_FAMILIES", "MoeShape", "moe_shape"]
+__all__ = ["MOE_FAMILIES", "MoeShape", "is_moe", "moe_shape", "route_shape"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,11 @@ class MoeShape:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+
+def route_shape(num_layers: int, top_k: int, num_experts: int) -> dict[str, int]:
+    """The shape every engine reports for its routes (``route_shape``) and the trainer checks its model against."""
+    return {"layers": int(num_layers), "top_k": int(top_k), "num_experts": int(num_experts)}
 
 
 # model_type -> the config attribute holding the expert count

@@ -39,7 +39,7 @@ import torch
 
 from rollout.base import InProcessEngine
 from rollout.model_files import checkpoint_shapes, eos_token_ids
-from rollout.moe_config import is_moe, moe_shape
+from rollout.moe_config import is_moe, moe_shape, route_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import sample_seed, validate_request, validate_score_request
 from rollout.routes import NO_ROUTE, ROUTE_DTYPE
@@ -205,7 +205,7 @@ class VLLMEngine(InProcessEngine):
             if shape is None:
                 raise ValueError(f"return_routes: {self.model} is not a mixture-of-experts model of "
                                  f"a supported family (rollout.moe_config.MOE_FAMILIES)")
-            return {"layers": shape.num_layers, "top_k": shape.top_k, "num_experts": shape.num_experts}
+            return route_shape(shape.num_layers, shape.top_k, shape.num_experts)
         return self.llm.collective_rpc(install_route_capture)[0]
 
     def _refuse_moe_beside_a_dense_engine(self) -> None:

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from rollout.moe_config import route_shape
 from rollout.routes import NO_ROUTE, ROUTE_DTYPE
 
 __all__ = ["RouteRecorder", "install_route_capture", "reset_routes", "take_routes"]
@@ -41,7 +42,7 @@ class RouteRecorder:
 
     Each forward's rows stay one record (request index, position, ids per row): the bookkeeping per decoding
     step is a few tensor operations whatever the batch, and ``take`` sorts every row to its request at once
-    (a loop over requests and steps in Python cost more than the capture itself)."""
+    (a Python loop over requests and steps costs more than the capture itself)."""
 
     def __init__(self, layer_ids: Sequence[int], top_k: int, num_experts: int) -> None:
         self.layer_of = {lid: i for i, lid in enumerate(sorted(layer_ids))}  # vLLM decoder layer -> MoE ordinal
@@ -159,7 +160,7 @@ def install_route_capture(worker) -> dict:
 
         runner._model_forward = recorded_forward
         setattr(runner, ATTR, recorder)
-    return {"layers": recorder.num_layers, "top_k": recorder.top_k, "num_experts": recorder.num_experts}
+    return route_shape(recorder.num_layers, recorder.top_k, recorder.num_experts)
 
 
 def reset_routes(worker) -> None:

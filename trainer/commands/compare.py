@@ -26,11 +26,11 @@ import torch
 from parity.metrics import compare, error_by_position
 from parity.report import check_out_dir, prepare_out_dir, require_report_deps, write_report
 from rollout.hf_engine import HFEngine
+from rollout.moe_config import moe_shape
 from rollout.types import Rollouts, SamplingSpec
 from trainer.distributed.data_parallel import DataParallel
 from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.policy import load_base_model, load_tokenizer
-from trainer.models.routing_mode import routing_mode
 from trainer.models.routing_replay import RoutingReplay
 from trainer.precision import DEFAULT_RECIPE, recipe_for
 from trainer.rl.compare_inputs import (
@@ -236,7 +236,7 @@ def run_compare(
     say(f"generating: {len(prompts)} prompts x {n} with {engine_name}, up to {max_new_tokens} new tokens")
     t0 = time.monotonic()
     # a mixture-of-experts model of a replayed family: the engine returns its routes and the trainer replays them
-    moe = routing_mode("auto", hf.config, where="parityrl compare") == "replay"
+    moe = moe_shape(hf.config) is not None
     rollouts = _generate(kind, model_dir, hf, prompt_ids, spec, dtype=dtype, max_model_len=context, seed=seed,
                          kv_cache_bytes=kv_cache_bytes, say=say, work_dir=out, precision=precision,
                          return_routes=moe)

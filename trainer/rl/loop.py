@@ -26,6 +26,7 @@ from accelerate.utils import set_seed
 from parity.guards import MaeRatioLimit
 from parity.metrics import compare_by_turn, finalize, log10_abs_histogram, turn_index
 from rollout.base import EngineUnavailable, RolloutEngine
+from rollout.moe_config import route_shape
 from rollout.weight_export import merged_lora_weights  # noqa: F401  (fail on a broken install before the engine starts)
 from trainer.algorithms import AdvantageInputs
 from trainer.builtin.resolve import resolve_model_path
@@ -342,7 +343,7 @@ def _routing(cfg: RunConfig, model) -> str:
 def _check_route_shape(run: Run) -> None:
     """The engine returns routes of the trainer's model's shape (MoE layers, top-k, experts), before any rollout."""
     replay = attached_replay(run.model)
-    mine = {"layers": replay.num_layers, "top_k": replay.top_k, "num_experts": replay.num_experts}
+    mine = route_shape(replay.num_layers, replay.top_k, replay.num_experts)
     theirs = getattr(run.engine, "route_shape", None)
     if theirs is None or not getattr(run.engine, "return_routes", False):
         raise RecipeError(f"parity.routing_replay: the engine ({type(run.engine).__name__}) does not return routes; "
