@@ -2,7 +2,7 @@
 
     python bench/bench_episodes.py [--episodes 32] [--turns 4] [--tokens 16] [--repeats 3]
 
-Episodes (trainer/rl/episodes.py) advance one turn for every live episode per engine call: ``--episodes``
+Episodes (trainer/sampling/episodes.py) advance one turn for every live episode per engine call: ``--episodes``
 episodes of ``--turns`` assistant turns, each turn up to ``--tokens`` new tokens, every reply a short user
 message. Three baselines on the same vLLM engine (the built-in tiny model, warm-started), alternating,
 ``--repeats`` times each (medians):
@@ -56,8 +56,9 @@ def main() -> None:
     from trainer.builtin.resolve import resolve_model_path
     from trainer.data.datasets import encode_prompts
     from trainer.data.tasks.arithmetic import arithmetic_dataset
+    from trainer.environments.episode_environment import EpisodeLimits
     from trainer.models.policy import load_tokenizer
-    from trainer.rl.episodes import EpisodeLimits, run_episodes
+    from trainer.sampling.episodes import run_episodes
 
     model_dir = resolve_model_path("builtin:tiny")
     tok = load_tokenizer(model_dir)

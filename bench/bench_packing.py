@@ -7,7 +7,7 @@ One GRPO ``policy_gradient_pass`` (forward, loss, backward; trainer/rl/update.py
 Qwen2-shaped model with a LoRA adapter, on four batches of the SAME number of real tokens:
   equal     every row the same length (prompt + completion): no padding at all, the baseline;
   rows      the spread batch, micro-batches cut in row order (the padded path before bucketing);
-  bucketed  the spread batch, micro-batches cut longest-first (trainer/rl/micro_batches.py, the default);
+  bucketed  the spread batch, micro-batches cut longest-first (trainer/measurement/micro_batches.py, the default);
   packed    bucketed, and each micro-batch's sequences packed into rows (``train.pack_sequences``).
 Each batch runs with two micro-batch sizes: ``--micro-batch-size`` rows (several micro-batches:
 what bucketing can regroup) and the whole batch in one (what only packing can shorten).
@@ -37,12 +37,12 @@ os.environ.setdefault("PARITYRL_CACHE", str(Path(__file__).resolve().parent.pare
 
 from trainer.algorithms import ADVANTAGES, AdvantageInputs  # noqa: E402
 from trainer.config import LoraConfig  # noqa: E402
+from trainer.lifecycle.preflight import load_recipe  # noqa: E402
+from trainer.measurement import micro_batches  # noqa: E402
 from trainer.models.batch import build_token_batch  # noqa: E402
 from trainer.models.packing import pack  # noqa: E402
 from trainer.models.policy import add_lora, check_packing  # noqa: E402
-from trainer.rl import micro_batches  # noqa: E402
 from trainer.rl.learner import Learner  # noqa: E402
-from trainer.rl.preflight import load_recipe  # noqa: E402
 from trainer.rl.update import policy_gradient_pass  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

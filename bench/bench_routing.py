@@ -73,10 +73,10 @@ def timing(model_dir: Path, repeats: int) -> dict:
     without / with routes, and of the LoRA forward + backward of that batch without / with replay."""
     from rollout.vllm_engine import VLLMEngine
     from trainer.config import LoraConfig
+    from trainer.measurement.scoring import forward
     from trainer.models.batch import batch_from_rollouts
     from trainer.models.policy import add_lora, load_base_model
     from trainer.models.routing_replay import RoutingReplay
-    from trainer.rl.scoring import forward
 
     plain = VLLMEngine(model_dir, max_model_len=128)
     routed = VLLMEngine(model_dir, max_model_len=128, return_routes=True)

@@ -17,8 +17,8 @@ PHASES = ["perf/rollout_s", "perf/reward_s", "perf/train_s", "perf/sync_s", "per
 
 
 def run(recipe: str, engine: str, steps: int, overrides: list[str]) -> list[dict]:
+    from trainer.lifecycle.preflight import load_recipe
     from trainer.rl.loop import train
-    from trainer.rl.preflight import load_recipe
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_recipe(recipe, [f"rollout.engine={engine}", f"train.steps={steps}", f"logging.run_dir={tmp}/run",

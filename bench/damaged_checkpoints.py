@@ -157,7 +157,7 @@ def classify(run, cfg) -> tuple[str, str]:
 
 
 def main() -> int:
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, required=True)

@@ -17,7 +17,7 @@ def threshold_violations(metrics: Mapping[str, float], *, max_mae: Optional[floa
     """Messages for each limit exceeded (a NaN metric counts as a breach); [] when within limits or unset.
 
     ``prefix``: the metric family checked, ``parity/`` (the step's rollouts) or ``probe/``
-    (the fixed-prompt probe after a weight sync, ``trainer.rl.probe``).
+    (the fixed-prompt probe after a weight sync, ``trainer.measurement.probe``).
     """
     out = []
     for key, limit in ((prefix + "mae", max_mae), (prefix + "kl_k3", max_kl_k3)):
@@ -45,7 +45,7 @@ LEVEL_WINDOW = 5
 class MaeRatioLimit:
     """``parity.max_mae_ratio``: a probe whose mae jumps above ``max_ratio`` times the run's level is a fault.
 
-    What is judged, and why: the probe (``trainer.rl.probe``) scores the same fixed sequences after
+    What is judged, and why: the probe (``trainer.measurement.probe``) scores the same fixed sequences after
     every weight sync, so a jump in ``probe/mae`` at one probe is a change in the numerics -- a
     skipped or partial sync, a kernel or forward that computes another function -- not a change of
     tokens. The step's ``parity/mae`` is on fresh samples and drifts as the policy sharpens (the

@@ -19,7 +19,7 @@ class EngineUnavailable(RuntimeError):
 
 
 class RolloutEngine(Protocol):
-    """What the trainer uses of an engine (``trainer.rl``): sampling, scoring, weight sync, release.
+    """What the trainer uses of an engine (``trainer.sampling`` and ``trainer.measurement``): sampling, scoring, weight sync, release.
 
     max_model_len: prompt + completion tokens per sequence the engine holds (None: no limit known).
     pushes_weights: False on an engine whose weights another process pushes (a data-parallel rank
@@ -43,7 +43,7 @@ class RolloutEngine(Protocol):
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each given sequence, from one
         prefill (no decoding), with the top-k per position if asked; the parity probe compares
-        engine and trainer on fixed sequences with it (trainer.rl.probe)."""
+        engine and trainer on fixed sequences with it (trainer.measurement.probe)."""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the named parameters (Hugging Face names, e.g.

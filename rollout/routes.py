@@ -9,7 +9,7 @@ and uses its own router where there are none (``trainer.models.routing_replay``)
 int16: expert ids of every MoE model parityrl trains fit (vLLM picks uint8 / uint16 for the same reason,
 ``routed_experts_capturer.py``); a [P + C, L, k] tensor per sample is 2 bytes per (token, layer, slot).
 
-Multi-turn episodes (``trainer.rl.episodes``) send the whole conversation at every turn; a position's route
+Multi-turn episodes (``trainer.sampling.episodes``) send the whole conversation at every turn; a position's route
 comes from the first turn that computed it (``extend_routes``): the turn whose computation produced the
 sampled token's log-prob, not the later prefills that re-read it.
 """

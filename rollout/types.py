@@ -36,7 +36,7 @@ class SamplingSpec:
         draws exactly what one process sampling the whole batch would for those samples.
     sample_indices: instead of ``index_offset + s``, the global index of each sample s (prompt i's j-th sample
         is s = i * n + j) when a call's samples are not numbered contiguously: a multi-turn step's turn holds the
-        episodes still live, each keeping its own index (trainer/rl/episodes.py). Empty: ``index_offset + s``.
+        episodes still live, each keeping its own index (trainer/sampling/episodes.py). Empty: ``index_offset + s``.
     """
 
     n: int = 1

@@ -11,8 +11,8 @@
   on. An import inside a function carries a ``# late:`` comment saying why (an optional
   heavy dependency such as vLLM or DeepSpeed behind it, or a command-line start that must
   stay fast).
-- Every module of ``trainer`` lives in a subpackage whose name says its role, except the
-  entry points.
+- Every module of ``trainer`` lives in a subpackage (a room) whose name says its role, except the
+  entry points; no room holds more than 15 modules.
 
 Run ``python tests/test_layout.py`` to print the module graph's cycles, if any.
 """
@@ -25,16 +25,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "rollout", "parity")
 ENTRY_POINTS = {"trainer/__init__.py", "trainer/__main__.py", "trainer/cli.py", "trainer/train.py"}
-# Highest first. commands: thin entry points over everything; rl: the RL run; builtin: the models the project
-# builds itself (the warm start runs the supervised stage); supervised: SFT and reward-model training;
-# environments: multi-turn environments and tools (loaded by spec as reward functions are); rewards:
-# reward functions and the reward-model scorer; precision: the precision recipes' records (they hold the
-# trainer's model transform and the engine's options, and add their rules to the recipe's validation); models:
-# loading and running a policy; io: run directories, checkpoints, logs; data: prompt datasets and tasks;
-# distributed: process groups, DDP, DeepSpeed; config: the recipes' schema (it reads the algorithms' option
-# types); algorithms: pure tensor functions and their records.
-TRAINER_ORDER = ("commands", "rl", "builtin", "supervised", "environments", "rewards", "precision", "models", "io", "data",
-                 "distributed", "config", "algorithms")
+# The rooms of trainer/, highest first; a room imports only rooms after it (docs/architecture.md draws them).
+# commands: thin entry points, one per subcommand; diagnostics: `parityrl compare`, its inputs and report (the
+# room `doctor` shares); rl: one RL step -- the loop and its phases, the run record, the update passes, the
+# learner, the critic; measurement: how a batch is measured -- the trainer's scoring and micro-batches, the probe,
+# the parity limits and breakdowns, routing parity, held-out evaluation; sampling: how a batch is drawn -- the
+# sampling round, episodes and their turn tokens, dynamic sampling, the one-step-off prefetch, the recipe's
+# engine and its weight sync; lifecycle: a run from start to end, shared with the supervised commands where they
+# can -- the run directory's state, stops and exit statuses, preemption, preflight, capacity, the summary, the
+# samples table, the truncation warning; builtin: the models the project builds itself (the warm start runs the
+# supervised stage); supervised: SFT and reward-model training; environments: multi-turn environments, tools and
+# the recipe's env: resolved; rewards: reward functions and the reward-model scorer; precision: the precision
+# recipes' records (the trainer's model transform, the engine's options, their rules); models: loading and running
+# a policy; io: run directories, checkpoints, logs; data: prompt datasets and tasks; distributed: process groups,
+# DDP, DeepSpeed, the launch line; config: the recipes' schema (it reads the algorithms' option types); algorithms:
+# pure tensor functions and their records.
+TRAINER_ORDER = ("commands", "diagnostics", "rl", "measurement", "sampling", "lifecycle", "builtin", "supervised",
+                 "environments", "rewards", "precision", "models", "io", "data", "distributed", "config", "algorithms")
 
 
 def module_name(path: Path) -> str:
@@ -214,6 +221,15 @@ def test_late_import_finder(tmp_path, monkeypatch):
 def test_project_imports_are_at_the_top():
     found = [hit for p in project_modules().values() for hit in late_project_imports(p)]
     assert not found, "imports of project modules inside functions without a '# late:' reason: " + ", ".join(found)
+
+
+MAX_MODULES_PER_ROOM = 15  # a newcomer reads a room's file names at a glance
+
+
+def test_no_room_holds_more_than_15_modules():
+    crowded = {p.name: n for p in (REPO / "trainer").iterdir() if (p / "__init__.py").exists()
+               for n in [sum(1 for _ in p.rglob("*.py"))] if n > MAX_MODULES_PER_ROOM}
+    assert not crowded, f"rooms of trainer/ over {MAX_MODULES_PER_ROOM} modules (split them by role): {crowded}"
 
 
 def test_every_trainer_module_is_in_a_subpackage():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.rl.preflight import load_recipe
+from trainer.lifecycle.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RL_TINY = sorted(p.name for p in (REPO / "recipes").glob("*_tiny.yaml")

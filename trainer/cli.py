@@ -184,9 +184,9 @@ def _train(args) -> int:
     # late: each subcommand loads its own stack when it runs (train's pulls in vLLM, seconds), so `parityrl
     # --help`, `--version` and a refused recipe answer at once
     from trainer.io.run_lock import release_all
-    from trainer.rl.preemption import StartupStop, end_startup
+    from trainer.lifecycle.preemption import StartupStop, end_startup
 
-    # Ctrl-C / SIGTERM from here to the first step: one line, at once (trainer/rl/preemption.py); it ends the
+    # Ctrl-C / SIGTERM from here to the first step: one line, at once (trainer/lifecycle/preemption.py); it ends the
     # process, so only for the process's own command line (as the console filter above).
     # cleanup before os._exit: the lock, then the console filter's pipes (the stop line must reach the console)
     startup = None
@@ -200,7 +200,7 @@ def _train(args) -> int:
         if startup is not None and args.resume:  # a stop before the first step leaves the checkpoints as they were
             startup.resume_command = resume_command(args.recipe, args.overrides, prog)
         if getattr(args, "print_config", False):
-            from trainer.rl.preflight import check_before_loading  # late: as above
+            from trainer.lifecycle.preflight import check_before_loading  # late: as above
 
             # what can be checked without the model (its files, layers and memory are checked when training starts)
             return _printed(lambda: check_before_loading(args.recipe, args.overrides, model=False))
@@ -255,7 +255,7 @@ def _merge(args) -> int:
 def _serve(args) -> int:
     # late: as _train
     from trainer.commands.serve import run_serve
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
 
     try:
         cfg = load_recipe(args.recipe, args.overrides)
@@ -270,8 +270,8 @@ def _serve(args) -> int:
 
 def _compare(args) -> int:
     # late: as _train
-    from trainer.commands.compare import run_compare
-    from trainer.rl.compare_inputs import CompareError
+    from trainer.diagnostics.compare import run_compare
+    from trainer.diagnostics.compare_inputs import CompareError
 
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)
     try:

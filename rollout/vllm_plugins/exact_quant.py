@@ -17,7 +17,7 @@ And the attention: vLLM splits a sequence's KV over threads depending on the bat
 Importing this module registers the quantization method ``"parityrl_exact"`` (``EXACT``) whose
 linear layers and lm_head keep vLLM's weights and GEMM dispatch and only route the product
 through ``invariant_linear`` — the function ``rollout.engine_forward`` calls on the trainer side.
-Started as ``VLLMEngine(model, quantization=EXACT)`` by ``trainer.rl.engines`` for
+Started as ``VLLMEngine(model, quantization=EXACT)`` by ``trainer.sampling.engines`` for
 ``precision.recipe: exact`` (in-process engine: the registration lives in this process).
 """
 from __future__ import annotations

@@ -17,8 +17,8 @@ from rollout.hf_routes import RouterTap
 from rollout.routes import NO_ROUTE
 from rollout.types import SamplingSpec
 from trainer.builtin.zoo import ensure_arch_model
+from trainer.lifecycle.preflight import load_recipe
 from trainer.rl.loop import train
-from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 ENVS = REPO / "tests" / "trainer" / "rl" / "episode_envs.py"
@@ -126,7 +126,7 @@ def test_measure_logs_the_agreement_without_replaying_and_episodes_are_routed_ev
 
 def test_compare_reports_the_routing_and_the_parity_without_replay(moe_engine, moe_dir, tmp_path, capsys):
     from trainer.cli import _compare_digest
-    from trainer.commands.compare import run_compare
+    from trainer.diagnostics.compare import run_compare
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Ann has 3 apples and buys 4 more.\nHow many legs do 2 cats have?\n")

@@ -77,8 +77,8 @@ def test_parse_server_url():
 
 
 def test_startup_with_nothing_listening_fails_clearly_within_the_timeout(tmp_path):
-    from trainer.rl.engines import make_engine
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
+    from trainer.sampling.engines import make_engine
 
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -149,7 +149,7 @@ def test_server_settings_check_names_what_is_wrong(tmp_path):
 def test_serve_command_has_the_settings_the_trainer_relies_on():
     from trainer.commands.serve import serve_command
     from trainer.config import RecipeError
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
 
     cfg = load_recipe(RECIPE, ["rollout.server_url=http://127.0.0.1:8123", "parity.topk=40",
                                "rollout.kv_cache_memory_bytes=67108864"], check_paths=False)
@@ -536,7 +536,7 @@ def overrides_for(tmp_path, name, url, *overrides) -> list[str]:
 
 
 def cfg_for(tmp_path, name, url, *overrides):
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
 
     return load_recipe(RECIPE, overrides_for(tmp_path, name, url, *overrides))
 
@@ -710,8 +710,8 @@ def test_a_dead_engine_core_behind_a_live_front_end_is_an_unavailable_server():
 
 
 def test_nothing_listening_fails_after_the_connect_timeout_not_the_startup_wait(tmp_path):
-    from trainer.rl.engines import make_engine
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
+    from trainer.sampling.engines import make_engine
 
     url = f"http://127.0.0.1:{free_port()}"
     assert load_recipe(RECIPE, check_paths=False).rollout.server_connect_timeout_s == 30  # the default: one line in ~30 s

@@ -142,7 +142,7 @@ def test_logprobs_match_hf_forward_at_temperature(restored_engine, hf_reference,
 
 @pytest.mark.slow
 def test_score_is_a_prefill_at_temperature_one(restored_engine, hf_reference, prompts, score_check):
-    score_check(restored_engine, hf_reference, prompts, MAE_BOUND)  # the probe's engine side (trainer.rl.probe)
+    score_check(restored_engine, hf_reference, prompts, MAE_BOUND)  # the probe's engine side (trainer.measurement.probe)
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ def test_version_and_print_config(tmp_path, capsys):
 
     from trainer.cli import main
     from trainer.config import to_dict
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainer.config import RecipeError, RunConfig
-from trainer.rl.preflight import inspect_recipe, named_key
+from trainer.lifecycle.preflight import inspect_recipe, named_key
 
 
 def debug_requested(flag: bool = False) -> bool:
@@ -51,7 +51,7 @@ def run_dir_problem(cfg: RunConfig, *, resume: bool, command: str) -> Optional[s
     claims the directory."""
     from trainer.io import checkpoint as ckpt  # late: as the loop below (torch)
     from trainer.io.run_lock import check_free
-    from trainer.rl.run_state import choose_checkpoint
+    from trainer.lifecycle.run_state import choose_checkpoint
 
     try:
         check_free(Path(cfg.run_dir))
@@ -85,8 +85,8 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
     # late: the loop imports vLLM (seconds); a refused recipe has answered before that
     from rollout.base import EngineUnavailable
     from trainer.io.write_failure import StartNotWritten
+    from trainer.lifecycle.stops import RunStopped
     from trainer.rl.loop import train
-    from trainer.rl.stops import RunStopped
 
     try:
         train(cfg, resume=resume)

@@ -3,7 +3,7 @@
 A recipe is a YAML file (see ``recipes/``) plus ``--set key=value`` overrides.
 Reading checks, before anything heavy starts: unknown keys, wrong types,
 impossible values and cross-field contradictions (the files and models a recipe
-names are checked by ``trainer.rl.preflight``). Each problem is reported
+names are checked by ``trainer.lifecycle.preflight``). Each problem is reported
 with the file (or the ``--set`` that gave the value), the dotted key, the
 value and what was expected; an unknown key with the valid one closest to it.
 """

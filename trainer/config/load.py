@@ -371,7 +371,7 @@ def _problems_beside(cls: type, data: dict, where: str, validate_fn: Callable[[A
 
 
 def read_recipe(path: str | os.PathLike, overrides: list[str] = (), checks: Iterable[Check] = ()) -> RunConfig:
-    """Read, override, type-check and validate a training recipe on its own (``trainer.rl.preflight.load_recipe``
+    """Read, override, type-check and validate a training recipe on its own (``trainer.lifecycle.preflight.load_recipe``
     also checks the files and models it names). ``checks``: validation sections of the caller's, reported
     with this package's own (``trainer.config.validate.validate``). Every problem is reported at once, those
     found beside a refused key included (``build_and_validate``)."""

@@ -118,7 +118,7 @@ class AlgorithmConfig:
     # shuffle per epoch) is one optimizer step.
     epochs: int = 1
     mini_batches: int = 1
-    # DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2; trainer/rl/dynamic_sampling.py): drop
+    # DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2; trainer/sampling/dynamic_sampling.py): drop
     # groups whose rewards are all equal (no GRPO signal) and draw further prompt batches until
     # rollout.prompts_per_step groups with signal are kept, at most max_sampling_rounds batches
     # per step (verl's DAPO example uses 10; verl's default, 0 = unlimited, can loop forever on
@@ -156,7 +156,7 @@ class RolloutConfig:
     enforce_eager: bool = True
     max_num_seqs: int = 256
     # The engine (colocated, or a server as one weight version) takes the merged weights in
-    # chunks of whole decoder layers of at most this size (trainer.rl.engines.sync_weights): a
+    # chunks of whole decoder layers of at most this size (trainer.sampling.engines.sync_weights): a
     # bound on the extra memory of a sync (the merged copy) instead of the whole model's size;
     # each extra chunk costs one more reload call / transfer round (~8 ms measured on CPU).
     # 1 GiB: ~2 layers of a 7B model, all of a small one.
@@ -165,7 +165,7 @@ class RolloutConfig:
     # off makes rollouts stale (off-policy); it exists so tests can show the parity
     # metrics catch exactly that.
     sync_weights: bool = True
-    # 1: one step off-policy (trainer/rl/async_rollout.py): the next step's batch is generated with the
+    # 1: one step off-policy (trainer/sampling/async_prefetch.py): the next step's batch is generated with the
     # weights before this step's update while this step trains; in server mode the server generates in
     # parallel with the trainer. 0: generate, then train (on-policy). staleness/* measures the lag.
     max_staleness: int = 0
@@ -173,7 +173,7 @@ class RolloutConfig:
 
 @dataclass
 class EnvConfig:
-    """The recipe's ``env:`` section: multi-turn episodes (trainer/rl/episode_sampler.py). Neither ``class`` nor
+    """The recipe's ``env:`` section: multi-turn episodes (trainer/sampling/episode_sampler.py). Neither ``class`` nor
     ``tools`` (the default): single-turn completions, as before.
 
     The key ``class`` is a Python keyword, so its field is ``class_`` (``recipe_key`` maps the two).
@@ -204,7 +204,7 @@ class EnvConfig:
 
 @dataclass
 class EvalConfig:
-    """The recipe's ``eval:`` section: held-out evaluation during RL (trainer/rl/evaluation.py, docs/evaluation.md)."""
+    """The recipe's ``eval:`` section: held-out evaluation during RL (trainer/measurement/evaluation.py, docs/evaluation.md)."""
 
     # Every N steps, and before step 1 and after the last; 0 = off.
     every: int = 0
@@ -296,10 +296,10 @@ class ParityConfig:
     # a top-k per token and the trainer a gather.
     topk: int = 0
     # Fixed prompts (the dataset's first N) generated and scored after every weight sync
-    # and before step 1 -> probe/* (trainer/rl/probe.py); limits above apply to them too. 0 = off.
+    # and before step 1 -> probe/* (trainer/measurement/probe.py); limits above apply to them too. 0 = off.
     probe_prompts: int = 4
     # The probe runs after the first probe_first syncs, then after every probe_every-th
-    # (trainer/rl/probe.py: one prefill in the engine + one forward in the trainer per probe).
+    # (trainer/measurement/probe.py: one prefill in the engine + one forward in the trainer per probe).
     # Every 2nd: measured 3.4% of a demo step when it ran after every sync (bench/bench_exact.py's
     # bf16 run, 30 steps), above the 3% budget; a sync that stays broken is caught by the next probe,
     # one that fails once shows in the next step's parity/* (docs/parity-metrics.md "The probe").
@@ -325,7 +325,7 @@ class ParityConfig:
 class PrecisionConfig:
     # Both phases' numerics: a recipe registered in trainer/precision/ (one record per name: its model
     # dtypes, engine options, trainer model transform and refusals; docs/precision.md). The name is checked
-    # against the registry when the recipe loads (trainer.rl.preflight.load_recipe): the registry sits above
+    # against the registry when the recipe loads (trainer.lifecycle.preflight.load_recipe): the registry sits above
     # this package. The default is trainer.precision.registry.DEFAULT_RECIPE (a test holds them equal).
     recipe: str = "bf16"
 
@@ -335,7 +335,7 @@ class CheckpointConfig:
     every: int = 10  # steps; 0 = only at the end
     keep_last: int = 2
     # A metric (e.g. eval/mean@4): the step where it was best is checkpointed and kept besides keep_last
-    # (trainer/rl/evaluation.py ``BestCheckpoint``); null = none. best_mode: max or min is best.
+    # (trainer/measurement/evaluation.py ``BestCheckpoint``); null = none. best_mode: max or min is best.
     best_metric: Optional[str] = None
     best_mode: Literal["max", "min"] = "max"
 
@@ -362,7 +362,7 @@ class LoggingConfig(StageLoggingConfig):
     print_every: int = 1
     breakdown_every: int = 10  # parity breakdown tables to wandb every N steps (the jsonl file gets every step)
     # A samples table (prompt, completion, rewards, length, finish reason, the sample's parity) to
-    # samples.jsonl and wandb at the first step and every N steps; 0 = off (trainer/rl/samples.py).
+    # samples.jsonl and wandb at the first step and every N steps; 0 = off (trainer/lifecycle/samples_table.py).
     samples_every: int = 10
     samples_per_step: int = 8
 

@@ -1,5 +1,5 @@
 """Value ranges and cross-field rules of a training recipe, checked on the recipe alone before anything heavy
-starts (the files and models it names are checked by ``trainer.rl.preflight``)."""
+starts (the files and models it names are checked by ``trainer.lifecycle.preflight``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +45,7 @@ def topk_range(topk: int, *, key: str = "parity.topk") -> Rule:
 
 def validate(cfg: RunConfig, where: str = "<recipe>", checks: Iterable[Check] = ()) -> None:
     """Value ranges and cross-field rules, one function per section, then ``checks``: the sections of a
-    caller above this package (``trainer.rl.preflight.load_recipe``: the precision recipe's record, which
+    caller above this package (``trainer.lifecycle.preflight.load_recipe``: the precision recipe's record, which
     ``trainer.precision`` holds), so that their problems join the same report.
 
     Raises one RecipeError naming every section's first problem (a section stops at its first:

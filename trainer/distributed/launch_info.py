@@ -18,7 +18,9 @@ from typing import Mapping, Optional
 
 import torch
 
-__all__ = ["describe_launch", "launch_mismatch", "requested_processes"]
+from trainer.config import RunConfig
+
+__all__ = ["describe_launch", "launch_lines", "launch_mismatch", "requested_processes"]
 
 FIX = ("add `--config_file recipes/accelerate/ddp.yaml` to `accelerate launch`, "
        "or run `torchrun --nproc_per_node N -m trainer.train <recipe>` (docs/scale-out.md)")
@@ -78,3 +80,13 @@ def launch_mismatch(world: int, env: Mapping[str, str] | None = None,
     asked = f"--num_processes {n}" if n else "several processes"
     return (f"warning: accelerate launch was asked for {asked} but started 1 (its simple launcher: no "
             f"multi-process config or flag, and not several GPUs); this run trains in one process. To get N: {FIX}")
+
+
+def launch_lines(cfg: RunConfig, world: int, device: torch.device) -> str:
+    """What this launch runs on, in one line (and a second if a launch of N started one process)."""
+    r = cfg.rollout
+    engine = f"vllm server {r.server_url}" if r.mode == "server" else f"{r.engine} (colocated)"
+    line = describe_launch(world=world, backend=current_backend(), device=device_text(device), dtype=cfg.model.dtype,
+                           precision=cfg.precision.recipe, engine=engine)
+    mismatch = launch_mismatch(world)
+    return f"{line}\n{mismatch}" if mismatch else line

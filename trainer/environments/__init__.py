@@ -6,5 +6,5 @@
 * ``arithmetic_tools``: the built-in calculator for the arithmetic task;
 * ``loading``: environments and tools named in a recipe, as reward functions are.
 
-The ids of an episode (prompt, sampled turns, observations) are built by ``trainer.rl.turn_tokens``.
+The ids of an episode (prompt, sampled turns, observations) are built by ``trainer.sampling.turn_tokens``.
 """

@@ -77,7 +77,7 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     """``messages`` checked as a list of chat messages; ``where`` starts every error.
 
     Role "assistant" is refused: assistant turns are what the engine samples, the only tokens trained, and
-    ``trainer.rl.turn_tokens.retokenize_drift`` pairs each assistant message with a run of sampled ids.
+    ``trainer.sampling.turn_tokens.retokenize_drift`` pairs each assistant message with a run of sampled ids.
     """
     if not isinstance(messages, (list, tuple)):
         raise EnvironmentContractError(f"{where}: got a {type(messages).__name__}; expected a list of message dicts")

@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-# The files a step appends rows to (each row with its "step"): trainer/io/run_logger.py, trainer/rl/samples.py,
-# trainer/rl/parity_report.py.
+# The files a step appends rows to (each row with its "step"): trainer/io/run_logger.py, trainer/lifecycle/samples_table.py,
+# trainer/measurement/parity_breakdown.py.
 RECORD_FILES = ("metrics.jsonl", "samples.jsonl", "parity_breakdown.jsonl")
 MARK = "superseded_by_resume_from"
 

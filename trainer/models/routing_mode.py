@@ -1,6 +1,6 @@
 """What ``parity.routing_replay`` means for one run: replay the engine's routes, only measure them, or neither.
 
-One rule, read before anything loads (``trainer.rl.preflight``) and again when the run starts
+One rule, read before anything loads (``trainer.lifecycle.preflight``) and again when the run starts
 (``trainer.rl.loop``), from the model's config and the recipe:
 
 * ``off``: no routes are asked of the engine; the trainer's routers choose (a dense model's only setting).

@@ -15,7 +15,7 @@ import torch
 from trainer.algorithms import AdvantageInputs, explained_variance, make_kl_controller, ppo_returns
 from trainer.algorithms.ppo import ppo_token_rewards
 from trainer.algorithms.sequence import whiten
-from trainer.rl.scoring import Scores
+from trainer.measurement.scoring import Scores
 
 
 class NegativeKLWatch:

@@ -8,14 +8,15 @@ loop never branches on its name, only on the record's capabilities: a learned cr
 ``trainer/rl/critic.py``), a reference policy (``uses_reference``), and several optimizer steps
 per rollout batch (pi_old is scored once first, ``trainer.rl.update.score_pass``).
 
-The phases hand each other typed records: the sampling round's ``Drawn`` (trainer/rl/sampling.py),
-the trainer's ``Scores`` (trainer/rl/scoring.py); the update passes live in trainer/rl/update.py.
+The phases share the run's record (``Run``, trainer/rl/run.py) and hand each other typed records: the sampling
+round's ``Drawn`` (trainer/sampling/drawn.py), the trainer's ``Scores`` (trainer/measurement/scoring.py); the
+update passes live in trainer/rl/update.py. How a batch is drawn is ``trainer.sampling``'s, how it is measured
+``trainer.measurement``'s, the run's start, stops and end ``trainer.lifecycle``'s (docs/architecture.md).
 """
 from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -23,166 +24,78 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from parity.guards import MaeRatioLimit
 from parity.metrics import compare_by_turn, finalize, log10_abs_histogram, turn_index
-from rollout.base import EngineUnavailable, RolloutEngine
-from rollout.moe_config import route_shape
+from rollout.base import EngineUnavailable
 from rollout.weight_export import merged_lora_weights  # noqa: F401  (fail on a broken install before the engine starts)
 from trainer.algorithms import AdvantageInputs
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig, to_dict
 from trainer.config.validate import sequence_length
-from trainer.data.datasets import PromptBatcher, apply_prompt_budget, encode_prompts, load_prompt_dataset
+from trainer.data.datasets import PromptBatcher, apply_prompt_budget, load_prompt_dataset
 from trainer.distributed.data_parallel import DataParallel
-from trainer.distributed.deepspeed import (
-    accelerator_kwargs,
-    deepspeed_stage,
-    make_backward,
-    optimizer_step,
-    zero3_gather,
-)
-from trainer.distributed.launch_info import current_backend, describe_launch, device_text, launch_mismatch
+from trainer.distributed.deepspeed import accelerator_kwargs, deepspeed_stage, make_backward, zero3_gather
+from trainer.distributed.launch_info import launch_lines
+from trainer.environments.episode_environment import EpisodeEnvironment
 from trainer.io import checkpoint as ckpt, third_party_output
-from trainer.io.run_lock import check_free
 from trainer.io.run_logger import RunLogger
-from trainer.models.batch import TokenBatch, batch_from_rollouts
-from trainer.models.exact import ExactLogprobs
-from trainer.models.memory import peak_memory_gb
-from trainer.models.optim import make_scheduler
-from trainer.models.policy import load_tokenizer
-from trainer.models.precision import fp8_weight_quantizations
-from trainer.models.routing_mode import routing_mode
-from trainer.models.routing_replay import RoutingReplay, attached_replay
-from trainer.precision import recipe_for
-from trainer.precision.checks import check_launch, check_model_config
-from trainer.rewards.sources import build_reward_sources
-from trainer.rl import samples
-from trainer.rl.async_rollout import Prefetch, behaviour_weights, snapshot
-from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
-from trainer.rl.dynamic_sampling import Drawn, fill_with_signal
-from trainer.rl.engines import block_fp8_engine, make_engine, sync_weights
-from trainer.rl.episode_sampler import EpisodeEnvironment, EpisodeSampler
-from trainer.rl.evaluation import BestCheckpoint, Evaluator
-from trainer.rl.learner import Learner, load_policy, prepare_policy
-from trainer.rl.parity_limits import enforce_parity_limits, ratio_limit_for
-from trainer.rl.parity_report import append_breakdown, routing_by_layer, step_breakdown, wandb_tables
-from trainer.rl.preemption import Preemption
-from trainer.rl.probe import Probe, due
-from trainer.rl.routing_parity import pooled_routing_metrics, replay_paused
-from trainer.rl.run_state import choose_checkpoint, claim_run_dir, record_recipe
-from trainer.rl.sampling import Sampler, drawn_metrics
-from trainer.rl.scoring import Scores
-from trainer.rl.stops import (
+from trainer.lifecycle import samples_table
+from trainer.lifecycle.preemption import Preemption
+from trainer.lifecycle.run_state import (
+    check_run_dir,
+    choose_checkpoint,
+    claim_run_dir,
+    record_recipe,
+    refuse_existing_run,
+)
+from trainer.lifecycle.stops import (
     CheckpointFailed,
     Preempted,
-    RecordWrites,
     RunStopped,
     StepBoundary,
     checkpoint_on_stop,
     claim_together,
     stop_together,
 )
-from trainer.rl.summary import print_summary
-from trainer.rl.truncation import TruncationWatch
+from trainer.lifecycle.summary import print_summary
+from trainer.measurement.evaluation import BestCheckpoint, Evaluator
+from trainer.measurement.parity_breakdown import append_breakdown, routing_by_layer, step_breakdown, wandb_tables
+from trainer.measurement.parity_limits import enforce_parity_limits, ratio_limit_for
+from trainer.measurement.probe import Probe, due, probe_prompt_ids
+from trainer.measurement.routing_parity import (
+    check_engine_routes,
+    install_routing,
+    pooled_routing_metrics,
+    replay_paused,
+    with_routes,
+)
+from trainer.measurement.scoring import Scores, check_engine_logprobs
+from trainer.models.batch import TokenBatch, batch_from_rollouts
+from trainer.models.exact import ExactLogprobs
+from trainer.models.memory import peak_memory_gb
+from trainer.models.optim import make_scheduler
+from trainer.models.policy import load_tokenizer
+from trainer.models.precision import fp8_weight_quantizations
+from trainer.precision import recipe_for
+from trainer.precision.checks import check_launch, check_model_config
+from trainer.rewards.sources import build_reward_sources
+from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
+from trainer.rl.learner import load_policy, prepare_policy
+from trainer.rl.run import Run, TrainResult
 from trainer.rl.update import policy_gradient_pass, score_pass, several_updates, updates_per_batch
 from trainer.rl.value_head import ValueHead
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    history: list[dict] = field(default_factory=list)
-    final_checkpoint: Optional[Path] = None
-    wandb: str = ""
-
-
-def _check_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor, dp: DataParallel) -> None:
-    # Counted over all ranks, so that every rank raises together (a rank left waiting in
-    # the next collective would hang the job instead of stopping it).
-    bad = dp.sum_metrics({"n": float(((~torch.isfinite(rollout_lp)) & (mask > 0)).sum())})["n"]
-    if bad:
-        raise RuntimeError(f"the engine returned {int(bad)} non-finite sampled-token log-probs; the trainer cannot "
-                           "score a token the engine considers impossible (check top_k/top_p and logprobs mode)")
-
-
-@dataclass
-class Run:
-    """What ``setup`` builds and the phases of a step share."""
-
-    cfg: RunConfig
-    accelerator: object
-    stage: int  # DeepSpeed ZeRO stage, 0 = none
-    dp: DataParallel
-    model_dir: str
-    tokenizer: object
-    model: object  # the PEFT policy, or the DeepSpeed engine around it
-    policy: object  # the PEFT model itself (weight sync, adapter checkpoint)
-    value_head: Optional[ValueHead]
-    optimizer: object
-    scheduler: object
-    params: list
-    backward: object
-    gather: object  # ZeRO-3: gathers one module's parameters for the weight export
-    dataset: object
-    batcher: object
-    reward_fns: dict
-    kl_controller: object = None
-    kl_watch: Optional[NegativeKLWatch] = None
-    modules: dict = field(default_factory=dict)  # extra modules in the checkpoint (PPO's value head)
-    engine: Optional[RolloutEngine] = None
-    own_engine: bool = True
-    logger: Optional[RunLogger] = None
-    probe: Optional[Probe] = None
-    ratio_limit: Optional[MaeRatioLimit] = None  # parity.max_mae_ratio: the probe's level (checkpointed)
-    exact: Optional[ExactLogprobs] = None  # when the precision recipe's log-probs are the engine's own
-    start_step: int = 0
-    tokens_seen: float = 0.0  # completion tokens trained on so far (checkpointed)
-    truncation: TruncationWatch = field(default_factory=TruncationWatch)
-    # rollout.max_staleness 1 (trainer/rl/async_rollout.py): the next step's batch, and the behaviour
-    # adapter of the batch this step trains on (None: the current weights generated it)
-    prefetch: Prefetch = field(default_factory=Prefetch)
-    behaviour: Optional[dict] = None
-    records: RecordWrites = field(default_factory=RecordWrites)  # a failed write of a record, till the step's end
-    environment: Optional[EpisodeEnvironment] = None  # env: multi-turn episodes (trainer/rl/episode_sampler.py)
-    evaluator: Optional[Evaluator] = None  # eval: held-out evaluation (trainer/rl/evaluation.py)
-    best: Optional[BestCheckpoint] = None  # checkpoint.best_metric (checkpointed)
-    routing: str = "off"  # parity.routing_replay resolved: replay | measure | off (trainer/models/routing_mode.py)
-
-    @property
-    def device(self):
-        return self.accelerator.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.accelerator.is_main_process
-
-    def update(self) -> float:
-        """Clip, optimizer step, zero: the pre-clip gradient norm."""
-        return optimizer_step(self.accelerator, self.model, self.optimizer, self.params, self.cfg.train.max_grad_norm)
-
-    @property
-    def learner(self) -> Learner:
-        """The run as the update passes see it (trainer/rl/update.py)."""
-        return Learner(cfg=self.cfg, model=self.model, backward=self.backward, step=self.update,
-                       value_head=self.value_head, dp=self.dp, exact=self.exact)
-
-    @property
-    def sampler(self) -> Sampler:
-        """The run as a sampling round sees it: completions (trainer/rl/sampling.py), or episodes with ``env``
-        (trainer/rl/episode_sampler.py); both hand the step a ``Drawn``."""
-        shared = dict(cfg=self.cfg, engine=self.engine, batcher=self.batcher, tokenizer=self.tokenizer,
-                      reward_fns=self.reward_fns, dp=self.dp)
-        if self.environment is not None:
-            return EpisodeSampler(**shared, environment=self.environment)
-        return Sampler(**shared)
+from trainer.sampling.async_prefetch import behaviour_weights, snapshot
+from trainer.sampling.drawn import Drawn
+from trainer.sampling.dynamic_sampling import fill_with_signal
+from trainer.sampling.engines import block_fp8_engine, make_engine, sync_weights
+from trainer.sampling.sampler import drawn_metrics
 
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
     """Run ``cfg`` to ``cfg.train.steps``. ``engine``: an already-started engine to reuse (tests share one)."""
-    _check_run_dir(cfg, resume=resume)  # before the lock and any load: a refused start reads and creates nothing
+    check_run_dir(cfg, resume=resume)  # before the lock and any load: a refused start reads and creates nothing
     # The process group first (a launch of N): a refusal of the lock on rank 0 then ends every rank.
     accelerator = Accelerator(**accelerator_kwargs())
-    # one writer per run directory (trainer/rl/run_state.py)
+    # one writer per run directory (trainer/lifecycle/run_state.py)
     lock = claim_together(DataParallel.current(), lambda: claim_run_dir(cfg, resume=resume))
     try:
         run = setup(cfg, resume=resume, engine=engine, accelerator=accelerator)
@@ -200,8 +113,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             boundary.begin(step, _run_state(run))
             t_step = time.perf_counter()
             drawn, m = rollout_phase(run, step)
-            batch = _with_routes(run, batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device))
-            _check_logprobs(batch.rollout_logprobs, batch.mask, run.dp)
+            batch = with_routes(run.routing, run.engine, batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device))
+            check_engine_logprobs(batch.rollout_logprobs, batch.mask, run.dp)
             rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)
             t = time.perf_counter()
             scored, advantages, returns = score_phase(run, step, batch, rewards, m)
@@ -224,7 +137,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                 run.logger.log(step, m)
             unlogged = None
             run.records.raise_together(run.dp)
-            _warn_truncation(run, step, m)
+            warning = run.truncation.check(step, m.get("rollout/frac_truncated"), cfg.rollout.max_new_tokens)
+            if warning and run.is_main:
+                print(warning, flush=True)
             result.history.append({"step": step, **m})
             # After logging (the step's record keeps the probe values), before the checkpoint.
             enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)",
@@ -265,7 +180,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     check_launch(precision, stage=stage, world_size=dp.world)  # before the model loads (and is transformed)
     third_party_output.attach(cfg.run_dir, rank=dp.rank)  # the run directory is claimed: engine.log
     if accelerator.is_main_process:
-        _print_launch(cfg, dp, accelerator)
+        print(launch_lines(cfg, dp.world, accelerator.device), flush=True)
     set_seed(cfg.train.seed)
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
@@ -278,7 +193,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
         raise RecipeError(f"rollout.max_staleness = {cfg.rollout.max_staleness} with {dp.world} processes: expected "
                           "one process (the prefetch of several ranks sharing a server is not synchronised yet)")
     check_model_config(precision, model.config)  # before the engine starts
-    routing = _routing(cfg, model)
+    routing = install_routing(cfg, model)
     d = cfg.data
     dataset = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column,
                                   num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
@@ -307,16 +222,16 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
               gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules,
               environment=environment, evaluator=evaluator, best=BestCheckpoint.from_config(cfg), routing=routing)
-    run.probe = Probe(_probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
+    run.probe = Probe(probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
                       device=accelerator.device, dp=dp)
     run.ratio_limit = ratio_limit_for(cfg)
-    run.start_step = _restore(run) if resume else _refuse_existing_run(cfg)
+    run.start_step = _restore(run) if resume else refuse_existing_run(cfg)
     record_recipe(run, resumed=resume)
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
         cfg, model_dir, max_model_len=sequence_length(cfg), dp=dp, return_routes=routing != "off")
     if routing != "off":
-        _check_route_shape(run)
+        check_engine_routes(run.engine, run.model)
     if precision.engine_logprobs:
         run.exact = run.probe.exact = ExactLogprobs(run.engine, policy, getattr(torch, cfg.model.dtype))
     # Always align the engine with the policy being trained (fresh adapter = base weights,
@@ -327,52 +242,6 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
                            total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main,
                            resume=resume, tags=run_tags(cfg), resumed_step=run.start_step if resume else None)
     return run
-
-
-def _routing(cfg: RunConfig, model) -> str:
-    """``parity.routing_replay`` resolved for the loaded model; the trainer's routers wrapped unless "off"."""
-    try:
-        routing = routing_mode(cfg.parity.routing_replay, model.config, where=f"recipe {cfg.name!r}")
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
-    if routing != "off":
-        RoutingReplay(model, replay=routing == "replay")
-    return routing
-
-
-def _check_route_shape(run: Run) -> None:
-    """The engine returns routes of the trainer's model's shape (MoE layers, top-k, experts), before any rollout."""
-    replay = attached_replay(run.model)
-    mine = route_shape(replay.num_layers, replay.top_k, replay.num_experts)
-    theirs = getattr(run.engine, "route_shape", None)
-    if theirs is None or not getattr(run.engine, "return_routes", False):
-        raise RecipeError(f"parity.routing_replay: the engine ({type(run.engine).__name__}) does not return routes; "
-                          "it must be started with return_routes=True (or set parity.routing_replay: off)")
-    if dict(theirs) != mine:
-        raise RecipeError(f"parity.routing_replay: the engine's routes are {dict(theirs)}, the trainer's model has "
-                          f"{mine}: the engine serves another model")
-
-
-def _with_routes(run: Run, batch: TokenBatch) -> TokenBatch:
-    """The batch with the engine's routes where the run replays or measures them, without them otherwise; an
-    engine that returned none when they were asked for is an error, never a silent fallback to the routers."""
-    if run.routing == "off":
-        batch.routes = None
-    elif batch.routes is None:
-        raise RuntimeError(f"parity.routing_replay: the engine ({type(run.engine).__name__}) returned no routes with "
-                           f"the step's rollouts; it must be started with return_routes=True")
-    return batch
-
-
-def _print_launch(cfg: RunConfig, dp: DataParallel, accelerator) -> None:
-    """One line with what this launch runs on (and a launch of N that started one: trainer/distributed/launch_info.py)."""
-    r = cfg.rollout
-    engine = f"vllm server {r.server_url}" if r.mode == "server" else f"{r.engine} (colocated)"
-    print(describe_launch(world=dp.world, backend=current_backend(), device=device_text(accelerator.device),
-                          dtype=cfg.model.dtype, precision=cfg.precision.recipe, engine=engine), flush=True)
-    mismatch = launch_mismatch(dp.world)
-    if mismatch:
-        print(mismatch, flush=True)
 
 
 def run_tags(cfg: RunConfig) -> tuple[str, ...]:
@@ -402,34 +271,6 @@ def _restore(run: Run) -> int:
     if run.is_main:
         print(f"resumed from {latest} (step {state['step']})", flush=True)
     return state["step"]
-
-
-def _check_run_dir(cfg: RunConfig, *, resume: bool) -> None:
-    """A resume needs a usable checkpoint, a fresh run a directory without one (one line each, exit status 2);
-    a directory another process runs on is named as such first."""
-    check_free(cfg.run_dir)
-    if resume:
-        choose_checkpoint(cfg.run_dir, verbose=False)
-    else:
-        _refuse_existing_run(cfg)
-
-
-def _refuse_existing_run(cfg: RunConfig) -> int:
-    if ckpt.step_dirs(cfg.run_dir):
-        raise FileExistsError(f"{cfg.run_dir} already holds checkpoints; pass --resume to continue it, or choose "
-                              "another name / logging.run_dir (nothing was overwritten)")
-    return 0
-
-
-def _probe_prompt_ids(cfg: RunConfig, dataset, tokenizer) -> list:
-    """The probe's prompts: the dataset's first rows, the same every step and after a resume."""
-    d = cfg.data
-    n_probe = min(cfg.parity.probe_prompts, len(dataset))
-    if not n_probe:
-        return []
-    return encode_prompts(tokenizer, [dataset[i]["prompt"] for i in range(n_probe)],
-                          use_chat_template=d.use_chat_template, max_prompt_tokens=d.max_prompt_tokens,
-                          system_prompt=d.system_prompt)
 
 
 def probe_before_training(run: Run, evaluated: Optional[dict] = None) -> None:
@@ -568,18 +409,18 @@ def unreplayed_phase(run: Run, step: int, batch: TokenBatch, m: dict) -> None:
 
 
 def samples_phase(run: Run, step: int, drawn: Drawn, batch: TokenBatch, scored: Scores) -> None:
-    """The samples table (trainer/rl/samples.py) at the run's first step and every ``samples_every`` steps."""
+    """The samples table (trainer/lifecycle/samples_table.py) at the run's first step and every ``samples_every`` steps."""
     lg = run.cfg.logging
     first = step == run.start_step + 1
     if not run.is_main or not lg.samples_every or not (first or step % lg.samples_every == 0):
         return
-    rows = samples.sample_rows(drawn, batch, scored.logprobs, run.tokenizer, lg.samples_per_step)
-    with run.records.writing(run.cfg.run_dir / samples.SAMPLES_FILE, step):
-        samples.append_samples(run.cfg.run_dir, step, rows)
+    rows = samples_table.sample_rows(drawn, batch, scored.logprobs, run.tokenizer, lg.samples_per_step)
+    with run.records.writing(run.cfg.run_dir / samples_table.SAMPLES_FILE, step):
+        samples_table.append_samples(run.cfg.run_dir, step, rows)
     if run.logger.wandb_run is not None:
-        run.logger.wandb_run.log({"samples": samples.wandb_table(rows)}, step=step)
+        run.logger.wandb_run.log({"samples": samples_table.wandb_table(rows)}, step=step)
     if first:
-        print(f"samples of step {step} (all in {run.cfg.run_dir / 'samples.jsonl'}):\n{samples.console_text(rows)}",
+        print(f"samples of step {step} (all in {run.cfg.run_dir / 'samples.jsonl'}):\n{samples_table.console_text(rows)}",
               flush=True)
 
 
@@ -620,28 +461,21 @@ def evaluate_before_training(run: Run) -> dict:
     if run.evaluator is None or run.start_step != 0:
         return {}
     m = run.evaluator(run.sampler, run.model, 0, exact=run.exact)
-    _print_eval(run, 0, m)
+    if run.is_main:
+        print(run.evaluator.console_line(0, m), flush=True)
     run.best.update(0, m)  # the starting weights' figure is the one to beat (no checkpoint holds step 0)
     return m
 
 
 def eval_phase(run: Run, step: int, m: dict) -> None:
     """The held-out evaluation of the weights the engine was just synced to, every eval.every steps and after the
-    last (trainer/rl/evaluation.py)."""
+    last (trainer/measurement/evaluation.py)."""
     if run.evaluator is None or not run.evaluator.due(step):
         return
     out = run.evaluator(run.sampler, run.model, step, exact=run.exact)
-    _print_eval(run, step, out)
+    if run.is_main:
+        print(run.evaluator.console_line(step, out), flush=True)
     m.update(out)
-
-
-def _print_eval(run: Run, step: int, m: dict) -> None:
-    if not run.is_main:
-        return
-    shown = "  ".join(f"{k[5:]} {v:.3f}" for k, v in m.items()
-                      if k.startswith(("eval/mean@", "eval/pass@", "eval/greedy", "eval/reward/mean")))
-    when = "before step 1" if step == 0 else f"after step {step}"
-    print(f"held-out {when}: {shown}  ({len(run.evaluator.rows)} prompts, {m['perf/eval_s']:.1f} s)", flush=True)
 
 
 def _sync(run: Run) -> dict:
@@ -656,12 +490,6 @@ def _sync(run: Run) -> dict:
         error = e
     run.dp.raise_together(error)
     return out
-
-
-def _warn_truncation(run: Run, step: int, m: dict) -> None:
-    msg = run.truncation.check(step, m.get("rollout/frac_truncated"), run.cfg.rollout.max_new_tokens)
-    if msg and run.is_main:
-        print(msg, flush=True)
 
 
 def checkpoint_phase(run: Run, step: int, result: TrainResult, m: dict) -> None:

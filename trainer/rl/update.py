@@ -7,7 +7,7 @@ The loss of each micro-batch is normalised by the WHOLE batch's token/sequence c
 (``LossNormalizer``; with data parallel, of every rank's batch), so accumulating micro-batch
 gradients (and summing them over ranks) equals one full-batch gradient. It also makes the
 grouping of rows into micro-batches free: every pass cuts them longest-first
-(``trainer.rl.micro_batches``), so little padding is computed, and with
+(``trainer.measurement.micro_batches``), so little padding is computed, and with
 ``train.pack_sequences`` each micro-batch's sequences are packed into fewer rows
 (``trainer.models.packing``).
 """
@@ -20,10 +20,10 @@ import torch
 from parity.correction import importance_weights
 from trainer.algorithms import LossInputs, kl_k3
 from trainer.config import RunConfig, correction_config
+from trainer.measurement.micro_batches import micro_batch_rows
+from trainer.measurement.scoring import Scores, forward, reference_logprobs, score_batch
 from trainer.models.batch import TokenBatch
 from trainer.rl.learner import Learner
-from trainer.rl.micro_batches import micro_batch_rows
-from trainer.rl.scoring import Scores, forward, reference_logprobs, score_batch
 
 
 def updates_per_batch(cfg: RunConfig) -> int:

@@ -1,6 +1,6 @@
 """Every registered algorithm trains on a multi-turn episode exactly as on its sampled tokens alone.
 
-An episode's completion stream holds the environment's replies between the turns (mask 0, trainer/rl/episodes.py).
+An episode's completion stream holds the environment's replies between the turns (mask 0, trainer/sampling/episodes.py).
 Advantages (GRPO family and PMD per episode; PPO's GAE, which skips masked positions, so a reply is no step of the
 MDP: the value after a turn's last token is the next turn's first) and losses must see only the sampled tokens: the
 same episode with its replies cut out gives the same advantages, the same loss and the same gradients, and the

@@ -12,7 +12,7 @@ import pytest
 
 from trainer.algorithms import ALGORITHMS, Algorithm, OptionError
 from trainer.config import RecipeError
-from trainer.rl.preflight import load_recipe
+from trainer.lifecycle.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 

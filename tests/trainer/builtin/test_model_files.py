@@ -211,7 +211,7 @@ def test_a_hub_dataset_is_one_request_with_a_time_limit_and_cached_ones_none(mon
 
 def test_the_recipe_names_a_hub_dataset_it_cannot_reach_before_anything_loads(monkeypatch, tmp_path):
     from trainer.config import RecipeError
-    from trainer.rl.preflight import load_recipe, preflight
+    from trainer.lifecycle.preflight import load_recipe, preflight
 
     monkeypatch.setattr(hub, "cached_dataset", lambda repo_id: False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

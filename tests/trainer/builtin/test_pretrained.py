@@ -9,7 +9,7 @@ import pytest
 from trainer.builtin import pretrained
 from trainer.builtin.model_path import BUILTIN_MODELS, builtin_max_positions
 from trainer.config import RecipeError
-from trainer.rl.preflight import load_recipe
+from trainer.lifecycle.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "recipes" / "grpo_smollm2_cpu.yaml"

@@ -153,7 +153,7 @@ def test_tool_episode_is_append_only_and_masks_the_assistant(tok):
 
 
 def test_observation_ids_of_a_tool_reply(tok):
-    from trainer.rl.turn_tokens import observation_ids
+    from trainer.sampling.turn_tokens import observation_ids
 
     ids = observation_ids(tok, EPISODE[:1], [{"role": "tool", "content": "5"}], TOOLS, stop_id=tok.eos_token_id)
     assert ids == tok("<|user|>tool: 5<|end|><|assistant|>", add_special_tokens=False)["input_ids"]

@@ -164,7 +164,7 @@ def expected_words(case: Case, tmp: Path) -> list[str]:
 # takes make_engine by name when it is imported, so the patch precedes that import.
 _MARK_ENGINES = """
 import os, sys
-import trainer.rl.engines as engines
+import trainer.sampling.engines as engines
 make_engine = engines.make_engine
 def marked(*a, **k):
     open(os.environ["CORPUS_ENGINE_MARK"], "w").close()

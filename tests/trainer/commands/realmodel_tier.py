@@ -59,7 +59,7 @@ def test_compare_float32_is_the_pipeline_self_test(tmp_path, smollm2_dir, prompt
     from transformers import AutoModelForCausalLM
 
     from rollout.weight_export import full_weights
-    from trainer.commands.compare import run_compare
+    from trainer.diagnostics.compare import run_compare
 
     # The engine is shared with the GRPO test: start from the weights on disk whatever ran before.
     fp32_engine.load_weights(full_weights(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32),
@@ -72,8 +72,8 @@ def test_compare_float32_is_the_pipeline_self_test(tmp_path, smollm2_dir, prompt
 
 
 def test_grpo_steps_keep_parity_at_the_first_steps_level(tmp_path, fp32_engine):
+    from trainer.lifecycle.preflight import load_recipe
     from trainer.rl.loop import train
-    from trainer.rl.preflight import load_recipe
 
     # 16 tokens are too few for SmolLM2 to reach "The answer is N": exact_answer is 0 for every sample
     # (measured), so no group has signal and nothing trains. Characters per completion differ
@@ -102,8 +102,8 @@ def test_grpo_steps_keep_parity_at_the_first_steps_level(tmp_path, fp32_engine):
 
 def test_exact_mode_keeps_engine_and_trainer_identical_over_synced_updates(tmp_path, smollm2_dir):
     """precision.recipe exact on SmolLM2 (float32; its own exact engine): every parity figure exactly 0."""
+    from trainer.lifecycle.preflight import load_recipe
     from trainer.rl.loop import train
-    from trainer.rl.preflight import load_recipe
 
     (tmp_path / "length_reward.py").write_text(
         "def chars(prompts, completions, **columns):\n    return [float(len(c)) for c in completions]\n")
@@ -156,7 +156,7 @@ def test_sft_lora_then_merge(tmp_path, smollm2_dir):
 # Last in the file: it starts and closes an engine of its own, and closing an in-process vLLM engine
 # tears down vLLM's process-global parallel state that the module's float32 engine also uses.
 def test_compare_bfloat16_at_the_measured_level(tmp_path, smollm2_dir, prompt_file):
-    from trainer.commands.compare import run_compare
+    from trainer.diagnostics.compare import run_compare
 
     summary = run_compare(smollm2_dir, prompt_file, tmp_path / "bf16", n=2, max_new_tokens=16, seed=0)
     m = summary["metrics"]

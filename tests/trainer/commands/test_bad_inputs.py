@@ -10,7 +10,7 @@ from bad_input_corpus import CASES, Case, classify, expected_words, materialise 
 
 import trainer.rl.loop  # noqa: E402
 from trainer.cli import main  # noqa: E402
-from trainer.rl.stops import RewardFailed  # noqa: E402
+from trainer.lifecycle.stops import RewardFailed  # noqa: E402
 
 
 @pytest.fixture

@@ -122,7 +122,7 @@ def test_verbose_shows_everything_and_still_logs(tmp_path):
 
 
 def test_shutdown_before_os_exit_delivers_the_last_line(tmp_path):
-    """os._exit skips atexit: the stop line of a signal at startup (trainer/rl/preemption.py) would stay in the pipe."""
+    """os._exit skips atexit: the stop line of a signal at startup (trainer/lifecycle/preemption.py) would stay in the pipe."""
     code = ("import os, sys\nfrom trainer.io import third_party_output as t\nt.install()\n"
             "print('parityrl: SIGTERM received before the first step', file=sys.stderr, flush=True)\n"
             "t.shutdown()\nos._exit(143)\n")

@@ -10,6 +10,7 @@ import torch
 from trainer.cli import main as cli_main
 from trainer.commands.train_rm import load_rm_recipe, run_train_rm
 from trainer.config import RecipeError, RewardConfig, RewardModelEntry
+from trainer.lifecycle.preflight import load_recipe
 from trainer.rewards.functions import compute_rewards
 from trainer.rewards.reward_model import (
     RM_INFO_FILE,
@@ -20,7 +21,6 @@ from trainer.rewards.reward_model import (
     sequence_scores,
 )
 from trainer.rewards.sources import build_reward_sources
-from trainer.rl.preflight import load_recipe
 from trainer.supervised.pairs import load_preference_pairs, pair_metrics, pairwise_loss
 from trainer.supervised.reward_model import load_model_for_rm_training
 

@@ -17,9 +17,9 @@ def test_sft_merge_rm_ppo_end_to_end(tmp_path, tiny_model_dir, vllm_engine, caps
     from trainer.commands.merge import merge_adapter
     from trainer.commands.sft import load_sft_recipe, run_sft
     from trainer.commands.train_rm import load_rm_recipe, run_train_rm
+    from trainer.lifecycle.preflight import load_recipe
     from trainer.rewards.functions import compute_rewards
     from trainer.rewards.sources import build_reward_sources
-    from trainer.rl.preflight import load_recipe
     from trainer.supervised.pairs import load_preference_pairs
 
     # 1. SFT: LoRA on packed blocks, saved as an adapter

@@ -1,7 +1,7 @@
 """SIGINT and SIGTERM before the first step -- while the model loads, while vLLM's engine starts -- end `parityrl
 train` at once with one line and status 130 / 143, the run lock released (slow: real processes, the tiny model,
 the vLLM engine; the moments are found in the run's own output). After the first step the loop's handler
-stops at a step boundary with a checkpoint: tests/trainer/rl/test_stops_integration.py."""
+stops at a step boundary with a checkpoint: tests/trainer/lifecycle/test_stops_integration.py."""
 import os
 import signal
 import subprocess

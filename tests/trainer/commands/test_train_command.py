@@ -9,8 +9,8 @@ import pytest
 import trainer.rl.loop
 from trainer.cli import build_parser, invoked_as, main
 from trainer.commands.train import resume_command, with_resume_command
-from trainer.rl.preflight import load_recipe
-from trainer.rl.stops import Preempted
+from trainer.lifecycle.preflight import load_recipe
+from trainer.lifecycle.stops import Preempted
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "recipes" / "grpo_tiny.yaml"

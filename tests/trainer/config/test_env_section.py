@@ -5,8 +5,8 @@ import pytest
 import yaml
 
 from trainer.config import RecipeError, to_dict
-from trainer.rl.episode_sampler import EpisodeEnvironment
-from trainer.rl.preflight import check_before_loading, load_recipe
+from trainer.environments.episode_environment import EpisodeEnvironment
+from trainer.lifecycle.preflight import check_before_loading, load_recipe
 
 ENVS = Path(__file__).resolve().parents[1] / "rl" / "episode_envs.py"
 

@@ -8,7 +8,7 @@ import trainer.config.utf8 as utf8
 from trainer.cli import main
 from trainer.config import RecipeError
 from trainer.config.utf8 import decode_utf8, utf8_problem
-from trainer.rl.preflight import load_recipe
+from trainer.lifecycle.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "recipes" / "grpo_tiny.yaml"

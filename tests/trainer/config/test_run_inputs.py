@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import RecipeError
-from trainer.rl.preflight import load_recipe
+from trainer.lifecycle.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "recipes" / "grpo_tiny.yaml"

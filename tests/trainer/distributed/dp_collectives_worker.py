@@ -29,8 +29,8 @@ def pooled_statistics(dp: DataParallel) -> dict:
     from trainer.algorithms import ADVANTAGES, AdvantageInputs, PPOConfig
     from trainer.algorithms.sequence import whiten
     from trainer.config import AlgorithmConfig, RunConfig
+    from trainer.measurement.scoring import Scores
     from trainer.rl.critic import make_kl_controller, ppo_targets
-    from trainer.rl.scoring import Scores
 
     x, mask, rewards = _batch(0)
     half = slice(dp.rank * 4, dp.rank * 4 + 4)
@@ -63,8 +63,8 @@ def stops(dp: DataParallel) -> dict:
     """Rank 1 alone has a failing reward and a SIGTERM: both ranks stop with its message and signal."""
     import signal
 
-    from trainer.rl.preemption import Preemption
-    from trainer.rl.stops import RewardFailed, stop_together
+    from trainer.lifecycle.preemption import Preemption
+    from trainer.lifecycle.stops import RewardFailed, stop_together
 
     try:
         stop_together(dp, RewardFailed("step 2: reward function 'r' returned nan at sample 0") if dp.rank else None)

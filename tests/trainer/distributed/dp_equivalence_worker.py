@@ -41,10 +41,10 @@ def main() -> int:
     from trainer.algorithms import ADVANTAGES, AdvantageInputs
     from trainer.builtin.resolve import resolve_model_path
     from trainer.distributed.data_parallel import DataParallel
+    from trainer.lifecycle.preflight import load_recipe
     from trainer.models.batch import batch_from_rollouts
     from trainer.models.policy import add_lora, completion_logprobs, load_base_model, load_tokenizer
     from trainer.rl.learner import Learner
-    from trainer.rl.preflight import load_recipe
     from trainer.rl.update import policy_gradient_pass
 
     cfg = load_recipe(sys.argv[1], ["algorithm.group_size=4", "train.micro_batch_size=6"])

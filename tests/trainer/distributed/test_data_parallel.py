@@ -108,8 +108,8 @@ def two_ranks(recipe: Path, sets: list[str], run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_engine):
+    from trainer.lifecycle.preflight import load_recipe
     from trainer.rl.loop import train
-    from trainer.rl.preflight import load_recipe
 
     common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
               "logging.wandb.mode=disabled"]
@@ -129,10 +129,10 @@ def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_en
 @pytest.mark.slow
 def test_two_rank_episodes_match_one_process(tmp_path, tiny_model_dir, vllm_engine):
     """Multi-turn episodes (a user's environment file): each rank runs its shard with the single process's
-    per-episode seeds at every turn (trainer/rl/episodes.py), so step 1's episodes, rewards and per-turn parity
+    per-episode seeds at every turn (trainer/sampling/episodes.py), so step 1's episodes, rewards and per-turn parity
     token counts are the single process's."""
+    from trainer.lifecycle.preflight import load_recipe
     from trainer.rl.loop import train
-    from trainer.rl.preflight import load_recipe
 
     envs = REPO / "tests/trainer/rl/episode_envs.py"
     common = ["train.steps=1", "rollout.prompts_per_step=4", "algorithm.group_size=4", "checkpoint.every=0",
@@ -160,8 +160,8 @@ def test_two_rank_episodes_match_one_process(tmp_path, tiny_model_dir, vllm_engi
 def test_two_rank_ppo_matches_one_process(tmp_path, tiny_model_dir, vllm_engine):
     """PPO's batch-level statistics pooled over the ranks: whitened rewards and advantages and the adaptive KL
     controller's beta are the single process's (one update per batch, so the updates see the same rows)."""
+    from trainer.lifecycle.preflight import load_recipe
     from trainer.rl.loop import train
-    from trainer.rl.preflight import load_recipe
 
     recipe = REPO / "recipes/ppo_tiny.yaml"
     common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",

@@ -20,9 +20,9 @@ import torch
 from parity.precision import host_has_native_bf16
 from trainer.config import RecipeError
 from trainer.io import checkpoint as ckpt
+from trainer.lifecycle.preflight import load_recipe
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_launch
-from trainer.rl.preflight import load_recipe
 
 # 1e-3 where the CPU computes BF16 natively; emulated BF16 (AVX2-only hosts) differs by shard: measured 1.7e-3
 BF16_REL = 1e-3 if host_has_native_bf16() else 5e-3

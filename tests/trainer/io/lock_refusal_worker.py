@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from trainer.distributed.data_parallel import DataParallel
 from trainer.io.run_lock import claim
-from trainer.rl.stops import claim_together
+from trainer.lifecycle.stops import claim_together
 
 dist.init_process_group("gloo")
 dp = DataParallel.current()

@@ -10,7 +10,7 @@ import torch
 from test_checkpoint_manifest import FakeAdapter, save  # the manifest tests' writer
 
 from trainer.io import checkpoint as ckpt, write_failure
-from trainer.rl.run_state import choose_checkpoint
+from trainer.lifecycle.run_state import choose_checkpoint
 
 
 def _file(step_dir):

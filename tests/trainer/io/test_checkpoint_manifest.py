@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer.io import checkpoint as ckpt
-from trainer.rl.run_state import choose_checkpoint, claim_run_dir
+from trainer.lifecycle.run_state import choose_checkpoint, claim_run_dir
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -86,7 +86,7 @@ def test_a_failed_write_removes_its_partial_folder(tmp_path, capsys):
 
 
 def test_partial_folders_of_a_killed_write_are_removed_at_start_with_a_note(tmp_path, capsys):
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
 
     cfg = load_recipe("recipes/grpo_tiny.yaml", [f"logging.run_dir={tmp_path}"], check_paths=False)
     save(tmp_path, 1)

@@ -10,7 +10,7 @@ import pytest
 from trainer.io import superseded_rows
 from trainer.io.run_logger import RunLogger
 from trainer.io.superseded_rows import MARK, move_rows_past, move_superseded_rows, step_ranges, superseded_path
-from trainer.rl.summary import whole_run
+from trainer.lifecycle.summary import whole_run
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,10 @@ import torch
 
 from trainer.config.schema import RecipeError
 from trainer.config.supervised import read_rm_recipe
+from trainer.lifecycle.preflight import load_recipe
 from trainer.models import attention
 from trainer.models.attention import resolve_attn_implementation
 from trainer.models.policy import load_base_model
-from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from trainer.config.schema import RecipeError
+from trainer.lifecycle.preflight import load_recipe
 from trainer.models.batch import build_token_batch
 from trainer.models.exact import sequences_of, straight_through
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_launch, check_model_config, recipe_rules
-from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -15,11 +15,11 @@ from accelerate import Accelerator
 from trainer.algorithms import AdvantageInputs
 from trainer.config.schema import RecipeError
 from trainer.config.supervised import SFTTrainConfig
+from trainer.lifecycle.preflight import load_recipe
 from trainer.models.batch import build_token_batch
 from trainer.models.checkpointing import checkpointing_enabled, enable_gradient_checkpointing
 from trainer.models.policy import completion_hidden
 from trainer.rl.learner import Learner, load_policy
-from trainer.rl.preflight import load_recipe
 from trainer.rl.update import policy_gradient_pass
 from trainer.rl.value_head import ValueHead
 from trainer.supervised.hf_trainer import LossModule, training_arguments

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from trainer.lifecycle.summary import print_summary
 from trainer.models import memory
 from trainer.models.memory import GIB, peak_memory_gb
-from trainer.rl.summary import print_summary
 
 
 def test_cpu_peak_is_the_process_peak_rss_in_gib(monkeypatch):

@@ -8,8 +8,8 @@ from rollout.engine_forward import check_supported
 from rollout.moe_config import moe_shape
 from trainer.builtin.zoo import ensure_arch_model
 from trainer.config import RecipeError
+from trainer.lifecycle.preflight import check_before_loading
 from trainer.models.routing_mode import routing_mode
-from trainer.rl.preflight import check_before_loading
 
 SMALL = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=2)
 QWEN2_MOE = transformers.Qwen2MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,

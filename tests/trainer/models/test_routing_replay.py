@@ -11,9 +11,9 @@ from parity.routing import routing_metrics, routing_stats
 from rollout.hf_routes import RouterTap
 from rollout.routes import NO_ROUTE
 from rollout.types import Rollouts
+from trainer.measurement.scoring import forward, score_batch
 from trainer.models.batch import batch_from_rollouts
 from trainer.models.routing_replay import PAD, RoutingReplay, UnsupportedRouting, moe_routers
-from trainer.rl.scoring import forward, score_batch
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
@@ -127,7 +127,7 @@ def test_routing_metrics_hand_computed():
     assert math.isnan(empty["parity/routing_agree"])
 
 
-# ---- the scoring forward (trainer.rl.scoring.forward): routes laid out with the batch ---------------------
+# ---- the scoring forward (trainer.measurement.scoring.forward): routes laid out with the batch ---------------------
 PROMPTS = [[5, 9, 3, 17], [8, 1], [40, 2, 11, 12, 13]]
 COMPLETIONS = [[20, 21, 22], [30, 31, 32, 33, 34], [41]]
 

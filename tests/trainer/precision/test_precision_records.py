@@ -8,11 +8,11 @@ from transformers import LlamaConfig, MixtralConfig
 import trainer.precision.fp8_unified
 from rollout.vllm_plugins.names import EMULATED_FP8, EXACT
 from trainer.config import PrecisionConfig, RecipeError
+from trainer.diagnostics.compare_inputs import CompareError, check_settings
+from trainer.lifecycle.preflight import load_recipe
 from trainer.precision import DEFAULT_RECIPE, RECIPES, compare_choices, recipe_for
 from trainer.precision.checks import check_launch, check_model_config, recipe_rules, server_problem
 from trainer.precision.record import FLOAT32_FLOOR, SITUATIONS, MaeFloor, PrecisionRecipe
-from trainer.rl.compare_inputs import CompareError, check_settings
-from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
@@ -57,7 +57,7 @@ def test_each_record_has_a_floor_per_dtype():
 
 
 def test_the_runs_ratio_limit_takes_its_recipes_floor():
-    from trainer.rl.parity_limits import ratio_limit_for
+    from trainer.measurement.parity_limits import ratio_limit_for
 
     lim = ratio_limit_for(load_recipe(RECIPE, [], check_paths=False))
     assert (lim.max_ratio, lim.floor, lim.judge_start) == (5.0, 4e-3, False)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.rl.engines
+import trainer.sampling.engines
 from trainer.config import RecipeError
+from trainer.lifecycle.preflight import load_recipe
 from trainer.precision import RECIPES, PrecisionRecipe, compare_choices, register_recipe
 from trainer.precision.record import COMPARE, FLOAT32_FLOOR, SERVER
-from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
@@ -63,8 +63,8 @@ def test_a_toy_recipe_is_valid_refused_where_it_says_and_starts_its_engine(toy, 
     assert "toy_fp32" not in compare_choices()
 
     made = []
-    monkeypatch.setattr(trainer.rl.engines, "VLLMEngine", lambda model_dir, **kw: made.append((model_dir, kw)))
-    trainer.rl.engines.make_engine(cfg, "/models/base", max_model_len=88)
+    monkeypatch.setattr(trainer.sampling.engines, "VLLMEngine", lambda model_dir, **kw: made.append((model_dir, kw)))
+    trainer.sampling.engines.make_engine(cfg, "/models/base", max_model_len=88)
     ((model_dir, kwargs),) = made
     assert model_dir == "/models/base" and kwargs["toy_option"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert kwargs["dtype"] == "float32" and CALLS["engine_options"] == 1

@@ -98,7 +98,7 @@ def test_the_recipe_limit_applies_to_functions_not_to_reward_models():
 @pytest.mark.parametrize("value", ["0", "-1", ".nan", "true"])
 def test_the_recipe_refuses_a_limit_that_is_not_a_positive_number_of_seconds(value):
     from trainer.config import RecipeError
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
 
     with pytest.raises(RecipeError, match=r"reward.timeout_s"):
         load_recipe(str(REPO / "recipes/grpo_tiny.yaml"), [f"reward.timeout_s={value}"])
@@ -106,6 +106,6 @@ def test_the_recipe_refuses_a_limit_that_is_not_a_positive_number_of_seconds(val
 
 @pytest.mark.parametrize("value, expected", [("null", None), ("5", 5.0), ("0.5", 0.5)])
 def test_the_recipe_takes_null_or_seconds(value, expected):
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
 
     assert load_recipe(str(REPO / "recipes/grpo_tiny.yaml"), [f"reward.timeout_s={value}"]).reward.timeout_s == expected

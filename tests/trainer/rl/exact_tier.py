@@ -12,8 +12,8 @@ import torch
 
 from rollout.engine_forward import EngineForward
 from rollout.types import SamplingSpec
+from trainer.lifecycle.preflight import load_recipe
 from trainer.rl.loop import train
-from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 ENVS = Path(__file__).resolve().with_name("episode_envs.py")

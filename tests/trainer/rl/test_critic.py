@@ -4,8 +4,8 @@ import torch
 
 from trainer.algorithms import PPOConfig, make_kl_controller
 from trainer.config import AlgorithmConfig, RunConfig
+from trainer.measurement.scoring import Scores
 from trainer.rl.critic import NegativeKLWatch, ppo_targets
-from trainer.rl.scoring import Scores
 
 
 def _scored():

@@ -10,12 +10,13 @@ import pytest
 
 from rollout.types import SamplingSpec
 from trainer.data.tasks.arithmetic import arithmetic_dataset
+from trainer.environments.episode_environment import EpisodeLimits
+from trainer.lifecycle.preflight import load_recipe
+from trainer.lifecycle.stops import EnvironmentFailed
 from trainer.models.batch import batch_from_rollouts
 from trainer.models.policy import load_tokenizer
-from trainer.rl.episodes import EpisodeLimits, run_episodes
 from trainer.rl.loop import train
-from trainer.rl.preflight import load_recipe
-from trainer.rl.stops import EnvironmentFailed
+from trainer.sampling.episodes import run_episodes
 
 REPO = Path(__file__).resolve().parents[3]
 ENVS = Path(__file__).resolve().parent / "episode_envs.py"

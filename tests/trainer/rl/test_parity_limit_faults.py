@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from trainer.lifecycle.preflight import load_recipe
+from trainer.lifecycle.stops import ParityLimitExceeded
 from trainer.rl.loop import train
-from trainer.rl.preflight import load_recipe
-from trainer.rl.stops import ParityLimitExceeded
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow

@@ -50,8 +50,8 @@ def toy(monkeypatch):
 
 def test_a_toy_algorithm_trains_one_step(tmp_path, toy, tiny_model_dir, vllm_engine):
     from trainer.config import RecipeError
+    from trainer.lifecycle.preflight import load_recipe
     from trainer.rl.loop import train
-    from trainer.rl.preflight import load_recipe
 
     def cfg_for(tmp_path, name, *overrides):
         return load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.lifecycle.preflight import load_recipe
 from trainer.rl.loop import train
-from trainer.rl.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
@@ -155,7 +155,7 @@ def test_tis_correction_in_the_loop(tmp_path, tiny_model_dir, vllm_engine):
 
 def test_probe_limit_stops_right_after_a_bad_sync(tmp_path, tiny_model_dir, vllm_engine):
     from trainer.io.checkpoint import latest_checkpoint
-    from trainer.rl.stops import ParityLimitExceeded
+    from trainer.lifecycle.stops import ParityLimitExceeded
 
     cfg = cfg_for(tmp_path, "probe_guard", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false",
                   "checkpoint.every=1", f"parity.max_mae={PARITY_MAE_BOUND}", "parity.on_violation=stop")
@@ -174,7 +174,7 @@ def test_probe_limit_stops_right_after_a_bad_sync(tmp_path, tiny_model_dir, vllm
 
 def test_parity_limit_stops_before_the_bad_update(tmp_path, tiny_model_dir, vllm_engine):
     from trainer.io.checkpoint import latest_checkpoint
-    from trainer.rl.stops import ParityLimitExceeded
+    from trainer.lifecycle.stops import ParityLimitExceeded
 
     # Probe off: the step's own metrics are the guard.
     cfg = cfg_for(tmp_path, "guard", "train.steps=4", "train.learning_rate=2e-2", "rollout.sync_weights=false",
@@ -190,7 +190,7 @@ def test_parity_limit_stops_before_the_bad_update(tmp_path, tiny_model_dir, vllm
 
 
 def test_relative_limit_is_on_by_default_and_stops_a_stale_run(tmp_path, tiny_model_dir, vllm_engine):
-    from trainer.rl.stops import ParityLimitExceeded
+    from trainer.lifecycle.stops import ParityLimitExceeded
 
     # No absolute limit: the default parity.max_mae_ratio alone, at the first probe after the fault.
     # The stale engine's probe reads ~0.16 after step 1 against ~1.7e-3 before it (floor 4e-3: limit 2e-2).

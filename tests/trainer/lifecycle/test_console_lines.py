@@ -1,0 +1,62 @@
+"""Console lines of a run: the ETA after warm-up, distinct samples, the summary over the whole run."""
+import json
+from types import SimpleNamespace
+
+from trainer.io.run_logger import eta_text
+from trainer.lifecycle.samples_table import console_rows
+from trainer.lifecycle.summary import print_summary, routing_line, whole_run
+
+
+def test_eta_counts_only_the_steps_after_the_first_logged_one():
+    # first step 1 (warm-up included) gives no estimate; after step 3, 2 steps took 20 s -> 10 s/step x 7 left
+    assert eta_text(1, 1, 0.0, 10) == "-"
+    assert eta_text(3, 1, 20.0, 10) == "70s"
+    assert eta_text(10, 1, 90.0, 10) == "0s"
+    # a resumed process: its first logged step is 6
+    assert eta_text(6, 6, 0.0, 10) == "-" and eta_text(8, 6, 8.0, 10) == "8s"
+
+
+def _row(prompt, completion):
+    return {"prompt": prompt, "completion": completion}
+
+
+def test_console_rows_are_distinct_and_prefer_other_prompts():
+    rows = [_row("p0", "4"), _row("p0", "4"), _row("p1", "7"), _row("p1", "8")]
+    assert console_rows(rows) == [_row("p0", "4"), _row("p1", "7")]
+    # one prompt only: its two different completions, never the same one twice
+    assert console_rows([_row("p0", "4"), _row("p0", "4"), _row("p0", "5")]) == [_row("p0", "4"), _row("p0", "5")]
+    assert console_rows([_row("p0", "4"), _row("p0", "4")]) == [_row("p0", "4")]
+
+
+def _rec(step, reward, mae=1e-3):
+    return {"step": step, "reward/mean": reward, "parity/mae": mae, "parity/kl_k3": 1e-6, "parity/max_abs": 0.1}
+
+
+def test_summary_after_a_resume_covers_the_whole_run(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    # steps 1-4 before the stop (step 4 after the checkpoint at 3), then the resume repeats 4 and runs to 8
+    rows = [{"step": 0, "probe/mae": 1e-3}] + [_rec(s, 0.1 * s) for s in range(1, 5)]
+    rows += [{"step": 0, "probe/mae": 2e-3}] + [_rec(s, 0.1 * s + 0.01) for s in range(4, 9)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "rew')  # a torn last line
+    resumed = [_rec(s, 0.1 * s + 0.01) for s in range(4, 9)]
+    whole = whole_run(path, resumed)
+    assert [r["step"] for r in whole] == list(range(1, 9))
+    assert whole[3]["reward/mean"] == 0.1 * 4 + 0.01  # the resumed record of step 4
+    logger = SimpleNamespace(enabled=True, metrics_path=path, wandb_location="disabled", summary=lambda v: None)
+    print_summary(resumed, tmp_path / "step_8", logger)
+    out = capsys.readouterr().out
+    # k = min(5, 8 // 4) = 2: first (0.1 + 0.2) / 2, last (0.71 + 0.81) / 2
+    assert "first 2 step(s): 0.150   last 2 step(s): 0.760   change +0.610" in out
+
+
+def test_summary_without_a_metrics_file_uses_the_process_records(tmp_path):
+    assert whole_run(tmp_path / "missing.jsonl", [_rec(1, 0.5)]) == [_rec(1, 0.5)]
+
+
+def test_the_routing_line_averages_the_steps_and_compares_only_those_scored_both_ways():
+    h = [{"parity/routing_agree": 0.99, "parity/routing_tokens_any_diff": 0.02, "parity/kl_k3": 3e-4,
+          "parity/unreplayed/kl_k3": 6e-3},
+         {"parity/routing_agree": 0.97, "parity/routing_tokens_any_diff": 0.04, "parity/kl_k3": 5e-4}]
+    assert routing_line(h) == ("routing  routers agree on 98.00% of (token, layer) choices, 3.0% of tokens differ "
+                               "somewhere; replay: kl_k3 3.00e-04 vs 6.00e-03 without (1 step(s) scored both ways)")
+    assert routing_line([{"parity/kl_k3": 1e-3}]) == ""  # a dense model's run

@@ -1,0 +1,53 @@
+"""trainer.lifecycle.samples_table: which samples the table shows and what each row holds (hand-checked)."""
+import json
+
+import torch
+
+from rollout.types import Rollouts
+from trainer.lifecycle.samples_table import append_samples, console_text, sample_indices, sample_rows
+from trainer.models.batch import batch_from_rollouts
+from trainer.sampling.drawn import Drawn
+
+
+class Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"t{i}" for i in ids)
+
+
+def test_sample_indices_take_two_per_group():
+    assert sample_indices(12, 4, 5) == [0, 1, 4, 5, 8]
+    assert sample_indices(6, 1, 8) == [0, 1, 2, 3, 4, 5]
+
+
+def test_rows_hold_text_rewards_and_the_samples_parity(tmp_path):
+    r = Rollouts(prompt_ids=[[1, 2]] * 2 + [[3]] * 2, completion_ids=[[5, 6], [7], [8, 9, 10], [11]],
+                 rollout_logprobs=[[-1.0, -2.0], [-0.5], [-1.0, -1.0, -1.0], [-3.0]],
+                 finish_reasons=["stop", "length", "stop", "stop"], group_size=2)
+    drawn = Drawn(rows=[{"prompt": "p0"}, {"prompt": "p1"}], rollouts=r, rewards=[1.0, 0.0, 0.5, 0.25],
+                  per_fn={"exact": [1.0, 0.0, 1.0, 0.5]})
+    batch = batch_from_rollouts(r, 0, "cpu")
+    train = batch.rollout_logprobs.clone()
+    train[0, :2] += torch.tensor([0.1, -0.3])  # |d| = 0.1, 0.3 -> mean 0.2, max 0.3
+    rows = sample_rows(drawn, batch, train, Tok(), k=3)
+    assert [row["prompt"] for row in rows] == ["p0", "p0", "p1"]
+    assert rows[0]["completion"] == "t5 t6" and rows[1]["finish_reason"] == "length" and rows[2]["length"] == 3
+    assert rows[0]["reward"] == 1.0 and rows[2]["reward/exact"] == 1.0
+    assert abs(rows[0]["parity_mean_abs"] - 0.2) < 1e-6 and abs(rows[0]["parity_max_abs"] - 0.3) < 1e-6
+    assert rows[1]["parity_mean_abs"] == 0.0
+    path = append_samples(tmp_path, 7, rows)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == 3 and lines[0]["step"] == 7 and lines[2]["prompt"] == "p1"
+    text = console_text(rows)
+    assert "t5 t6" in text and "exact 1" in text and text.count("prompt") == 2
+
+
+def test_an_episode_row_shows_its_turns_and_which_tokens_were_trained():
+    from trainer.lifecycle.samples_table import transcript
+
+    class Letters:  # id -> its letter; 0 is a special token
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join("<s>" if i == 0 and not skip_special_tokens else "" if i == 0 else chr(96 + i)
+                           for i in ids)
+
+    ids, mask = [1, 2, 0, 3, 0, 4], [1, 1, 1, 0, 0, 1]
+    assert transcript(ids, mask, Letters()) == "[turn 1] ab [context] c<s> [turn 2] d"

@@ -1,0 +1,300 @@
+"""`parityrl compare`: the engine's and the trainer's log-probs of the same sampled tokens, as a report.
+
+    engine.generate(prompts)                      -> tokens + engine log-probs lp_r
+    trainer.measurement.scoring.score_batch(tokens)        -> trainer log-probs lp_t, entropy
+    parity.metrics.compare / breakdowns           -> summary.json, tokens.jsonl, xlsx, plots
+
+One tokenizer (the trainer's, ``trainer.data.datasets.encode_prompts``) encodes the prompts for
+both sides: the engine receives token ids, never text. The trainer scores teacher-forced
+with the engine's temperature, through the same chunked kernel and the same
+``TokenBatch`` layout (left-padded prompts, explicit position ids) as a training step,
+so the numbers are the ones a run's ``parity/*`` metrics would show for the same weights.
+
+The inputs are checked and read by ``trainer.diagnostics.compare_inputs``; the trainer scores with the loop's
+own ``trainer.measurement.scoring.score_batch``; the report's rows and the self-check (``self_check=True``:
+both sides the trainer's scoring, every error metric exactly zero) are ``trainer.diagnostics.compare_report``'s.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from parity.metrics import compare, error_by_position
+from parity.report import check_out_dir, prepare_out_dir, require_report_deps, write_report
+from rollout.hf_engine import HFEngine
+from rollout.moe_config import moe_shape
+from rollout.types import Rollouts, SamplingSpec
+from trainer.diagnostics.compare_inputs import (
+    CompareError,
+    chat_template_info,
+    check_settings,
+    context_len,
+    encode_prompt_ids,
+    load_prompts,
+    resolve_model_dir,
+)
+from trainer.diagnostics.compare_report import (
+    decoder,
+    generation_stats,
+    sample_rows,
+    self_check_result,
+    self_check_rollouts,
+    token_rows,
+    versions,
+)
+from trainer.distributed.data_parallel import DataParallel
+from trainer.measurement.parity_breakdown import step_breakdown
+from trainer.measurement.routing_parity import pooled_routing_metrics, replay_paused
+from trainer.measurement.scoring import score_batch
+from trainer.models.batch import TokenBatch, batch_from_rollouts
+from trainer.models.policy import load_base_model, load_tokenizer
+from trainer.models.routing_replay import RoutingReplay
+from trainer.precision import DEFAULT_RECIPE, recipe_for
+from trainer.sampling.engines import start_vllm
+
+__all__ = ["run_compare"]
+
+Progress = Optional[Callable[[str], None]]
+
+
+# ----------------------------------------------------------------------------------
+# Engines
+# ----------------------------------------------------------------------------------
+
+
+def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len: int, seed: int,
+                  kv_cache_bytes: Optional[int], work_dir, topk: int = 0, precision: str = DEFAULT_RECIPE,
+                  return_routes: bool = False):
+    if kind == "hf":
+        # The scoring model itself: one copy of the weights, and identical weights by construction.
+        return HFEngine(model, return_routes=return_routes)
+    # started as training starts its engine (the FP8 export on CUDA included), so compare measures it
+    return start_vllm(model_dir, precision=precision, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                      work_dir=work_dir, max_logprobs=max(20, topk), kv_cache_memory_bytes=kv_cache_bytes,
+                      enforce_eager=True, return_routes=return_routes)
+
+
+def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_len, seed, kv_cache_bytes, say,
+              work_dir, precision=DEFAULT_RECIPE, return_routes=False):
+    """Rollouts from ``engine`` (an object: used as is; a name: started here and closed after)."""
+    if not isinstance(engine, str):
+        engine_len = getattr(engine, "max_model_len", None)
+        need = max(len(p) for p in prompt_ids) + spec.max_new_tokens
+        if engine_len is not None and need > engine_len:
+            raise CompareError(f"the given engine's max_model_len = {engine_len}; the longest prompt + max_new_tokens "
+                               f"= {need}; expected fewer new tokens or shorter prompts")
+        return engine.generate(prompt_ids, spec)
+    say(f"starting the {engine} engine (max_model_len {max_model_len})")
+    owned = _start_engine(engine, model_dir, model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                          kv_cache_bytes=kv_cache_bytes, work_dir=work_dir, topk=spec.logprobs_topk,
+                          precision=precision, return_routes=return_routes)
+    try:
+        return owned.generate(prompt_ids, spec)
+    finally:
+        owned.close()
+
+
+# ----------------------------------------------------------------------------------
+# Scoring
+# ----------------------------------------------------------------------------------
+
+
+def _score(model, batch: TokenBatch, *, temperature: float, batch_size: int, chunk_size: Optional[int],
+           progress: Progress):
+    """Trainer log-probs and entropies [S, C] (float32, CPU, 0 at masked positions) of ``batch``'s completions,
+    when the batch carries the engine's top-k ids, the trainer's log-probs of those ids [S, C, k] (else None),
+    and with routes the routing parity sums (``Scores.routing``, else None)."""
+    scores = score_batch(model, batch, micro_batch_size=batch_size, temperature=temperature, chunk_size=chunk_size,
+                         progress=progress)
+    m = (batch.mask > 0).cpu()
+    top = None if scores.topk is None else scores.topk.float().cpu() * m.unsqueeze(-1)
+    return scores.logprobs.float().cpu() * m, scores.entropy.float().cpu() * m, top, scores.routing
+
+
+def _score_sides(model, rollouts: Rollouts, pad_id: int, device, *, self_check: bool, say: Progress, **score_kw):
+    """(rollouts, batch, trainer log-probs, entropy, trainer top-k log-probs or None, routing sums or None); with
+    ``self_check`` the rollouts' engine log-probs (and top-k log-probs) are first replaced by a trainer scoring of
+    the same tokens (``trainer.diagnostics.compare_report``)."""
+    batch = batch_from_rollouts(rollouts, pad_id, device)
+    lp_t, ent, top, routing = _score(model, batch, progress=say, **score_kw)
+    if self_check:
+        rollouts = self_check_rollouts(rollouts, lp_t, top)
+        batch = batch_from_rollouts(rollouts, pad_id, device)
+        lp_t, ent, top, routing = _score(model, batch, progress=say, **score_kw)
+    return rollouts, batch, lp_t, ent, top, routing
+
+
+def _routing_report(model, batch: TokenBatch, lp_r: torch.Tensor, mask: torch.Tensor, routing: dict,
+                    say: Progress, **score_kw) -> dict:
+    """An MoE model's routing parity with replay (the report's metrics) and the same tokens scored without it:
+    ``{"parity/routing_*": ..., "unreplayed": {parity metrics and routing agreement}}`` (docs/moe.md)."""
+    say("scoring again without routing replay (the trainer's routers choosing)")
+    with replay_paused(model):
+        lp_u, _, top_u, own = _score(model, batch, progress=say, **score_kw)
+    unreplayed = compare(lp_u, lp_r, mask > 0, train_topk_logprobs=top_u,
+                         rollout_topk_logprobs=None if top_u is None else batch.topk_logprobs.cpu())
+    one = DataParallel()  # one process: its sums are the totals
+    return {**pooled_routing_metrics(routing, one),
+            "unreplayed": {**unreplayed, **pooled_routing_metrics(own, one)}}
+
+
+# ----------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------
+
+
+def run_compare(
+    model: str,
+    prompts_path: str | Path,
+    out_dir: str | Path,
+    *,
+    engine: Any = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 64,
+    n: int = 1,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    num_prompts: Optional[int] = None,
+    prompt_column: str = "prompt",
+    use_chat_template: Optional[bool] = None,
+    max_prompt_tokens: Optional[int] = None,
+    max_model_len: Optional[int] = None,
+    kv_cache_bytes: Optional[int] = None,
+    batch_size: int = 16,
+    chunk_size: Optional[int] = None,
+    self_check: bool = False,
+    topk: int = 0,
+    precision: str = DEFAULT_RECIPE,
+    system_prompt: Optional[str] = None,
+    overwrite: bool = False,
+    num_examples: int = 5,
+    worst_k: int = 20,
+    progress: Progress = None,
+) -> dict:
+    """Generate with an engine, score the same tokens with the trainer, write the report; returns the summary.
+
+    Args:
+        model: local HF model directory, or ``builtin:tiny`` / ``builtin:tiny-base``.
+        prompts_path: see ``load_prompts``.
+        out_dir: the report directory; must be new or empty unless ``overwrite``.
+        engine: "vllm" (None: the default) or "hf" (``rollout.hf_engine.HFEngine`` on the scoring
+            model itself) to start one here and close it after; or an already started engine
+            object (e.g. a test session's), used as is and left open. It must hold ``model``'s weights.
+        temperature: sampling temperature; the trainer scores with the same one.
+        top_p, top_k: refused unless off (1.0 / 0): the trainer cannot reproduce truncation.
+        n: samples per prompt (sample i answers prompt i // n).
+        dtype: trainer (and started engine) dtype, one of ``trainer.models.policy.DTYPES``.
+        use_chat_template: None = use the tokenizer's chat template if it has one.
+        system_prompt: the template's system turn, as a recipe's ``data.system_prompt`` (None = its default).
+        max_model_len: engine context; None = longest prompt + max_new_tokens.
+        kv_cache_bytes: vLLM's CPU KV cache size (None: the engine's default).
+        batch_size, chunk_size: samples per scoring micro-batch; fused kernel rows per tile.
+        precision: a precision recipe's name (``trainer.precision.compare_choices()``; docs/precision.md):
+            the engine started here and the trainer's scoring model follow its record; a given engine object
+            must have been started with it. ``dtype`` must be one the recipe runs in.
+        topk: k > 0 asks the engine for its k most likely tokens per position and adds
+            ``parity/topk_kl`` (a lower bound on the full KL, ``parity.metrics.topk_kl``).
+        self_check: the engine side is the trainer's scoring too; every metric must then be exact
+            (see module doc and ``SELF_CHECK_EXPECTED``); the summary's ``self_check_result`` says.
+        num_examples: samples in each of the xlsx "longest" / "typical" sheets.
+        worst_k: rows of the worst-tokens breakdown.
+        progress: called with one-line progress messages (None: silent).
+
+    Raises:
+        CompareError: bad settings or input files (nothing has been written).
+        FileExistsError: ``out_dir`` is not empty and ``overwrite`` is False.
+        ImportError: matplotlib / openpyxl (the ``reports`` extra) missing.
+    """
+    say = progress or (lambda _msg: None)
+    check_settings(engine=engine, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                    n=n, dtype=dtype, batch_size=batch_size, num_prompts=num_prompts, max_model_len=max_model_len,
+                    max_prompt_tokens=max_prompt_tokens, topk=topk, precision=precision)
+    require_report_deps()
+    check_out_dir(out_dir, overwrite)
+    model_dir = resolve_model_dir(model)
+    prompts = load_prompts(prompts_path, prompt_column=prompt_column, num_prompts=num_prompts)
+    tokenizer = load_tokenizer(model_dir)
+    template = chat_template_info(tokenizer, use_chat_template, model_dir)
+    prompt_ids = encode_prompt_ids(tokenizer, prompts, template["used"], max_prompt_tokens, system_prompt)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = load_base_model(model_dir, dtype, device).eval()
+    kind = "vllm" if engine is None else engine
+    context = context_len(prompt_ids, max_new_tokens, max_model_len,
+                           getattr(hf.config, "max_position_embeddings", None))
+    out = prepare_out_dir(out_dir, overwrite)
+
+    spec = SamplingSpec(n=n, temperature=float(temperature), max_new_tokens=max_new_tokens, seed=seed,
+                        logprobs_topk=topk)
+    engine_name = kind if isinstance(kind, str) else type(kind).__name__
+    say(f"generating: {len(prompts)} prompts x {n} with {engine_name}, up to {max_new_tokens} new tokens")
+    t0 = time.monotonic()
+    # a mixture-of-experts model of a replayed family: the engine returns its routes and the trainer replays them
+    moe = moe_shape(hf.config) is not None
+    rollouts = _generate(kind, model_dir, hf, prompt_ids, spec, dtype=dtype, max_model_len=context, seed=seed,
+                         kv_cache_bytes=kv_cache_bytes, say=say, work_dir=out, precision=precision,
+                         return_routes=moe)
+    # The scoring side is the recipe's trainer model (FP8 linears where both phases run the same FP8
+    # forward), transformed after generation: an "hf" engine shares this model object, and the records
+    # that transform it refuse the HF engine (check_settings).
+    hf = recipe_for(precision).transform(hf)
+    if rollouts.routes:
+        RoutingReplay(hf)
+    t_gen = time.monotonic() - t0
+
+    say(f"scoring: {len(rollouts)} samples, {rollouts.num_completion_tokens} tokens with the trainer's forward")
+    t0 = time.monotonic()
+    score_kw = dict(temperature=spec.temperature, batch_size=batch_size, chunk_size=chunk_size)
+    rollouts, batch, lp_t, ent, top_t, routing = _score_sides(hf, rollouts, tokenizer.pad_token_id, device,
+                                                              self_check=self_check, say=say, **score_kw)
+    lp_r, mask, targets = batch.rollout_logprobs.cpu(), batch.mask.cpu(), batch.targets.cpu()
+    routing = None if routing is None else _routing_report(hf, batch, lp_r, mask, routing, say, **score_kw)
+    t_score = time.monotonic() - t0
+
+    metrics = compare(lp_t, lp_r, mask > 0, train_topk_logprobs=top_t,
+                      rollout_topk_logprobs=None if top_t is None else batch.topk_logprobs.cpu())
+    breakdowns = step_breakdown(lp_t, lp_r, mask, targets, tokenizer, entropy=ent, k=worst_k)
+    per_position = error_by_position(lp_t, lp_r, mask > 0, edges=list(range(mask.shape[1] + 1)))
+    breakdowns["per_position"] = per_position
+    tokens = token_rows(rollouts, batch, lp_t, ent, decoder(tokenizer))
+    samples = sample_rows(rollouts, prompts, batch, lp_t, tokenizer)
+    summary = {
+        "command": "parityrl compare",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": str(model),
+        "model_dir": str(model_dir),
+        "prompts_path": str(Path(prompts_path).expanduser().resolve()),
+        "num_prompts": len(prompts),
+        "num_samples": len(rollouts),
+        "num_tokens": len(tokens),
+        "self_check": bool(self_check),
+        **({"self_check_result": self_check_result(metrics)} if self_check else {}),
+        "metrics": metrics,
+        **({"routing": routing} if routing is not None else {}),
+        "settings": {
+            "engine": engine_name, "temperature": spec.temperature, "top_p": top_p, "top_k": top_k,
+            "max_new_tokens": max_new_tokens, "n": n, "seed": seed, "dtype": dtype, "device": device,
+            "max_model_len": context, "kv_cache_bytes": kv_cache_bytes, "max_prompt_tokens": max_prompt_tokens,
+            "prompt_column": prompt_column, "batch_size": batch_size, "chunk_size": chunk_size, "topk": topk,
+            "precision": precision,
+            "engine_logprobs": "trainer scoring (self-check)" if self_check else "engine",
+            "trainer_logprobs": "trainer.models.policy.completion_logprobs (parity.logprobs.fused_logprobs), "
+                                "teacher-forced, use_cache=False, no_grad",
+        },
+        "chat_template": template,
+        "versions": versions(),
+        "generation": generation_stats(rollouts, prompt_ids),
+        "timing": {"generate_s": round(t_gen, 3), "score_s": round(t_score, 3),
+                   "score_tokens_per_s": round(len(tokens) / t_score, 1) if t_score > 0 else None},
+        "breakdowns": breakdowns,
+    }
+    say(f"writing the report to {out}")
+    write_report(out, summary=summary, tokens=tokens, samples=samples, per_position=per_position,
+                 num_examples=num_examples)
+    return summary
