@@ -25,6 +25,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rollout.device_placement import PlacementError
 from trainer.builtin.hub import hub_dataset_problem, hub_model_problem
 from trainer.builtin.model_files import (
     config_problem,
@@ -257,7 +258,10 @@ def check_capacity(cfg: RunConfig, where: str, size: Optional[ModelSize],
                    machine: Optional[Machine] = None) -> None:
     """Sizes the machine running the run cannot hold (``trainer.rl.capacity``): every one found, at once."""
     if machine is None:
-        gpu = gpu_total_bytes() if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate" else None
+        try:
+            gpu = gpu_total_bytes() if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate" else None
+        except PlacementError as e:
+            raise RecipeError(f"{where}: {e}") from None
         machine = Machine(host_available=host_available_bytes(), gpu_total=gpu)
     recipe = recipe_for(cfg.precision.recipe)
     fp8 = recipe.block_fp8_on_cuda and machine.gpu_total is not None
