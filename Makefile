@@ -17,6 +17,8 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test "$(TARGET)" = cpu -o "$(TARGET)" = cuda || { echo "TARGET must be cpu or cuda, got '$(TARGET)'"; exit 2; }
+	@# the interpreter that makes (or made) the venv, against pyproject.toml's requires-python, before pip
+	@$(if $(wildcard $(PY)),$(PY) scripts/check_python.py --venv $(VENV),$(PYTHON) scripts/check_python.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(TARGET),deepspeed,reports,dev,realmodel]"
