@@ -78,3 +78,24 @@ def test_make_setup_checks_before_the_venv_and_pip():
                            text=True, timeout=60, env={**os.environ, "MAKEFLAGS": ""}).stdout.splitlines()
     first = [i for i, line in enumerate(lines) if re.search(r"check_python\.py|-m venv|pip install", line)]
     assert "scripts/check_python.py" in lines[first[0]], lines
+
+
+def test_make_setup_for_cuda_installs_flashinfers_kernels_after_vllm():
+    """`vllm download-kernels` (vLLM 0.32.0's CLI: vllm/entrypoints/cli/download_kernels.py) after the CUDA extra's
+    pip install; not for the CPU build."""
+    def commands(target):
+        return subprocess.run(["make", "-n", "setup", f"TARGET={target}", "VENV=/nonexistent/venv"], cwd=REPO,
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "MAKEFLAGS": ""}).stdout.splitlines()
+
+    cuda = commands("cuda")
+    pip = next(i for i, line in enumerate(cuda) if 'pip install --quiet -e ".[cuda' in line)
+    assert cuda[pip + 1:].count("/nonexistent/venv/bin/vllm download-kernels") == 1, cuda
+    assert not any("download-kernels" in line for line in commands("cpu"))
+
+
+def test_the_download_kernels_subcommand_is_vllms():
+    from vllm.entrypoints.cli import download_kernels, main
+
+    assert [c.name for c in download_kernels.cmd_init()] == ["download-kernels"]
+    assert "vllm.entrypoints.cli.download_kernels," in Path(main.__file__).read_text()  # in CMD_MODULES
