@@ -29,7 +29,9 @@ How the launchers take it: accelerate 1.15 passes ``InitProcessGroupKwargs(backe
 is available, and accelerate itself uses this very string for FSDP with CPU offload), and under DeepSpeed hands
 it to ``deepspeed.comm.init_distributed(dist_backend=...)``, whose ``TorchBackend.init_process_group`` (deepspeed
 0.19.8, ``comm/torch.py``) calls ``torch.distributed.init_process_group(backend, device_id=...)`` with it as is.
-A group somebody else made without a CPU backend is refused by name (``check_serves_cpu``).
+A group somebody else made without a CPU backend is refused by name (``check_serves_cpu``). One side effect:
+accelerate's default collective timeout is 30 minutes for any backend but a bare "nccl", which gets 10
+(``InitProcessGroupKwargs.__post_init__``); a hung rank is reported after 30.
 """
 from __future__ import annotations
 
