@@ -31,9 +31,12 @@ def vllm_sees_nvidia_gpus() -> bool:
 def nvidia_driver() -> tuple[Optional[int], Optional[str], Optional[str]]:
     """(GPUs, driver version, highest CUDA version the driver runs) from NVML; None where NVML cannot say."""
     try:
-        from vllm.utils.import_utils import import_pynvml  # late: as above
+        try:
+            from vllm.utils.import_utils import import_pynvml  # late: as above
 
-        nvml = import_pynvml()
+            nvml = import_pynvml()
+        except ImportError:  # no vLLM: nvidia-ml-py itself (what vLLM's import_pynvml returns)
+            import pynvml as nvml
         nvml.nvmlInit()
     except Exception:  # noqa: BLE001 - no NVML: nothing to report
         return None, None, None
