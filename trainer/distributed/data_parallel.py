@@ -1,7 +1,7 @@
 """Data parallel over N processes, each with its own colocated engine: sharding, gradient and metric reduction.
 
-Launch: ``torchrun --nproc_per_node N -m trainer.train <recipe>`` (CPU: gloo; GPU: NCCL;
-``accelerate launch --num_processes N`` on GPUs). Every rank reads the same prompt stream
+Launch: ``torchrun --nproc_per_node N -m trainer.train <recipe>`` (CPU: gloo; GPU: NCCL for CUDA tensors and gloo
+for CPU ones, ``trainer.distributed.process_group``; ``accelerate launch --num_processes N`` on GPUs). Every rank reads the same prompt stream
 (same seed), keeps its contiguous slice of whole prompts -- so a GRPO group never spans
 two ranks -- and samples them on its own engine with the sample seeds a single process
 would use for those samples (``SamplingSpec.index_offset``). Rewards and group
@@ -36,6 +36,7 @@ import torch
 
 from parity.metrics import finalize, reduction, sufficient_stats
 from trainer.algorithms import LossNormalizer
+from trainer.distributed.process_group import check_serves_cpu
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class DataParallel:
     def current(cls, reduce_grads: bool = True) -> "DataParallel":
         d = torch.distributed
         if d.is_available() and d.is_initialized() and d.get_world_size() > 1:
+            check_serves_cpu()  # the reductions below are on CPU tensors (trainer/distributed/process_group.py)
             return cls(rank=d.get_rank(), world=d.get_world_size(), reduce_grads=reduce_grads)
         return cls(reduce_grads=reduce_grads)
 

@@ -7,7 +7,9 @@ read in the installed packages):
 - ``accelerator_kwargs``: on a CPU-only host ``Accelerator(cpu=True)`` never enables
   DeepSpeed (``accelerate/state.py``: the DeepSpeed branch is ``... and not cpu``), and
   with ``cpu=False`` accelerate finds no backend for CPU and would treat a 2-rank
-  launch as one process; passing ``backend="gloo"`` fixes both.
+  launch as one process; passing ``backend="gloo"`` fixes both. On a CUDA host a launched rank asks for
+  ``cuda:nccl,cpu:gloo`` (``trainer.distributed.process_group``), which accelerate hands to DeepSpeed's
+  ``init_distributed`` as well.
 - ``fill_deepspeed_config``: the values of the DeepSpeed config that depend on the
   recipe. accelerate fills ``gradient_clipping: "auto"`` with a hard-coded 1.0
   (``Accelerator._prepare_deepspeed``), not with ``train.max_grad_norm``, and under
@@ -51,6 +53,8 @@ from typing import Callable, ContextManager, Sequence
 import torch
 from torch import nn
 
+from trainer.distributed.process_group import launch_backend
+
 Gather = Callable[[Sequence[nn.Parameter]], ContextManager]
 
 
@@ -69,20 +73,21 @@ def deepspeed_stage(accelerator) -> int:
 
 
 def accelerator_kwargs() -> dict:
-    """Keyword arguments for ``Accelerator(...)`` that enable DeepSpeed on CPU-only hosts too.
+    """Keyword arguments for ``Accelerator(...)``: the process group's backend, and DeepSpeed on CPU-only hosts too.
 
-    GPU hosts, and CPU hosts without DeepSpeed, get the loop's current behaviour
-    (``cpu=True`` when there is no CUDA). DeepSpeed is requested through the
-    environment that ``accelerate launch`` sets from the config file
-    (``ACCELERATE_USE_DEEPSPEED=true``), or by hand under ``torchrun``.
+    A launched rank on a CUDA host asks for ``trainer.distributed.process_group.CUDA_BACKEND`` (NCCL for CUDA
+    tensors, gloo for the loop's CPU ones; why there), with or without DeepSpeed; one process on a GPU host gets
+    accelerate's defaults; a CPU host ``cpu=True``. DeepSpeed is requested through the environment that
+    ``accelerate launch`` sets from the config file (``ACCELERATE_USE_DEEPSPEED=true``), or by hand under ``torchrun``.
     """
-    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if torch.cuda.is_available():
-        return {}
-    if not use_deepspeed:
-        return {"cpu": True}
     from accelerate.utils import InitProcessGroupKwargs
 
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if torch.cuda.is_available():
+        backend = launch_backend()
+        return {} if backend is None else {"kwargs_handlers": [InitProcessGroupKwargs(backend=backend)]}
+    if not use_deepspeed:
+        return {"cpu": True}
     # cpu=False: the only way into accelerate's DeepSpeed branch. backend="gloo": without it
     # accelerate's _prepare_backend returns no backend on a CPU host and reports 1 process.
     return {"cpu": False, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}

@@ -7,12 +7,12 @@ need the model's config or weights are skipped when those are not local (a hub i
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from rollout.device_placement import rank_gpu_index
 from trainer.config import RunConfig
 from trainer.config.validate import sequence_length
 
@@ -53,12 +53,13 @@ def host_available_bytes() -> Optional[int]:
 
 
 def gpu_total_bytes() -> Optional[int]:
-    """This process's GPU's memory. Its index from LOCAL_RANK (a launcher sets the device only later), and
-    read from the device's properties, which need no context on it (mem_get_info would make one)."""
+    """This process's GPU's memory: the GPU its colocated engine and its training run on
+    (``rollout.device_placement.rank_gpu_index``: LOCAL_RANK under a launcher, which sets the device only later,
+    else the current device; ``PlacementError`` when this rank has no visible GPU of its own). Read from the
+    device's properties, which need no context on it (mem_get_info would make one)."""
     if not torch.cuda.is_available():
         return None
-    index = int(os.environ.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count()
-    return torch.cuda.get_device_properties(index).total_memory
+    return torch.cuda.get_device_properties(rank_gpu_index()).total_memory
 
 
 def kv_bytes_per_token(config: dict, dtype_bytes: int) -> Optional[int]:

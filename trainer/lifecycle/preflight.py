@@ -25,6 +25,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rollout.cuda_driver import unusable_cuda_problem
+from rollout.device_placement import PlacementError
 from trainer.builtin.hub import hub_dataset_problem, hub_model_problem
 from trainer.builtin.model_files import (
     config_problem,
@@ -178,12 +180,13 @@ def check_before_loading(path: str | os.PathLike, overrides: list[str] = (), *, 
 
 
 def preflight(cfg: RunConfig, where: str, *, model: bool = True, report: Optional[Report] = None) -> None:
-    """Every check of what the recipe names, cheapest first, each problem kept (``Report``): the run directory,
-    the reward functions, the dataset and whether the functions take its columns, the model's path and context;
-    then (``model``) the model's checks: its config (or a hub id's reachability), its layers (LoRA), its
+    """Every check of what the recipe names, cheapest first, each problem kept (``Report``): a CUDA build of torch
+    that reaches no GPU, the run directory, the reward functions, the dataset and whether the functions take its
+    columns, the model's path and context; then (``model``) the model's checks: its config (or a hub id's reachability), its layers (LoRA), its
     precision recipe, its weights' headers and tokenizer, and the sizes the machine must hold."""
     own = report is None
     report = Report() if own else report
+    report.run(check_cuda_usable, where)
     report.run(check_run_dir, cfg, where)
     report.run(check_reward_model_dirs, cfg, where)
     fns, problems = reward_functions(cfg, where)
@@ -213,6 +216,14 @@ def _check_model(cfg: RunConfig, where: str, report: Report) -> None:
     files_ok, size = report.run(check_model_files, cfg, where)
     if files_ok:
         report.run(check_capacity, cfg, where, size)
+
+
+def check_cuda_usable(where: str) -> None:
+    """A CUDA build of torch that reaches no GPU while vLLM sees NVIDIA GPUs (a driver too old for the wheels'
+    CUDA, ``rollout.cuda_driver``): refused, instead of a run on the CPU paths of a GPU machine."""
+    problem = unusable_cuda_problem()
+    if problem:
+        raise RecipeError(f"{where}: {problem}")
 
 
 def check_model_source(cfg: RunConfig, where: str) -> None:
@@ -257,7 +268,10 @@ def check_capacity(cfg: RunConfig, where: str, size: Optional[ModelSize],
                    machine: Optional[Machine] = None) -> None:
     """Sizes the machine running the run cannot hold (``trainer.lifecycle.capacity``): every one found, at once."""
     if machine is None:
-        gpu = gpu_total_bytes() if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate" else None
+        try:
+            gpu = gpu_total_bytes() if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate" else None
+        except PlacementError as e:
+            raise RecipeError(f"{where}: {e}") from None
         machine = Machine(host_available=host_available_bytes(), gpu_total=gpu)
     recipe = recipe_for(cfg.precision.recipe)
     fp8 = recipe.block_fp8_on_cuda and machine.gpu_total is not None

@@ -62,6 +62,34 @@ def test_two_ranks_raise_together_broadcast_and_pool_batch_statistics(tmp_path):
         assert pooled["beta"] == pytest.approx(pooled["beta_whole"], rel=1e-12) and pooled["beta"] != 0.1
 
 
+def test_collectives_keep_the_device_rule_of_a_gpu_launch(tmp_path):
+    """A launch on GPUs: the process group accelerate makes from accelerator_kwargs() on a CUDA host, with gloo
+    standing in for NCCL on the device types NCCL serves (dp_device_rule_worker.py), so torch refuses CPU tensors
+    where NCCL would. Every collective of the loop runs on it with its CPU tensors; a group without a CPU backend
+    is refused by name."""
+    proc = subprocess.run([*TORCHRUN, str(Path(__file__).parent / "dp_device_rule_worker.py"), str(tmp_path)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    results = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)
+               if (tmp_path / f"rank_{r}.json").exists()]
+    assert len(results) == 2, proc.stderr[-3000:]
+    for r in results:
+        # the stand-in is faithful: a CPU tensor on a group without a CPU backend fails as on NCCL...
+        assert "No backend type associated with device type cpu" in r["cpu_tensor_on_nccl_like"]
+        # ...and such a group is refused by name
+        assert "has no backend for CPU tensors" in r["check_nccl_like"] and "cuda:nccl,cpu:gloo" in r["check_nccl_like"]
+        assert r["current"] == 2
+        c = r["collectives"]
+        assert c["global_normalizer"] == [6.0, 3.0]
+        assert c["sum_metrics"] == {"a": 3.0} and c["mean_metrics"] == {"a": 1.5} and c["max_metrics"] == {"a": 2.0}
+        assert c["all_sum"] == [2.0, 1.0] and c["all_reduce_grads"] == [3.0, 3.0]
+        assert c["pooled_parity"] == pytest.approx((3 * 0.1 + 3 * 0.2) / 6, rel=1e-6)  # mean |d| over both ranks
+        assert c["raise_together"] == "ok" and c["barrier"] == "ok"
+        assert c["broadcast_object"] == {"tag": "abc"} and c["gather_objects"] == [0, 1]
+        assert c["stop_together"] == "RewardFailed: rank 1's reward"
+        assert r["backend"] == "cuda:nccl,cpu:gloo" and r["stand_in"] == "cuda:gloo,cpu:gloo", r
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_shard_keeps_whole_prompts_and_refuses_uneven_splits():
     dp = DataParallel(rank=1, world=2)
     assert dp.shard(list("abcdef")) == ["d", "e", "f"] and dp.offset(12) == 12

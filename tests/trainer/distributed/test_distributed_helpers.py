@@ -118,6 +118,20 @@ def test_accelerator_kwargs(monkeypatch):
     assert kw["cpu"] is False and [h.backend for h in kw["kwargs_handlers"]] == ["gloo"]
 
 
+def test_accelerator_kwargs_on_a_cuda_host_ask_for_a_group_with_a_cpu_backend(monkeypatch):
+    """A launched rank on CUDA, with or without DeepSpeed: NCCL for CUDA tensors, gloo for the loop's CPU ones
+    (trainer/distributed/process_group.py); one process: accelerate's defaults (it makes no group then)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert D.accelerator_kwargs() == {}
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for deepspeed in ("false", "true"):
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", deepspeed)
+        kw = D.accelerator_kwargs()
+        assert [h.to_kwargs()["backend"] for h in kw["kwargs_handlers"]] == ["cuda:nccl,cpu:gloo"] and "cpu" not in kw
+
+
 def test_model_load_context_turns_transformers_zero_init_off_for_zero3_only():
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 

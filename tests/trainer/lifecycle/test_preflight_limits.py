@@ -88,6 +88,37 @@ def test_a_gpu_share_that_does_not_hold_the_weights():
     assert capacity_problems(cfg, "r", Machine(None, 80 * GiB), size, engine_weight_bytes_per_param=1) == []
 
 
+def test_the_gpu_share_is_checked_on_this_ranks_gpu(monkeypatch):
+    """A fake host of 4 GPUs of different sizes: the share is of the GPU this rank runs on (LOCAL_RANK under a
+    launcher, else the current device), not of GPU 0; a rank with no visible GPU of its own is refused by name."""
+    import torch
+
+    from trainer.rl.preflight import check_capacity
+
+    totals = [80 * GiB, 80 * GiB, 24 * GiB, 80 * GiB]
+    current = {"index": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(totals))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("Props", (), {"total_memory": totals[i]}))
+    cfg = cfg_with("rollout.gpu_memory_utilization=0.3")
+    size = ModelSize(parameters=4 * GiB, config=LLAMA)  # 8 GiB in bf16: within 0.3 of 80 GiB, not of 24 GiB
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    check_capacity(cfg, "r", size)
+    current["index"] = 2  # one process, on GPU 2
+    with pytest.raises(RecipeError, match=r"share of the GPU, 7.2 GiB of 24.0 GiB"):
+        check_capacity(cfg, "r", size)
+    current["index"] = 0  # a launched rank before its device is set
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(RecipeError, match=r"share of the GPU, 7.2 GiB of 24.0 GiB"):
+        check_capacity(cfg, "r", size)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    check_capacity(cfg, "r", size)
+    monkeypatch.setenv("LOCAL_RANK", "4")  # a fifth process on a machine of 4 GPUs
+    with pytest.raises(RecipeError, match=r"^r: LOCAL_RANK = 4: this process sees 4 GPU\(s\), so it has no GPU 4"):
+        check_capacity(cfg, "r", size)
+
+
 def test_the_hf_engine_and_a_server_have_no_kv_cache_to_check():
     size = ModelSize(parameters=100 * GiB, config=LLAMA)
     for engine in (["rollout.engine=hf"], ["rollout.mode=server"]):
