@@ -327,18 +327,40 @@ def test_engine_fp8_layers_are_checked_against_the_recipe_s():
 
 # ---- fast: the block-FP8 checkpoint of every architecture, read by vLLM's own Fp8Config ----------------
 # The zoo's models with the sizes vLLM's CUDA block-FP8 layers take (K and every fused shard but the last
-# a multiple of 128).
+# a multiple of 128), and an MLA model (DeepSeek-V3: latent q/kv projections that stay BF16, shared and
+# routed experts, a dense first layer).
 BLOCK_SIZES = dict(hidden_size=128, intermediate_size=256, head_dim=64, num_attention_heads=2, num_key_value_heads=2)
 MOE_SIZES = dict(moe_intermediate_size=128, shared_expert_intermediate_size=256)
+MLA = "deepseek_v3"
+# Entries vLLM's model classes add to their packed_modules_mapping in __init__ for these configs.
+INIT_PACKED = {"qwen2_moe": {"gate_up_proj": ["gate_proj", "up_proj"]},  # the shared expert (qwen2_moe.py)
+               MLA: {"fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]}}  # q_lora_rank set (deepseek_v2.py)
 
 
-def _all_zoo_archs():
+def _all_archs():
     from trainer.builtin.zoo import ARCHITECTURES, MOE_ARCHITECTURES
 
-    return sorted({**ARCHITECTURES, **MOE_ARCHITECTURES})
+    return sorted({**ARCHITECTURES, **MOE_ARCHITECTURES}) + [MLA]
 
 
-@pytest.mark.parametrize("arch", _all_zoo_archs())
+def _block_shaped_model(arch: str):
+    from trainer.builtin.zoo import MOE_ARCHITECTURES, build_arch_model
+
+    if arch != MLA:
+        moe = arch in MOE_ARCHITECTURES or arch == "qwen2_moe"
+        return build_arch_model(arch, overrides={**BLOCK_SIZES, **(MOE_SIZES if moe else {})})[0]
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    config = DeepseekV3Config(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=128,
+                              kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128, n_group=1,
+                              topk_group=1, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("arch", _all_archs())
 def test_written_checkpoint_tells_vllm_which_layers_are_fp8(arch, tmp_path):
     """vLLM's Fp8Config, as its model loader configures it for the model class, skips (leaves BF16) exactly
     the layers the checkpoint keeps in BF16, on every linear layer's and fused MoE's vLLM prefix; and
@@ -353,25 +375,25 @@ def test_written_checkpoint_tells_vllm_which_layers_are_fp8(arch, tmp_path):
     from vllm.model_executor.models.interfaces import SupportsQuant
 
     from rollout.vllm_plugins.names import DECODER_LAYER
-    from trainer.builtin.zoo import MOE_ARCHITECTURES, build_arch_model
 
-    sizes = {**BLOCK_SIZES, **(MOE_SIZES if arch in MOE_ARCHITECTURES or arch == "qwen2_moe" else {})}
-    model, _ = build_arch_model(arch, overrides=sizes)
+    model = _block_shaped_model(arch)
     src = tmp_path / "src"
     model.to(torch.bfloat16).save_pretrained(src)
     out = write_fp8_checkpoint(src, tmp_path / "fp8")
-    cls = ModelRegistry._try_load_model_cls(model.config.architectures[0])
+    conf = json.loads((out / "config.json").read_text())
+    cls = ModelRegistry._try_load_model_cls(conf["architectures"][0])
+    packed = {**cls.packed_modules_mapping, **INIT_PACKED.get(arch, {})}  # the model's, once built
 
-    # The quant config as vLLM's loader hands it to the model (model_loader/utils.py configure_quant_config,
-    # models/interfaces.py SupportsQuant.__new__): the class's name mapper and packed modules.
-    quant = Fp8Config.from_config(json.loads((out / "config.json").read_text())["quantization_config"])
+    # The quant config as vLLM's loader hands it to the model (model_loader/utils.py configure_quant_config:
+    # the class's mapping by reference, which __init__ then extends; models/interfaces.py
+    # SupportsQuant.__new__: a copy taken before __init__) with the class's name mapper.
+    quant = Fp8Config.from_config(conf["quantization_config"])
     configure_quant_config(quant, cls)
     if issubclass(cls, SupportsQuant):
         SupportsQuant._maybe_apply_model_mapping(SimpleNamespace(
             quant_config=quant, hf_to_vllm_mapper=cls.hf_to_vllm_mapper, packed_modules_mapping=cls.packed_modules_mapping))
-    packed = dict(cls.packed_modules_mapping)
-    if arch == "qwen2_moe":
-        packed["gate_up_proj"] = ["gate_proj", "up_proj"]  # added in Qwen2MoeForCausalLM.__init__ (shared expert)
+    else:
+        quant.packed_modules_mapping = packed
     shard_to_fused = {shard: fused for fused, shards in packed.items() for shard in shards}
 
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
@@ -383,9 +405,9 @@ def test_written_checkpoint_tells_vllm_which_layers_are_fp8(arch, tmp_path):
         if not DECODER_LAYER.search(m):
             continue  # embeddings, lm_head: not linear layers in vLLM
         parent, leaf = m.rsplit(".", 1)
-        expert = parent.rsplit(".", 1)
-        prefix = expert[0] if expert[-1].isdigit() and expert[0].endswith("experts") else f"{parent}.{shard_to_fused.get(leaf, leaf)}"
-        prefixes.setdefault(prefix, set()).add(m)
+        block, index = parent.rsplit(".", 1)
+        routed = index.isdigit() and block.endswith(".experts")  # one routed expert of vLLM's FusedMoE
+        prefixes.setdefault(block if routed else f"{parent}.{shard_to_fused.get(leaf, leaf)}", set()).add(m)
     mapper = getattr(cls, "hf_to_vllm_mapper", None)
     wrong = []
     for prefix, hf_modules in sorted(prefixes.items()):
@@ -397,8 +419,8 @@ def test_written_checkpoint_tells_vllm_which_layers_are_fp8(arch, tmp_path):
             wrong.append((prefix, skipped, emulated, sorted(hf_modules & quantized)))
     assert not wrong, wrong
     assert quantized  # o_proj and down_proj at least
-    if arch == "phi3" or arch in MOE_ARCHITECTURES or arch == "qwen2_moe":  # decoder layers that stay BF16 exist
-        assert any(not is_fp8_layer(prefix, packed) for prefix in prefixes)
+    if arch in ("phi3", MLA) or arch in INIT_PACKED or "experts" in " ".join(prefixes):
+        assert any(not is_fp8_layer(prefix, packed) for prefix in prefixes)  # decoder layers that stay BF16
 
 
 # ---- slow: the quantized engine, in a subprocess ---------------------------------------------------
