@@ -193,7 +193,9 @@ def check_engine_fp8_layers(layers: Mapping[str, tuple[str, str | None]], packed
         fp8 = method.startswith("Fp8")
         if fp8 and not is_fp8_layer(prefix, packed, targets):
             problems.append(f"{prefix} runs {method} but is not an FP8 layer of the recipe (its checkpoint weights are "
-                            "BF16 and its scale would be uninitialised); the checkpoint's ignored_layers should name it")
+                            "BF16 and its scale would be uninitialised); the checkpoint's ignored_layers should name it "
+                            "(a block-FP8 copy written by write_fp8_checkpoint does: delete an older copy, e.g. a run "
+                            "directory's engine_fp8, to have it written again)")
         elif not fp8 and is_fp8_layer(prefix, packed, targets):
             problems.append(f"{prefix} runs {method}, but the recipe quantizes it (the trainer and the sync do)")
         elif fp8 and kernel != FP8_LINEAR_KERNEL:
