@@ -4,10 +4,10 @@ Same formula as ``parity.precision.quantize_act_groups``, operation for operatio
 codes and float32 scales are bitwise the same (tests/parity/test_fp8_triton_interpret.py)::
 
     amax = max_{i in group} |fp32(x_i)|          (zeros pad a partial last group: never raise it)
-    s    = max(amax, EPS) * fp32(1/448)           float32 multiply, as scale_from_amax
+    s    = max(amax, EPS) / 448                   IEEE division (div_rn), as scale_from_amax
     q_i  = e4m3(clamp(fp32(x_i) / s, -448, 448))  IEEE division (div_rn), RNE cast
 
-Two details keep it bitwise: the division is ``tl.math.div_rn`` (Triton's ``/`` on float32 is
+Two details keep it bitwise: both divisions are ``tl.math.div_rn`` (Triton's ``/`` on float32 is
 the approximate ``div.full.f32`` on NVIDIA GPUs), and the cast is the hardware's
 round-to-nearest-even ``cvt.rn.satfinite.e4m3`` (the explicit clamp first, like ``cast_to_e4m3``).
 
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.precision import _INV_FP8_MAX, BLOCK, EPS, FP8_DTYPE, FP8_MAX
+from parity.precision import BLOCK, EPS, FP8_DTYPE, FP8_MAX
 
 __all__ = ["quantize_act_groups_triton"]
 
@@ -36,7 +36,7 @@ BLOCK_M = 32  # rows per program; one program quantizes a [BLOCK_M, 128] tile (o
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sg,
-                      inv_fp8_max, eps, fp8_max,
+                      eps, fp8_max,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, STORE_F32: tl.constexpr):
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
@@ -46,7 +46,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    s = tl.maximum(amax, eps) * inv_fp8_max
+    s = tl.math.div_rn(tl.maximum(amax, eps), fp8_max)
     y = tl.math.div_rn(x, s[:, None])
     y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
     # Every row and column of the padded output is written (the grid covers M_pad x K_pad).
@@ -78,5 +78,5 @@ def quantize_act_groups_triton(x2: torch.Tensor, m_pad: int | None = None, k_pad
     s = torch.empty((k_pad // BLOCK, m_pad), device=x2.device, dtype=torch.float32)
     grid = (m_pad // BLOCK_M, k_pad // BLOCK)
     _act_quant_kernel[grid](x2, q, s, m, k, x2.stride(0), x2.stride(1), q.stride(0), s.stride(0),
-                            _INV_FP8_MAX, EPS, FP8_MAX, GROUP=BLOCK, BLOCK_M=BLOCK_M, STORE_F32=store_f32)
+                            EPS, FP8_MAX, GROUP=BLOCK, BLOCK_M=BLOCK_M, STORE_F32=store_f32)
     return q, s

@@ -15,15 +15,23 @@ never drift. Layout (DeepSeek-V3 technical report, arXiv 2412.19437, §3.3.2
 Per block (or group) ``B`` of a tensor ``t``::
 
     amax  = max(max_{i in B} |t_i|, EPS)                    EPS = 1e-10
-    s     = amax * fp32(1/448)                              (float32; the dequantisation scale)
+    s     = amax / 448                                      (float32 IEEE division; the dequantisation scale)
     q_i   = e4m3(clamp(fp32(t_i) / s, -448, 448))           (round to nearest, ties to even)
     t~_i  = fp32(q_i) * s, rounded once to t's dtype        (dequantize)
 
-This is, operation for operation, vLLM's activation quantizer
-``per_token_group_quant_fp8`` with ``use_ue8m0=False``
-(``vllm/model_executor/layers/quantization/utils/fp8_utils.py``: absmax clamped
-at eps=1e-10, ``scale = absmax * (1/fp8_max)``, ``clamp(y / scale)``), so the
-CUDA engine's dynamic activation quantization follows the same formula.
+This is, operation for operation, the activation quantizer of the CUDA engine: vLLM's CUTLASS
+block-FP8 kernel (the one ``rollout.engine_options.block_fp8_kwargs`` pins) quantizes with
+``QuantFP8(use_ue8m0=False)`` -> ``per_token_group_quant_fp8`` -> the CUDA op
+``per_token_group_fp8_quant`` (vLLM's ``csrc/quantization/w8a8/fp8/per_token_group_quant.cu``:
+``local_absmax`` starts at eps = 1e-10, ``y_s = local_absmax / max_8bit``, then
+``DST_DTYPE(clamp(x / y_s))``). Two of vLLM's other paths differ, and the engine takes neither:
+its Triton fallback (``fp8_utils._per_token_group_quant_fp8``, used off CUDA or for a
+non-contiguous input) multiplies by ``1.0 / fp8_max``, one float32 ulp away from the division
+for 55% of bf16 amax values; its pure-torch ``QuantFP8.forward_native`` divides too but floors the
+scale at 1/(448*512) instead of the amax at 1e-10, so it agrees for amax >= 2^-9 only. Division
+is by a tensor, never by a Python number: on CUDA torch computes ``t / number`` as
+``t * (1 / number)`` (``aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu``, the ``is_cpu_scalar``
+branch). Tests: tests/parity/test_precision.py (against vLLM's own ``forward_native``).
 
 Choices, and why:
 
@@ -97,8 +105,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = 128  # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
 EPS = 1e-10  # amax floor: zero blocks get a finite scale (same as vLLM's kernels)
-# fp32(1/448), multiplied rather than divided: vLLM computes ``absmax * (1.0 / fp8_max)``.
-_INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
 # Hugging Face leaf names of the decoder linear layers both phases quantize (Llama, Mistral, Qwen2/3).
 # lm_head, embeddings, norms and attention stay BF16 (trainer/models/precision.py says why).
 FP8_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -110,8 +116,9 @@ def cast_to_e4m3(t: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """Dequantisation scale s = max(amax, EPS) * fp32(1/448), float32."""
-    return amax.float().clamp_min(EPS) * _INV_FP8_MAX
+    """Dequantisation scale s = max(amax, EPS) / 448, float32, correctly rounded (module docstring: why a division)."""
+    a = amax.float().clamp_min(EPS)
+    return a / torch.full_like(a, FP8_MAX)
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -27,19 +27,42 @@ other models up front (the built-in tiny model's 64-row k/v fail it: it runs the
 CPU emulation only). ``VLLMEngine.load_weights`` keeps FP8 tensors and their
 float32 scales in their dtype (``to_engine_dtype``) instead of casting to BF16.
 
+Which layers: a block-FP8 checkpoint's config makes vLLM's ``Fp8Config`` give every linear layer
+(and every fused MoE) an FP8 method unless its ``ignored_layers`` names it
+(``Fp8Config.get_quant_method`` -> ``is_layer_skipped``,
+``vllm/model_executor/layers/quantization/utils/quant_utils.py``); a layer with an FP8 method and
+BF16 weights in the checkpoint computes with an uninitialised scale. So ``write_fp8_checkpoint``
+lists in ``ignored_layers`` every weight matrix it keeps in BF16 (``unquantized_layers``: Phi3's fused
+``qkv_proj``/``gate_up_proj``, MLA's ``q_a_proj``/``kv_a_proj_with_mqa``/``kv_b_proj``, routers,
+embeddings, lm_head), by its Hugging Face module name: vLLM maps that list with the model class's
+``hf_to_vllm_mapper`` and matches a fused layer by its own name or by all of its shards'
+(``packed_modules_mapping``), a fused MoE by the names of its experts. Routed experts stay BF16, as in
+the CPU emulation and the trainer (they are not linear layers on either side). The layers quantized on
+CUDA are then those the emulation quantizes (``is_fp8_layer``), which the engine checks at start
+(``check_engine_fp8_layers``), with the kernel each one runs.
+
+The kernel: ``rollout.engine_options.block_fp8_kwargs`` pins vLLM's linear backend for these layers
+to CUTLASS (``FP8_LINEAR_KERNEL``). Its activation quantizer is the CUDA op whose formula
+``parity.precision`` follows, and it multiplies by the pushed weights and scales as they are. vLLM's
+default on Hopper and Blackwell is another quantizer: the first kernel it tries,
+``FlashInferFp8DeepGEMMDynamicBlockScaledKernel``, sends batches under 32 tokens to FlashInfer, which
+takes BF16 activations and quantizes them itself, and the rest to DeepGEMM, which under
+``VLLM_USE_DEEP_GEMM_E8M0=1`` (the default) rounds activation scales up to powers of two and
+re-quantizes the loaded weights to power-of-two scales after every reload
+(``kernels/linear/scaled_mm/flashinfer.py``, ``deep_gemm.py``; ``fp8_utils.requant_weight_ue8m0_inplace``).
+
 Remaining difference on CUDA (documented; it needs a GPU to measure): vLLM's FP8
 GEMM accumulates in float32 on tensor cores while the trainer's emulation runs a
 BF16 GEMM on the dequantized operands (or ``torch`` ``scaled_mm`` with
-``backend="scaled_mm"``); the quantized operands are identical. Keep DeepGEMM's
-UE8M0 (power-of-two) scales off (``VLLM_USE_DEEP_GEMM_E8M0=0``, on Blackwell):
-they round activation scales to powers of two, a different quantizer.
+``backend="scaled_mm"``); the quantized operands are identical.
 """
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -48,10 +71,18 @@ from rollout.vllm_plugins.names import DECODER_LAYER as _DECODER_LAYER, EMULATED
 
 __all__ = [
     "FP8_BLOCK_QUANT_CONFIG",
+    "FP8_LINEAR_BACKEND",
+    "FP8_LINEAR_KERNEL",
+    "FP8_LINEAR_QUANT_KEY",
     "SCALE_SUFFIX",
     "check_cuda_block_shapes",
+    "check_engine_fp8_layers",
+    "engine_fp8_layers",
     "fp8_block_weights",
+    "fp8_quant_config",
+    "is_fp8_layer",
     "is_fp8_target",
+    "unquantized_layers",
     "write_fp8_checkpoint",
 ]
 
@@ -59,12 +90,40 @@ __all__ = [
 FP8_BLOCK_QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 SCALE_SUFFIX = "weight_scale_inv"
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# One routed expert of a mixture-of-experts block (``mlp.experts.3.gate_proj``): vLLM fuses the experts
+# into one FusedMoE, not a linear layer, so neither the emulation nor the trainer quantizes them.
+_ROUTED_EXPERT = re.compile(r"(?:^|\.)experts\.\d+\.")
+# vLLM's linear-backend key for block-FP8 layers with dynamic 1x128 activation groups
+# (``init_fp8_linear_kernel`` in vllm/model_executor/kernels/linear/__init__.py), the backend pinned for
+# it, and the kernel class that backend selects there (module docstring: why this one).
+FP8_LINEAR_QUANT_KEY = "fp8_block_w8a8"
+FP8_LINEAR_BACKEND = "cutlass"
+FP8_LINEAR_KERNEL = "CutlassFp8BlockScaledMMKernel"
 
 
 def is_fp8_target(name: str, targets: Sequence[str] = FP8_TARGETS) -> bool:
-    """``...layers.<i>.<...>.<leaf>.weight`` with leaf in ``targets`` (HF names)."""
+    """``...layers.<i>.<...>.<leaf>.weight`` with leaf in ``targets`` (HF names), routed experts excepted."""
     parts = name.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in targets and bool(_DECODER_LAYER.search(name))
+    return (len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in targets and bool(_DECODER_LAYER.search(name))
+            and not _ROUTED_EXPERT.search(name))
+
+
+def is_fp8_layer(prefix: str, packed: Mapping[str, Sequence[str]], targets: Sequence[str] = FP8_TARGETS) -> bool:
+    """Whether the engine quantizes the vLLM layer ``prefix``: a decoder linear all of whose HF shards
+    (``packed``: the model class's ``packed_modules_mapping``, e.g. qkv_proj -> q, k, v) are targets.
+
+    ValueError for a fused layer only some of whose shards are targets: a fused layer shares its
+    input quantization, so it is quantized whole or not at all.
+    """
+    if not _DECODER_LAYER.search(prefix):
+        return False
+    leaf = prefix.rsplit(".", 1)[-1]
+    shards = list(packed.get(leaf, [leaf]))
+    hits = [sh in targets for sh in shards]
+    if any(hits) and not all(hits):
+        raise ValueError(f"{prefix} fuses {shards} but only {[sh for sh, h in zip(shards, hits) if h]} are fp8 "
+                         "targets; a fused layer shares its input quantization, so target all or none")
+    return all(hits)
 
 
 def fp8_block_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], *,
@@ -98,13 +157,64 @@ def check_cuda_block_shapes(shapes: dict[str, tuple[int, ...]], targets: Sequenc
                          + f". On CPU use quantization={EMULATED_FP8!r}")
 
 
+def unquantized_layers(shapes: Mapping[str, Sequence[int]], targets: Sequence[str] = FP8_TARGETS) -> list[str]:
+    """HF module names of the checkpoint's weight matrices (2-D or more) that stay BF16, sorted:
+    the ``ignored_layers`` vLLM's ``Fp8Config`` must be given (module docstring)."""
+    return sorted({name[: -len(".weight")] for name, shape in shapes.items()
+                   if name.endswith(".weight") and len(shape) >= 2 and not is_fp8_target(name, targets)})
+
+
+def fp8_quant_config(shapes: Mapping[str, Sequence[int]], targets: Sequence[str] = FP8_TARGETS) -> dict:
+    """The ``quantization_config`` of the block-FP8 checkpoint of a model with these tensor shapes."""
+    return {**FP8_BLOCK_QUANT_CONFIG, "ignored_layers": unquantized_layers(shapes, targets)}
+
+
+def engine_fp8_layers(model) -> dict[str, tuple[str, str | None]]:
+    """vLLM module prefix -> (its quantization method's class name, its FP8 linear kernel's class name or
+    None), for every linear layer and fused MoE of an engine's model (run in the engine:
+    ``LLM.apply_model``). Reads vLLM objects by attribute only (``Fp8LinearMethod.fp8_linear``)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        name = type(method).__name__
+        if method is None or not (name.endswith("LinearMethod") or name.endswith("MoEMethod")):
+            continue  # attention's KV-cache method, embeddings'
+        kernel = getattr(method, "fp8_linear", None)
+        out[prefix] = (name, None if kernel is None else type(kernel).__name__)
+    return out
+
+
+def check_engine_fp8_layers(layers: Mapping[str, tuple[str, str | None]], packed: Mapping[str, Sequence[str]],
+                            targets: Sequence[str] = FP8_TARGETS) -> None:
+    """RuntimeError unless the engine's FP8 layers are exactly those the emulation and the trainer
+    quantize (``is_fp8_layer``), each running ``FP8_LINEAR_KERNEL``. ``layers``: ``engine_fp8_layers``."""
+    problems = []
+    for prefix, (method, kernel) in sorted(layers.items()):
+        fp8 = method.startswith("Fp8")
+        if fp8 and not is_fp8_layer(prefix, packed, targets):
+            problems.append(f"{prefix} runs {method} but is not an FP8 layer of the recipe (its checkpoint weights are "
+                            "BF16 and its scale would be uninitialised); the checkpoint's ignored_layers should name it "
+                            "(a block-FP8 copy written by write_fp8_checkpoint does: delete an older copy, e.g. a run "
+                            "directory's engine_fp8, to have it written again)")
+        elif not fp8 and is_fp8_layer(prefix, packed, targets):
+            problems.append(f"{prefix} runs {method}, but the recipe quantizes it (the trainer and the sync do)")
+        elif fp8 and kernel != FP8_LINEAR_KERNEL:
+            problems.append(f"{prefix} runs the FP8 kernel {kernel}, expected {FP8_LINEAR_KERNEL} (its activation "
+                            "quantizer is parity.precision's; check that kernel_config.linear_backend_per_quant "
+                            f"{{{FP8_LINEAR_QUANT_KEY!r}: {FP8_LINEAR_BACKEND!r}}} reached vLLM, and that "
+                            "VLLM_DISABLED_KERNELS does not name it)")
+    if problems:
+        raise RuntimeError(f"the block-FP8 engine does not run the recipe's FP8 layers ({len(problems)} layer(s)): "
+                           + "; ".join(problems[:4]) + ("; ..." if len(problems) > 4 else ""))
+
+
 def write_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, *,
                          named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
                          targets: Sequence[str] = FP8_TARGETS) -> Path:
     """Write a block-FP8 copy of a local HF model for vLLM's ``fp8`` method; returns ``out_dir``.
 
     Copies every non-weight file of ``src_dir`` (tokenizer, generation config),
-    adds ``quantization_config = FP8_BLOCK_QUANT_CONFIG`` to config.json and
+    adds ``quantization_config = fp8_quant_config(...)`` (block FP8, ``ignored_layers``) to config.json and
     writes ``model.safetensors`` with ``fp8_block_weights`` of the checkpoint's
     tensors (or of ``named_tensors``, e.g. the trainer's merged weights, which
     replace the checkpoint's under the same names).
@@ -124,13 +234,14 @@ def write_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, *,
         if name not in tensors:
             raise ValueError(f"named_tensors: {name!r} is not in {src}'s checkpoint")
         tensors[name] = t.detach()
-    check_cuda_block_shapes({n: tuple(t.shape) for n, t in tensors.items()}, targets)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    check_cuda_block_shapes(shapes, targets)
     out.mkdir(parents=True)
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = dict(FP8_BLOCK_QUANT_CONFIG)
+    config["quantization_config"] = fp8_quant_config(shapes, targets)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({n: t.contiguous() for n, t in fp8_block_weights(tensors.items(), targets=targets)},
               str(out / "model.safetensors"))

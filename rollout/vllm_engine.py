@@ -39,6 +39,7 @@ import torch
 
 from rollout.base import InProcessEngine
 from rollout.device_placement import check_engine_device, keep_current_device, placement_options
+from rollout.fp8_weights import check_engine_fp8_layers, engine_fp8_layers
 from rollout.model_files import checkpoint_shapes, eos_token_ids
 from rollout.moe_config import is_moe, moe_shape, route_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
@@ -199,6 +200,8 @@ class VLLMEngine(InProcessEngine):
         # vLLM's CUDA block-FP8 layers load FP8 values + scales (rollout.fp8_weights), not float weights.
         self.fp8_block_weights = llm_kwargs.get("quantization") == "fp8"
         self.packed_modules = self._packed_modules()
+        if self.fp8_block_weights:
+            self._check_fp8_layers()
         self._moe_layers = None  # the decoder layers that route (vLLM's own routes hold every layer)
         self.route_shape = self._install_route_capture() if self.return_routes else None
 
@@ -232,6 +235,15 @@ class VLLMEngine(InProcessEngine):
             raise RuntimeError(f"{self.model}: a mixture-of-experts engine cannot start in a process that holds a "
                                "dense model's vLLM engine (vLLM's parallel groups are process-wide and were made "
                                "without the expert-parallel one); close that engine first, or use another process")
+
+    def _check_fp8_layers(self) -> None:
+        """vLLM's block-FP8 layers are the recipe's FP8 layers, each on the kernel whose quantizer is
+        ``parity.precision``'s (``rollout.fp8_weights.check_engine_fp8_layers``); else the engine is closed."""
+        try:
+            check_engine_fp8_layers(self.llm.apply_model(engine_fp8_layers)[0], self.packed_modules)
+        except RuntimeError:
+            self.close()
+            raise
 
     def _packed_modules(self) -> dict[str, list[str]]:
         try:

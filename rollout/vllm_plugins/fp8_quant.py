@@ -59,7 +59,8 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from parity.precision import BLOCK, FP8_TARGETS, fake_quant_weight_shards, fp8_linear
-from rollout.vllm_plugins.names import DECODER_LAYER as _DECODER_LAYER, EMULATED_FP8
+from rollout.fp8_weights import is_fp8_layer
+from rollout.vllm_plugins.names import EMULATED_FP8
 
 __all__ = ["EMULATED_FP8", "EmulatedFp8Config", "EmulatedFp8LinearMethod"]
 
@@ -122,16 +123,9 @@ class EmulatedFp8Config(QuantizationConfig):
         return cls(targets=config.get("targets", FP8_TARGETS))
 
     def is_target(self, prefix: str) -> bool:
-        """True for a decoder linear layer all of whose HF shards are targets (e.g. qkv_proj -> q,k,v)."""
-        if not _DECODER_LAYER.search(prefix):
-            return False
-        leaf = prefix.rsplit(".", 1)[-1]
-        shards = self.packed_modules_mapping.get(leaf, [leaf])
-        hits = [s in self.targets for s in shards]
-        if any(hits) and not all(hits):
-            raise ValueError(f"{prefix} fuses {shards} but only {[s for s, h in zip(shards, hits) if h]} are fp8 "
-                             "targets; a fused layer shares its input quantization, so target all or none")
-        return all(hits)
+        """True for a decoder linear layer all of whose HF shards are targets (e.g. qkv_proj -> q,k,v): the rule
+        the CUDA engine's layers are checked against too (``rollout.fp8_weights.is_fp8_layer``)."""
+        return is_fp8_layer(prefix, self.packed_modules_mapping, self.targets)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         if not isinstance(layer, LinearBase):

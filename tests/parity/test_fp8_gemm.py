@@ -26,7 +26,6 @@ from parity.precision import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-INV448 = torch.tensor(1 / 448, dtype=torch.float32)
 
 
 def u8(q):
@@ -78,7 +77,7 @@ def test_activation_for_gemm_layout_and_values():
     assert q.shape == (64, 256) and sa.shape == (64, 2) and sa.stride() == (1, 64)  # M-major scale_a
     assert torch.equal(u8(q[:37, :200]), u8(q0)) and torch.equal(sa[:37], s0)
     assert (u8(q[37:]) == 0).all() and (u8(q[:, 200:]) == 0).all()
-    assert torch.equal(sa[37:], torch.full((27, 2), EPS) * INV448)
+    assert torch.equal(sa[37:], torch.full((27, 2), EPS) / 448.0)
 
 
 def test_verify_shapes_catch_the_unpadded_scale():

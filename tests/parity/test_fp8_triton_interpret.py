@@ -60,7 +60,7 @@ def test_scales_and_values_bitwise(dtype, m, k):
 def test_edge_groups():
     x = _inputs(torch.float32)
     f, s = ft.quantize_act_groups_triton(x, store_f32=True)
-    assert s[0, 3] == torch.tensor(EPS, dtype=torch.float32) * torch.tensor(1 / 448, dtype=torch.float32)
+    assert s[0, 3] == torch.tensor(EPS, dtype=torch.float32) / torch.tensor(448.0)  # float32 division
     assert (f[3, :128] == 0).all()
     # The element equal to the amax lands within a float32 ulp of 448 and casts to exactly 448.
     assert (cast_to_e4m3(f[4, 128:256]).float() == FP8_MAX).all() and (f[4, 128:256] <= FP8_MAX).all()

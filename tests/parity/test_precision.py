@@ -25,6 +25,7 @@ from parity.precision import (
     scale_from_amax,
 )
 
+# The reciprocal form of the scale, which vLLM's CUDA engine does not use (tests at the end).
 INV448 = torch.tensor(1 / 448, dtype=torch.float32)
 
 
@@ -65,7 +66,7 @@ def test_weight_blocks_by_hand():
     w[128, 128], w[129, 129], w[130, 130] = 448.0, 1.07, -448.0
     q, s = quantize_weight_blocks(w)
     assert s.shape == (2, 2) and s.dtype == torch.float32
-    assert torch.equal(s, torch.tensor([[3.0, 7.0], [EPS, 448.0]]) * INV448)
+    assert torch.equal(s, torch.tensor([[3.0, 7.0], [EPS, 448.0]]) / 448.0)
     qf = q.float()
     assert (qf[:128, :128] == 448).all()
     assert qf[0, 128] == 448 and (qf[1:128, 128:] == 64).all()
@@ -80,7 +81,7 @@ def test_weight_blocks_by_hand():
 def test_activation_groups_by_hand():
     x = torch.tensor([[1.0] * 127 + [8.0] + [0.0] * 128, [-2.0] * 256])
     q, s = quantize_act_groups(x)
-    assert torch.equal(s, torch.tensor([[8.0, EPS], [2.0, 2.0]]) * INV448)  # one scale per token and group
+    assert torch.equal(s, torch.tensor([[8.0, EPS], [2.0, 2.0]]) / 448.0)  # one scale per token and group
     assert q.float()[0, :127].eq(56).all() and q.float()[0, 127] == 448  # 1 / (8/448) = 56, exact in E4M3
     assert q.float()[1].eq(-448).all() and q.float()[0, 128:].eq(0).all()
     assert torch.equal(dequantize_act_groups(q, s, torch.float32), x)
@@ -247,3 +248,65 @@ def test_input_validation():
         quantize_weight_blocks(torch.zeros(2, 3), block=0)
     with pytest.raises(ValueError, match="K >= 1"):
         quantize_act_groups(torch.zeros(3, 0))
+
+
+# ---- the CUDA engine's activation quantizer is this one ------------------------------------------
+# On CUDA the engine's FP8 layers run vLLM's CUTLASS block kernel (rollout.engine_options pins it), which
+# quantizes activations with QuantFP8(use_ue8m0=False) -> per_token_group_quant_fp8 -> the CUDA op
+# per_token_group_fp8_quant (vLLM's csrc/quantization/w8a8/fp8/per_token_group_quant.cu, ComputeGroupScale
+# and QuantizeGroup):
+#     float local_absmax = eps;  local_absmax = fmaxf(local_absmax, fabsf(x));  y_s = local_absmax / max_8bit;
+#     q = DST_DTYPE(fminf(fmaxf(x / y_s, min_8bit), max_8bit))
+# -- max(amax, 1e-10) / 448 by IEEE division, not amax * fp32(1/448) (one ulp apart for 55% of bf16 amax
+# values). That op has no CPU build; vLLM's pure-torch version of it, QuantFP8.forward_native
+# (model_executor/layers/quantization/input_quant_fp8.py, _quantize_group_native: ``absmax / _FP8_MAX``,
+# then ``x_grouped / scales``), runs here and computes the same for amax >= 2^-9; below that it floors the
+# scale at 1/(448*512) where the CUDA op floors amax at 1e-10 (the next test).
+def _vllm_group_quantizer():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    with set_current_vllm_config(VllmConfig()):  # a CustomOp reads the compilation config when built
+        # As CutlassFp8BlockScaledMMKernel builds it (kernels/linear/scaled_mm/cutlass.py), less the scales' layout.
+        return QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False, compile_native=False)
+
+
+def _groups_with_every_bf16_amax(lo: float) -> torch.Tensor:
+    """bf16 [n, 256]: row i's first 1x128 group has the i-th positive finite bf16 value >= lo as its amax
+    (the other elements below it, one of them negative), its second group random."""
+    v = torch.arange(0x0001, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    v = v[v.float() >= lo]
+    g = torch.Generator().manual_seed(11)
+    first = (v.float()[:, None] * (torch.rand(len(v), 128, generator=g) * 2 - 1)).bfloat16()
+    first[:, 5] = v
+    first[:, 9] = -v
+    second = (torch.randn(len(v), 128, generator=g) * 10.0 ** torch.randint(-2, 4, (len(v), 1), generator=g)).bfloat16()
+    second[:, 0] = 2.0**-8  # amax >= 2^-9 in every group (the range where the two references agree)
+    return torch.cat([first, second], dim=1)
+
+
+def test_activation_quantizer_is_vllms_on_every_bf16_amax():
+    x = _groups_with_every_bf16_amax(2.0**-9)
+    assert len(x) > 15000
+    ref_q, ref_s = _vllm_group_quantizer().forward_native(x)
+    q, s = quantize_act_groups(x)
+    assert torch.equal(s, ref_s)
+    assert torch.equal(codes(q), codes(ref_q))
+    # The multiply-by-reciprocal form differs on most of these amax values: the comparison above can fail.
+    amax = x[:, :128].abs().amax(-1).float()
+    assert (amax * INV448 != s[:, 0]).float().mean() > 0.5
+
+
+def test_zero_and_tiny_groups_follow_vllms_cuda_op():
+    # The amax floor of the CUDA op (local_absmax starts at eps = 1e-10, per_token_group_quant_fp8's default).
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    x[1, :3] = torch.tensor([1e-12, -3e-11, 2e-12])
+    x[2, 128:] = 2.0**-12
+    x[3, 7] = -2.0**-10
+    q, s = quantize_act_groups(x)
+    amax = x.float().unflatten(-1, (2, 128)).abs().amax(-1)
+    expected = torch.maximum(amax, torch.tensor(1e-10)) / torch.full_like(amax, 448.0)
+    assert torch.equal(s, expected)
+    assert torch.equal(codes(q), codes(cast_to_e4m3(x.float() / expected.repeat_interleave(128, dim=-1))))
+    assert q.float()[0].eq(0).all() and q.float()[3, 7] == -448

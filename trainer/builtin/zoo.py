@@ -59,8 +59,11 @@ MOE_ARCHITECTURES: dict[str, tuple[str, dict]] = {
 _ALL = {**ARCHITECTURES, **MOE_ARCHITECTURES}
 
 
-def build_arch_model(arch: str, seed: int = 0):
-    """(model float32, tokenizer) for one entry of ``ARCHITECTURES`` or ``MOE_ARCHITECTURES``."""
+def build_arch_model(arch: str, seed: int = 0, overrides: dict | None = None):
+    """(model float32, tokenizer) for one entry of ``ARCHITECTURES`` or ``MOE_ARCHITECTURES``.
+
+    ``overrides``: config values replacing the zoo's (e.g. 128-multiple sizes for vLLM's CUDA block-FP8 layers).
+    """
     import torch
     import transformers
 
@@ -69,7 +72,7 @@ def build_arch_model(arch: str, seed: int = 0):
     cls_name, extra = _ALL[arch]
     tok = build_tokenizer(VOCAB, _COMMON["max_position_embeddings"])
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config = getattr(transformers, cls_name)(**{**_COMMON, **ids, **extra})
+    config = getattr(transformers, cls_name)(**{**_COMMON, **ids, **extra, **(overrides or {})})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

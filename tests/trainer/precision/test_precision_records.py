@@ -84,7 +84,9 @@ def test_each_record_composes_its_engine_options():
     assert recipe_for("bf16").engine_options(False) == {} and recipe_for("fp16").engine_options(True) == {}
     for name in ("fp8_rollout", "fp8_unified"):
         assert recipe_for(name).engine_options(False) == {"quantization": EMULATED_FP8}
-        assert recipe_for(name).engine_options(True) == {"quantization": "fp8"}
+        # vLLM's block-FP8 layers on the CUTLASS kernel, whose activation quantizer is parity.precision's
+        assert recipe_for(name).engine_options(True) == {
+            "quantization": "fp8", "kernel_config": {"linear_backend_per_quant": {"fp8_block_w8a8": "cutlass"}}}
     assert recipe_for("exact").engine_options(False) == {"quantization": EXACT}
     with pytest.raises(ValueError, match="CPU only"):
         recipe_for("exact").engine_options(True)
