@@ -165,6 +165,13 @@ class RolloutConfig:
     # off makes rollouts stale (off-policy); it exists so tests can show the parity
     # metrics catch exactly that.
     sync_weights: bool = True
+    # How the engine gets the LoRA policy (docs/precision.md "LoRA in the engine"). adapter: the adapter itself,
+    # served beside the engine's base weights (vLLM's LoRA; the HF engine's PEFT model), a new version every
+    # sync, so the engine runs the trainer's update to the dtype's relative precision. merged: W + s·B·A rounded
+    # to model.dtype (what the FP8 recipes and exact mode need; in BF16 an update below half a BF16 step of W
+    # is lost). auto: adapter wherever the engine, the precision recipe and the LoRA targets allow it, else
+    # merged, the reason printed once at start (trainer/sampling/lora_sync.py).
+    lora_sync: Literal["auto", "adapter", "merged"] = "auto"
     # 1: one step off-policy (trainer/sampling/async_prefetch.py): the next step's batch is generated with the
     # weights before this step's update while this step trains; in server mode the server generates in
     # parallel with the trainer. 0: generate, then train (on-policy). staleness/* measures the lag.

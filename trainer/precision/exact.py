@@ -34,6 +34,8 @@ EXACT = register_recipe(PrecisionRecipe(
     dtype_reason="the engine's CPU kernels, rerun by the trainer, in float32 or BF16",
     engine_options=exact_engine_options,
     engine_logprobs=True,
+    merged_sync="the trainer's forward reruns the engine's kernels on the engine's own weights, which hold the "
+                "merged LoRA",
     # Bitwise: every probe reads 0 (tests/trainer/rl/test_exact_tier.py), so any mae above 0 is a fault.
     mae_floor=dict.fromkeys(("float32", "bfloat16"),
                             MaeFloor(0.0, any_depth=True)),

@@ -21,6 +21,8 @@ FP8_ENGINE = dict(
     # mae 5.5e-3 (both recipes); fp8_unified's probe rose to 1.8e-2 after step 6 of a healthy run
     # with the engine's FP8 weights bitwise the trainer's. 1e-2: the level such a run reaches.
     mae_floor={"bfloat16": MaeFloor(1e-2, any_depth=False)},
+    merged_sync="the FP8 engine quantizes the effective weight W + s·B·A into 128x128 blocks, which an adapter "
+                "served beside FP8 base weights does not reproduce",
     refuses={HF_ENGINE: "the HF engine has no FP8 path",
              SERVER: "the server is started without the FP8 weights and layers"},
 )

@@ -12,6 +12,8 @@ of this package named after it. The record holds:
   pushes block-FP8 weights and scales (``rollout.fp8_weights``);
 - ``transform(model)``: what the trainer's model becomes after LoRA is added (identity for most);
 - ``engine_logprobs``: the trainer's log-probs are the engine's own forward (``trainer.models.exact``);
+- ``merged_sync``: why the engine must hold the LoRA-merged weights (``rollout.lora_sync: merged``) rather than
+  serve the adapter; None: it can serve the adapter (``trainer.sampling.lora_sync``);
 - ``refuses``: situation (the constants below) -> the reason it cannot run there;
 - ``check_model(config)``: raises ValueError for a model config the recipe cannot run.
 
@@ -86,6 +88,7 @@ class PrecisionRecipe:
     block_fp8_on_cuda: bool = False
     transform: Callable[[Any], Any] = same_model
     engine_logprobs: bool = False
+    merged_sync: Optional[str] = None
     refuses: Mapping[str, str] = field(default_factory=dict)
     check_model: Optional[Callable[[Any], None]] = None
 
