@@ -43,9 +43,10 @@ def masked_mae(a, b, mask) -> float:
 
 def _engine(path: str, dtype: str):
     from rollout.vllm_engine import VLLMEngine
+    from trainer.config import RolloutConfig
 
     return VLLMEngine(path, dtype=dtype, max_model_len=64, seed=0, kv_cache_memory_bytes=32 * 1024**2,
-                      enforce_eager=True)
+                      enforce_eager=True, gpu_memory_utilization=RolloutConfig.gpu_memory_utilization)
 
 
 def _scores(model, rollouts, temperature):

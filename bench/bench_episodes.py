@@ -54,6 +54,7 @@ def main() -> None:
 
     from rollout.vllm_engine import VLLMEngine
     from trainer.builtin.resolve import resolve_model_path
+    from trainer.config import RolloutConfig
     from trainer.data.datasets import encode_prompts
     from trainer.data.tasks.arithmetic import arithmetic_dataset
     from trainer.environments.episode_environment import EpisodeLimits
@@ -65,7 +66,7 @@ def main() -> None:
     rows = list(arithmetic_dataset(args.episodes * args.turns, seed=0))
     limits = EpisodeLimits(max_turns=args.turns, max_tokens=256, max_observation_tokens=32)
     with VLLMEngine(model_dir, dtype="bfloat16", max_model_len=256, seed=0, kv_cache_memory_bytes=256 * 1024**2,
-                    enforce_eager=True) as engine:
+                    enforce_eager=True, gpu_memory_utilization=RolloutConfig.gpu_memory_utilization) as engine:
         single_prompts = encode_prompts(tok, [r["prompt"] for r in rows])
 
         def episode_run(seed: int, eng) -> tuple[int, float]:

@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
     from rollout.types import SamplingSpec
     from rollout.vllm_engine import VLLMEngine
     from rollout.weight_export import merged_lora_weights
-    from trainer.config import LoraConfig
+    from trainer.config import LoraConfig, RolloutConfig
     from trainer.data.datasets import encode_prompts
     from trainer.data.tasks.arithmetic import arithmetic_dataset
     from trainer.models.policy import add_lora, load_base_model, load_tokenizer
@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     engine = VLLMEngine(path, dtype="bfloat16", max_model_len=max_len, seed=0, kv_cache_memory_bytes=256 * 1024**2,
-                        **kwargs)
+                        gpu_memory_utilization=RolloutConfig.gpu_memory_utilization, **kwargs)
     start_s = time.perf_counter() - t0
     bf16 = load_base_model(path, "bfloat16").eval()
     fp8 = copy.deepcopy(bf16)

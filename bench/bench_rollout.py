@@ -79,6 +79,7 @@ def main() -> None:
 
     from rollout.hf_engine import HFEngine
     from rollout.vllm_engine import VLLMEngine
+    from trainer.config import RolloutConfig
 
     model = args.model
     if model is None:
@@ -103,7 +104,8 @@ def main() -> None:
         label, kwargs = VLLM_SETTINGS[i]
         t0 = time.perf_counter()
         engine = VLLMEngine(model, dtype="bfloat16", max_model_len=max(max_len, 64), eos_ids=[],
-                            kv_cache_memory_bytes=256 * 1024**2, **kwargs)
+                            kv_cache_memory_bytes=256 * 1024**2,
+                            gpu_memory_utilization=RolloutConfig.gpu_memory_utilization, **kwargs)
         start = time.perf_counter() - t0
         v_rate, h_rate, ratio, warm = _paired(engine, hf, prompts, spec, args.repeats)
         engine.close()

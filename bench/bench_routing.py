@@ -72,14 +72,15 @@ def timing(model_dir: Path, repeats: int) -> dict:
     """Medians (s) of one grpo_tiny-shaped rollout (16 prompts x 8 samples, 40 prompt and up to 24 new tokens)
     without / with routes, and of the LoRA forward + backward of that batch without / with replay."""
     from rollout.vllm_engine import VLLMEngine
-    from trainer.config import LoraConfig
+    from trainer.config import LoraConfig, RolloutConfig
     from trainer.measurement.scoring import forward
     from trainer.models.batch import batch_from_rollouts
     from trainer.models.policy import add_lora, load_base_model
     from trainer.models.routing_replay import RoutingReplay
 
-    plain = VLLMEngine(model_dir, max_model_len=128)
-    routed = VLLMEngine(model_dir, max_model_len=128, return_routes=True)
+    share = RolloutConfig.gpu_memory_utilization  # CUDA: the recipe's (VLLMEngine has no default of its own)
+    plain = VLLMEngine(model_dir, max_model_len=128, gpu_memory_utilization=share)
+    routed = VLLMEngine(model_dir, max_model_len=128, return_routes=True, gpu_memory_utilization=share)
     g = torch.Generator().manual_seed(0)
     prompts = [[1] + torch.randint(3, 500, (40,), generator=g).tolist() for _ in range(16)]
     spec = SamplingSpec(n=8, temperature=1.0, max_new_tokens=24, seed=1)

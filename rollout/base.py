@@ -59,6 +59,11 @@ class RolloutEngine(Protocol):
         """Only called when not ``pushes_weights``: another process has just pushed new weights;
         expect their version from now on. An engine that pushes its own weights raises."""
 
+    def release_memory(self) -> None:
+        """Called before the trainer's update: free what the engine holds on the accelerator until it is used
+        again (the colocated CUDA vLLM engine in sleep mode: ``VLLMEngine.release_memory``); nothing elsewhere.
+        The engine's next use brings it back itself."""
+
     def close(self) -> None:
         """Release the engine's memory."""
 
@@ -81,3 +86,6 @@ class InProcessEngine:
     def follow_push(self) -> None:
         raise RuntimeError(f"{type(self).__name__} pushes its own weights (pushes_weights is True): "
                            "call load_weights, not follow_push")
+
+    def release_memory(self) -> None:
+        """Nothing to free by default (``RolloutEngine.release_memory``)."""

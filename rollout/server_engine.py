@@ -81,6 +81,12 @@ _RESTART_HINT = ("the server process may have died or never started; start it wi
                  "and continue the run with `parityrl train <recipe> --resume`")
 _ENGINE_DEAD = "EngineCore encountered an issue"  # vLLM EngineDeadError's message, in its HTTP 500 body
 _CLAMPED = -9999.0  # the route's floor for -inf / NaN log-probs (serving.py: _clamp_logprob)
+# Why a CUDA server cannot return routes, and what to do (said by the client and by `parityrl serve`).
+SERVER_ROUTES_ON_CUDA = (
+    "on CUDA vLLM runs Model Runner V2, which lacks the V1-runner internals the project's capture hooks "
+    "(rollout/vllm_plugins/route_capture.py), and vLLM's own routes (enable_return_routed_experts) are not in "
+    "its HTTP answers; train with rollout.mode: colocate (routes from vLLM's own capture) or set "
+    "parity.routing_replay: off")
 
 
 def _check_version(choice: dict, version: str, bad) -> None:
@@ -127,6 +133,21 @@ def parse_server_url(url: str) -> tuple[str, int]:
         raise ValueError(f"rollout.server_url = {url!r}: expected http://HOST:PORT, e.g. http://127.0.0.1:8000 "
                          "(no path; the vLLM routes are fixed)")
     return parts.hostname, port
+
+
+NCCL_DEVICE = "cuda"
+
+
+def nccl_ready(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The chunk on the trainer's GPU, with every kernel that wrote it finished.
+
+    vLLM's packed NCCL producer packs the tensors on streams of its own
+    (``weight_transfer/packed_tensor.py: packed_nccl_broadcast_producer``, ``with torch.cuda.stream(...)``), which
+    do not wait for this one; the merged weights (and the host-to-device copy here) are queued on the current
+    stream just before, so without this wait the broadcast could read them half written."""
+    named = [(n, t.to(NCCL_DEVICE, non_blocking=True)) for n, t in named]
+    torch.cuda.current_stream().synchronize()
+    return named
 
 
 def _unclamp(x: float) -> float:
@@ -370,6 +391,10 @@ class ServerEngine:
 
     def _start_routes(self, info: dict[str, Any]) -> dict[str, int]:
         """Hook the server's MoE routers (``parityrl_install_route_capture``): the routes' shape."""
+        if info.get("device", "cpu") != "cpu":
+            raise ServerEngineError(f"vLLM server at {self.url} runs on {info.get('device')!r}: routes "
+                                    f"(parity.routing_replay on or measure) come from a server on CPU only; "
+                                    f"{SERVER_ROUTES_ON_CUDA}")
         if info.get("prefix_caching") is not False:
             raise ServerEngineError(f"vLLM server at {self.url}: prefix caching is {info.get('prefix_caching')!r}; "
                                     "routing replay needs it off (a cached token is never routed): restart it with "
@@ -630,7 +655,7 @@ class ServerEngine:
             if not totals["chunks"]:
                 self._set_version(f"{self._version()}-partial")
             if self.backend == "nccl":  # broadcast from the trainer's GPU
-                named = [(n, t.to("cuda", non_blocking=True)) for n, t in named]
+                named = nccl_ready(named)
             self._source.set(named)
             try:
                 self._transfer.send_weights()
@@ -657,6 +682,9 @@ class ServerEngine:
         if self.pushes_weights:
             raise RuntimeError(f"ServerEngine({self.url}) pushes its own weights: call load_weights, not follow_push")
         self._version_n += 1
+
+    def release_memory(self) -> None:
+        """Nothing to free: the server holds its own devices (``RolloutEngine.release_memory``)."""
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
         check_update(named, self._shapes, self.model, self.packed_modules)

@@ -25,6 +25,19 @@ properties learnt from its source and checked in ``tests/rollout``:
   ``rollout.weight_export.merged_lora_weights`` adds the unchanged siblings.
 - The prefix cache keeps KV blocks computed with the old weights; it is reset
   after every load (and after wake-up).
+- The reload copies each layer's new values into its original storage
+  (``layerwise.py: _copy_and_restore_kernel_tensors``, "preserves cudagraph refs"): every parameter
+  keeps its address across a sync, so CUDA graphs captured at start stay valid and the engine runs
+  them on CUDA by default (``enforce_eager=None``: eager on CPU, where compiling costs more than it
+  saves). ``tests/rollout/test_vllm_engine.py`` checks the addresses on the CPU engine.
+
+Memory on CUDA (``enable_sleep_mode``): ``release_memory()`` before the trainer's update puts vLLM to
+sleep at level 1 (``LLM.sleep``: weights copied to pinned host memory, KV cache dropped; vLLM's cumem
+allocator, ``device_allocator/cumem.py``); the next update wakes the weights first, loads into them and
+wakes the KV cache after it (``LLM.wake_up(tags=...)``), so the trainer's update never shares the GPU
+with the KV cache and the load never shares it with the merged chunk and the KV cache at once; a
+``generate`` or ``score`` wakes whatever still sleeps. vLLM resumes scheduling only once every tag is
+awake (``v1/engine/core.py: wake_up``).
 """
 from __future__ import annotations
 
@@ -50,6 +63,8 @@ from rollout.vllm_plugins.route_capture import install_route_capture, reset_rout
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors, quiet_partial_reload
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+SLEEP_TAGS = ("weights", "kv_cache")  # what LLM.sleep(level=1) frees (vllm/v1/executor/abstract.py: SLEEP_TAGS)
 
 
 @contextlib.contextmanager
@@ -116,35 +131,88 @@ def _sampled_logprobs(completion, topk: int = 0):
     return sampled, top_ids, top_lps
 
 
+def require_in_process() -> None:
+    """The engine must run in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to 0 here, and any other
+    value is refused. Set before vLLM is first imported (``vllm/envs.py`` reads it when the engine starts)."""
+    value = os.environ.setdefault(MULTIPROCESSING_ENV, "0")
+    try:
+        in_process = int(value) == 0  # vLLM's own parsing: bool(int(...))
+    except ValueError:
+        in_process = False
+    if not in_process:
+        raise ValueError(
+            f"{MULTIPROCESSING_ENV} = {value!r}: expected 0 (unset it) for the colocated engine. With it, vLLM runs "
+            "the model in a separate engine-core process, and every weight sync (reload_weights through "
+            "collective_rpc, rollout.vllm_engine) would copy the trainer's tensors across that process boundary, "
+            "while the route capture and exact mode read the model in place. A separate vLLM process is "
+            "rollout.mode: server (`parityrl serve`)")
+
+
+def memory_options(cuda: bool, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None) -> dict:
+    """``vllm.LLM``'s memory arguments. The KV cache is ``kv_cache_memory_bytes`` wherever it is given (CPU:
+    256 MiB when not: the CPU backend would otherwise reserve ~92% of RAM). On CUDA vLLM then reserves the
+    weights, that cache and its activation / graph buffers (``gpu_worker.py: determine_available_memory``),
+    and ``gpu_memory_utilization`` is only its start-up check (``v1/worker/utils.py: request_memory``: it
+    starts when that share of the GPU is free); without a KV size, vLLM gives the KV cache the rest of that
+    share. The one default of the share is the recipe's (``rollout.gpu_memory_utilization``): none here."""
+    kv = kv_cache_memory_bytes
+    if kv is None and not cuda:
+        kv = DEFAULT_CPU_KV_CACHE_BYTES
+    if kv is not None and int(kv) < 1024**2:
+        raise ValueError(f"kv_cache_memory_bytes = {kv_cache_memory_bytes!r}: expected at least 1 MiB")
+    memory = {} if kv is None else {"kv_cache_memory_bytes": int(kv)}
+    if cuda:
+        if gpu_memory_utilization is None:
+            raise ValueError("gpu_memory_utilization = None on CUDA: expected the share of the GPU the engine may "
+                             "take, the recipe's rollout.gpu_memory_utilization (trainer.config.RolloutConfig holds "
+                             "its default)")
+        memory["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    return memory
+
+
+def route_options(cuda: bool, enable_prefix_caching: bool) -> dict:
+    """What an engine that returns routes asks of vLLM. On CPU the project's capture (``route_capture``) sees
+    only the tokens a forward computes, so prefix caching goes off (a cached token would have no route). On
+    CUDA vLLM's own capture (Model Runner V2's AuxOutput connector) keeps routes per KV block and drops them
+    with the prefix cache; it requires prefix caching (``config/vllm.py: _verify_aux_output_compatibility``),
+    which therefore stays as asked."""
+    if cuda:
+        return {"enable_prefix_caching": enable_prefix_caching, "enable_return_routed_experts": True}
+    return {"enable_prefix_caching": False}
+
+
 class VLLMEngine(InProcessEngine):
     """In-process vLLM behind the ``rollout.base.RolloutEngine`` interface.
 
     model: local HF directory (or hub id when a network is available).
     dtype: weights/activations dtype, "bfloat16" default.
     max_model_len: prompt + completion token budget per sequence.
-    kv_cache_memory_bytes: KV cache size on CPU (default 256 MiB; without it the
-        CPU backend reserves ~92% of RAM). Ignored on CUDA.
-    gpu_memory_utilization: fraction of GPU memory vLLM may use on CUDA. Ignored on CPU. The GPU is this
-        process's: one of several ranks gets its own (``rollout.device_placement``).
+    kv_cache_memory_bytes: the KV cache's size (``memory_options``; CPU default 256 MiB; CUDA: none, vLLM
+        gives the KV cache what ``gpu_memory_utilization`` leaves).
+    gpu_memory_utilization: CUDA: the share of the GPU vLLM checks is free at start (and sizes the KV cache
+        from when no size is given); required there, the recipe's ``rollout.gpu_memory_utilization``.
+        Ignored on CPU. The GPU is this process's: one of several ranks gets its own
+        (``rollout.device_placement``).
     seed: the engine's global seed (samples use per-request seeds, see ``sample_seed``).
-    enforce_eager: skip graph capture / torch.compile (fast start; see bench/bench_rollout.py).
+    enforce_eager: skip graph capture / torch.compile. None: eager on CPU (compiling costs more than it saves,
+        bench/bench_rollout.py), CUDA graphs on CUDA (a small model's decoding is launch-bound).
     enable_prefix_caching: share the prompt's KV across a group's n samples.
     max_num_seqs: sequences per scheduler step.
     eos_ids: stop tokens; default: the model dir's generation_config / config EOS ids.
     load_tokenizer: start vLLM's tokenizer and fill ``Rollouts.completion_texts``.
     return_routes: an MoE model's routes in every ``Rollouts.routes`` (``rollout.routes``). On CPU through
-        the project's capture in the V1 runner (``rollout.vllm_plugins.route_capture``), on CUDA through
-        vLLM's ``enable_return_routed_experts``. Prefix caching is then off: a cached token is never
-        computed, so it would have no route (vLLM's own option keeps routes per KV slot; the capture cannot).
-    enable_sleep_mode: CUDA only; needed for ``sleep()``/``wake_up()`` to free memory.
+        the project's capture in the V1 runner (``rollout.vllm_plugins.route_capture``), with prefix caching
+        off; on CUDA through vLLM's ``enable_return_routed_experts``, with prefix caching on (``route_options``).
+    enable_sleep_mode: CUDA only: ``release_memory()`` then frees the engine's GPU memory until the next
+        update or rollout (module docstring). Ignored on CPU (vLLM's CPU backend has no sleep mode).
     llm_kwargs: passed to ``vllm.LLM`` as is.
     """
 
     _live = 0  # engines open in this process (close() tears the shared vLLM state down with the last)
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", max_model_len: int = 1024, seed: int = 0,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: bool = True, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
+                 enforce_eager: bool | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
                  eos_ids: Sequence[int] | None = None, load_tokenizer: bool = False,
                  enable_sleep_mode: bool = False, return_routes: bool = False, **llm_kwargs) -> None:
         if not isinstance(max_model_len, int) or max_model_len < 2:
@@ -160,15 +228,10 @@ class VLLMEngine(InProcessEngine):
         self.eos_ids = [int(e) for e in (eos_ids if eos_ids is not None else eos_token_ids(self.model))]
         self._shapes = checkpoint_shapes(self.model)
 
-        if self.cuda:
-            memory = {"gpu_memory_utilization": gpu_memory_utilization}
-        else:
-            kv = DEFAULT_CPU_KV_CACHE_BYTES if kv_cache_memory_bytes is None else int(kv_cache_memory_bytes)
-            if kv < 1024**2:
-                raise ValueError(f"kv_cache_memory_bytes = {kv_cache_memory_bytes!r}: expected at least 1 MiB")
-            memory = {"kv_cache_memory_bytes": kv}
-        # In-process engine: must be set before vllm is first imported.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        memory = memory_options(self.cuda, kv_cache_memory_bytes, gpu_memory_utilization)
+        if enforce_eager is None:
+            enforce_eager = not self.cuda
+        require_in_process()  # before vllm is first imported
         self._refuse_moe_beside_a_dense_engine()
         self._dist_was_initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
         for key, value in placement_options(self.cuda).items():  # this rank's GPU, not cuda:0 (device_placement)
@@ -182,10 +245,10 @@ class VLLMEngine(InProcessEngine):
         # Seeded requests are how rollouts stay reproducible, so prefill stays whole.
         llm_kwargs.setdefault("enable_chunked_prefill", False)
         self.return_routes = bool(return_routes)
-        if self.return_routes:
-            enable_prefix_caching = False
-            if self.cuda:  # vLLM's own capture (Model Runner V2); not run on a GPU by this project yet
-                llm_kwargs.setdefault("enable_return_routed_experts", True)
+        if self.return_routes:  # CUDA: vLLM's own capture (Model Runner V2); not run on a GPU by this project yet
+            routes = route_options(self.cuda, enable_prefix_caching)
+            enable_prefix_caching = routes.pop("enable_prefix_caching")
+            llm_kwargs = {**routes, **llm_kwargs}
         # Without a tokenizer, vLLM's chat-template warm-up fails and logs a traceback: expected here.
         with _preserve_rng(), keep_current_device(self.cuda) as device, \
                 _drop_log("vllm.renderers.base", "Chat template warmup failed", not load_tokenizer):
@@ -197,6 +260,7 @@ class VLLMEngine(InProcessEngine):
         if self.cuda:
             check_engine_device(self._llm, device)
         self._sleep_enabled = enable_sleep_mode and self.cuda
+        self._asleep: set[str] = set()  # the SLEEP_TAGS vLLM holds asleep
         # vLLM's CUDA block-FP8 layers load FP8 values + scales (rollout.fp8_weights), not float weights.
         self.fp8_block_weights = llm_kwargs.get("quantization") == "fp8"
         self.packed_modules = self._packed_modules()
@@ -278,6 +342,7 @@ class VLLMEngine(InProcessEngine):
                     max_tokens=spec.max_new_tokens, logprobs=spec.logprobs_topk, flat_logprobs=True,
                     seed=sample_seed(spec.seed, spec.sample_index(i * spec.n + j)), stop_token_ids=list(self.eos_ids),
                     detokenize=self.load_tokenizer))
+        self.wake_up()
         with _preserve_rng():
             self._reset_routes()
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -345,6 +410,7 @@ class VLLMEngine(InProcessEngine):
         prompts = [TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences]
         params = [SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=topk, seed=sample_seed(0, k),
                                  detokenize=False) for k in range(len(sequences))]
+        self.wake_up()
         with _preserve_rng():
             self._reset_routes()
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -369,6 +435,17 @@ class VLLMEngine(InProcessEngine):
         Each update must contain whole fused groups (see module docstring). Tensors are
         cast to the engine dtype. The prefix cache is reset afterwards.
         """
+        self.load_weight_chunks([named_tensors])
+
+    def load_weight_chunks(self, chunks: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """Each chunk loaded as an update of its own (``InProcessEngine``); a sleeping engine's weights are woken
+        before the first and its KV cache after the last (module docstring)."""
+        self.wake_up(["weights"])
+        for chunk in chunks:
+            self._load(chunk)
+        self.wake_up(["kv_cache"])
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         named = engine_named_tensors(named_tensors, self.torch_dtype)
         if not named:
             return
@@ -382,8 +459,14 @@ class VLLMEngine(InProcessEngine):
         check_update(named, self._shapes, self.model, self.packed_modules)
 
     # ---- memory -----------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Before the trainer's update (``rollout.base.RolloutEngine``): sleep at level 1 when sleep mode is on
+        (CUDA), else nothing. What comes next wakes it: an update (weights, then KV cache), or a rollout."""
+        if self._sleep_enabled and not self._asleep:
+            self.sleep(level=1)
+
     def sleep(self, level: int = 1) -> None:
-        """Free the engine's accelerator memory (level 1: weights offloaded, KV cache dropped).
+        """Free the engine's accelerator memory (level 1: weights offloaded to host memory, KV cache dropped).
 
         No-op on CPU (vLLM's CPU backend has no sleep mode). CUDA needs ``enable_sleep_mode=True``.
         """
@@ -391,15 +474,21 @@ class VLLMEngine(InProcessEngine):
             return
         if not self._sleep_enabled:
             raise RuntimeError("sleep(): construct VLLMEngine(..., enable_sleep_mode=True) to use sleep mode")
+        if level != 1:  # level 2 discards the weights: an update of LoRA-targeted modules only would lose the rest
+            raise ValueError(f"sleep(level={level!r}): expected 1 (weights kept in host memory)")
         self.llm.sleep(level=level)
+        self._asleep = set(SLEEP_TAGS)
 
-    def wake_up(self) -> None:
-        if not self.cuda:
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back what ``sleep`` freed: ``tags`` of ``SLEEP_TAGS`` (None: all). A woken KV cache starts empty
+        (the prefix cache is reset). Nothing to do when nothing of it sleeps."""
+        wake = set(self._asleep) if tags is None else self._asleep & set(tags)
+        if not wake:
             return
-        if not self._sleep_enabled:
-            raise RuntimeError("wake_up(): construct VLLMEngine(..., enable_sleep_mode=True) to use sleep mode")
-        self.llm.wake_up()
-        self.llm.reset_prefix_cache()
+        self.llm.wake_up(tags=[t for t in SLEEP_TAGS if t in wake])
+        self._asleep -= wake
+        if "kv_cache" in wake:
+            self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Shut the engine down and free its memory; safe to call twice."""

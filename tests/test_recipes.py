@@ -30,6 +30,27 @@ def test_gpu_recipes_validate_at_load(name):
     assert cfg.train.steps >= 1
 
 
+# The config.json keys the capacity check reads, and the parameter counts, of the GPU recipes' hub models
+QWEN_05B = ({"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2}, 494_032_768)
+OLMOE_1B_7B = ({"model_type": "olmoe", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16,
+                "num_key_value_heads": 16}, 6_919_161_856)
+
+
+@pytest.mark.parametrize("name", GPU)
+def test_gpu_recipes_checkpoint_activations_and_fit_one_80_gib_gpu(name):
+    """The GPU recipes' micro-batches (8-16 sequences of up to 1,536 tokens) need gradient checkpointing beside a
+    colocated engine; what that engine reserves (weights + the recipe's KV cache) fits beside the trainer's
+    weights, with sleep mode's host copy of the weights (trainer/rl/capacity.py)."""
+    from trainer.rl.capacity import Machine, ModelSize, capacity_problems
+
+    cfg = load_recipe(REPO / "recipes" / name, check_paths=False)
+    assert cfg.train.gradient_checkpointing and cfg.rollout.sleep_mode
+    config, parameters = OLMOE_1B_7B if "olmoe" in name else QWEN_05B
+    machine = Machine(host_available=64 * 1024**3, gpu_total=80 * 1024**3)
+    assert capacity_problems(cfg, name, machine, ModelSize(parameters, config)) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RL_TINY)
 def test_cpu_recipe_trains_two_steps(tmp_path, name, tiny_model_dir, vllm_engine):

@@ -136,6 +136,12 @@ def install_route_capture(worker) -> dict:
     runner = _runner(worker)
     recorder = getattr(runner, ATTR, None)
     if recorder is None:
+        # Model Runner V2 (vllm/v1/worker/gpu/model_runner.py, the CUDA default) has none of these: its routes are
+        # vLLM's own enable_return_routed_experts (rollout.vllm_engine.route_options)
+        missing = [a for a in ("_model_forward", "input_batch", "query_start_loc") if not hasattr(runner, a)]
+        if missing:
+            raise ValueError(f"routes: vLLM's {type(runner).__module__}.{type(runner).__name__} has no {missing[0]}: "
+                             "the project's route capture hooks the V1 model runner only (vLLM's CPU backend)")
         moe = [m for m in runner.get_model().modules() if isinstance(m, MoERunner)]
         if not moe:
             raise ValueError("routes: the engine's model has no mixture-of-experts layer")

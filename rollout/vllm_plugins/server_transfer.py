@@ -334,6 +334,7 @@ class ParityrlWorkerExtension:
             "world_size": int(pc.world_size),
             "rank": int(getattr(self, "rank", 0)),
             "prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
+            "device": str(cfg.device_config.device_type),
         }
 
     def parityrl_install_route_capture(self) -> dict[str, int]:

@@ -169,6 +169,7 @@ def test_serve_command_has_the_settings_the_trainer_relies_on():
     argv, _ = serve_command(cfg, cuda=True, model_dir="/m")
     assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
     assert "--kv-cache-memory-bytes" not in argv  # CPU only
+    assert "--enforce-eager" not in argv  # rollout.enforce_eager null: CUDA graphs on CUDA
     with pytest.raises(RecipeError, match="nccl.*CUDA"):
         serve_command(cfg, transfer_backend="nccl", cuda=False, model_dir="/m")
     with pytest.raises(RecipeError, match="tensor-parallel-size = 0"):
@@ -197,6 +198,79 @@ def test_cli_serve_dry_run(tiny_model_dir, capsys):
     assert f"--model {tiny_model_dir}" in out.out and "--port 8555" in out.out
     assert "http://127.0.0.1:8555/health" in out.err
     assert main(["serve", str(RECIPE), "--set", "rollout.server_url=nope", "--dry-run"]) == 2
+
+
+def test_routes_from_a_server_on_cuda_are_refused_before_it_starts(tiny_model_dir, capsys):
+    """A CUDA server runs Model Runner V2, which the project's route capture cannot hook, and vLLM's own routes
+    are not in its HTTP answers: refused by `parityrl serve` before anything starts, and by the trainer's
+    connection to a server that says it runs on CUDA."""
+    from trainer.builtin.zoo import ensure_arch_model
+    from trainer.commands.serve import GPU_SHARE_NOTE, run_serve, serve_command
+    from trainer.config import RecipeError
+    from trainer.rl.preflight import load_recipe
+
+    moe = str(ensure_arch_model("qwen3_moe", dtype="bfloat16"))
+    cfg = load_recipe(RECIPE, [f"model.path={moe}", "parity.routing_replay=on"], check_paths=False)
+    argv, _ = serve_command(cfg, cuda=False, model_dir=moe)
+    assert "--no-enable-prefix-caching" in argv  # CPU: the workers' capture, every token computed
+    with pytest.raises(RecipeError, match=r"parity.routing_replay = 'on' with a mixture-of-experts model: a server "
+                                          r"on CUDA cannot return routes: .*Model Runner V2.*rollout.mode: colocate"):
+        serve_command(cfg, cuda=True, model_dir=moe)
+    off = load_recipe(RECIPE, [f"model.path={moe}", "parity.routing_replay=off"], check_paths=False)
+    assert "--no-enable-prefix-caching" not in serve_command(off, cuda=True, model_dir=moe)[0]
+
+    client = ServerEngine.__new__(ServerEngine)  # the start-up check alone, on a server's settings answer
+    client.url = "http://127.0.0.1:9"
+    with pytest.raises(ServerEngineError, match=r"runs on 'cuda': routes .* come from a server on CPU only"):
+        client._start_routes({"device": "cuda", "prefix_caching": False})
+
+    # and a CUDA server's GPU share is said when it starts (dry run: nothing starts)
+    dense = load_recipe(RECIPE, ["rollout.server_url=http://127.0.0.1:8556"], check_paths=False)
+    assert run_serve(dense, dry_run=True, cuda=True) == 0
+    assert GPU_SHARE_NOTE in capsys.readouterr().err and "disjoint" in GPU_SHARE_NOTE
+    assert run_serve(dense, dry_run=True, cuda=False) == 0
+    assert GPU_SHARE_NOTE not in capsys.readouterr().err
+
+
+class _Stream:
+    def __init__(self, log):
+        self.log = log
+
+    def synchronize(self):
+        self.log.append("current stream synchronized")
+
+
+class _Producer:
+    """vLLM's NCCL trainer engine as far as the order goes: send_weights reads the source (on its own streams)."""
+
+    def __init__(self, log, source):
+        self.log, self.source = log, source
+
+    def send_weights(self):
+        self.log.append(f"send_weights({len(list(self.source))} tensors)")
+
+
+def test_an_nccl_push_waits_for_the_current_stream_before_the_producer_reads(monkeypatch):
+    """vLLM's packed NCCL producer packs on streams of its own, which do not wait for the one the merged weights
+    were written on (weight_transfer/packed_tensor.py): each chunk's push waits for it first."""
+    import rollout.server_engine as se
+    from rollout.vllm_plugins.server_transfer import ListWeightSource
+
+    log = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream(log))
+    monkeypatch.setattr(se, "NCCL_DEVICE", "cpu")  # the move to the GPU, made here a no-op
+    engine = ServerEngine.__new__(ServerEngine)
+    engine.pushes_weights, engine.backend, engine.torch_dtype = True, "nccl", torch.bfloat16
+    engine._version_tag, engine._version_n = "t", 0
+    engine._source = ListWeightSource()
+    engine._transfer = _Producer(log, engine._source)
+    engine._check_update = lambda named: None
+    engine._http = SimpleNamespace(call=lambda *a, **k: log.append(a[1]) or {"success": True})
+    engine.load_weight_chunks([[("a.weight", torch.ones(2, 2))], [("b.weight", torch.ones(3))]])
+    assert log == ["/update_weight_version",
+                   "current stream synchronized", "send_weights(1 tensors)",
+                   "current stream synchronized", "send_weights(1 tensors)",
+                   "/update_weight_version", "/reset_prefix_cache"]
 
 
 def _parser():

@@ -172,6 +172,28 @@ def test_partial_load_weights_syncs_only_the_given_modules(restored_engine, hf_r
     assert stale > MISMATCH_FLOOR  # so the check above could fail
 
 
+def _addresses(model) -> dict[str, tuple[int, tuple, torch.dtype]]:
+    """Every parameter and buffer of vLLM's model: where its data lives, its shape and dtype."""
+    return {n: (t.data_ptr(), tuple(t.shape), t.dtype)
+            for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.slow
+def test_a_sync_keeps_every_tensor_where_it_was(restored_engine, hf_reference, perturbed_copy, prompts):
+    """What lets the engine run CUDA graphs across syncs (rollout.vllm_engine: enforce_eager None): a graph
+    replays fixed addresses, and vLLM's reload copies the new values into the original storage."""
+    engine = restored_engine
+    before = engine.llm.apply_model(_addresses)[0]
+    names = [n for n, _ in hf_reference.named_parameters()]
+    target = perturbed_copy(hf_reference, names, scale=2.0, seed=3)
+    spec = SamplingSpec(n=1, temperature=0.7, max_new_tokens=8, seed=4)
+    old = engine.generate(prompts[:4], spec)
+    engine.load_weights(list(target.named_parameters()))  # every weight, fused groups and all
+    after = engine.llm.apply_model(_addresses)[0]
+    assert len(before) > 10 and after == before
+    assert engine.generate(prompts[:4], spec).rollout_logprobs != old.rollout_logprobs  # the values did change
+
+
 @pytest.mark.slow
 def test_load_weights_refuses_bad_updates_before_touching_the_engine(restored_engine, hf_reference, prompts):
     engine = restored_engine

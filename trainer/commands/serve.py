@@ -11,9 +11,13 @@ The server gets exactly the settings the trainer's checks rely on
 - ``--skip-tokenizer-init`` and ``--enable-scale-out``: token ids in and out through
   ``/inference/v1/generate``; chunked prefill off (as the colocated engine: vLLM 0.32
   rewinds seeded generators on split prefills, which the CPU generator cannot do);
-- ``--enforce-eager`` (rollout.enforce_eager), ``--max-num-seqs``; on CPU the KV cache
+- ``--enforce-eager`` (rollout.enforce_eager; null: on CPU only), ``--max-num-seqs``; on CPU the KV cache
   size ``rollout.kv_cache_memory_bytes`` (without it vLLM reserves most of the RAM);
-  on CUDA vLLM's own GPU share (the server owns its devices);
+  on CUDA vLLM's own GPU share, ``gpu_memory_utilization`` 0.92 of every GPU the server sees
+  (``vllm/config/cache.py``): the server owns its devices, so the trainer must run on others
+  (said when it starts, ``GPU_SHARE_NOTE``);
+- routes (an MoE recipe whose ``parity.routing_replay`` is on or measure): on CPU prefix caching off, for the
+  project's capture in the workers; on CUDA refused before anything starts (``SERVER_ROUTES_ON_CUDA``);
 - ``--tensor-parallel-size`` from the command line (on a CPU with fewer NUMA nodes than
   ranks, ``VLLM_CPU_OMP_THREADS_BIND`` splits the allowed cores between the ranks:
   vLLM's automatic binding wants a NUMA node per rank);
@@ -40,7 +44,7 @@ import sys
 import torch
 from transformers import AutoConfig
 
-from rollout.server_engine import parse_server_url
+from rollout.server_engine import SERVER_ROUTES_ON_CUDA, parse_server_url
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig
 from trainer.config.validate import sequence_length
@@ -52,6 +56,9 @@ from trainer.precision.checks import server_problem
 
 WORKER_EXTENSION = "rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension"
 BACKENDS = ("auto", "parityrl_file", "nccl")
+GPU_SHARE_NOTE = ("parityrl serve: on CUDA the server takes vLLM's default share of every GPU it sees "
+                  "(gpu_memory_utilization 0.92): run the trainer on other GPUs (CUDA_VISIBLE_DEVICES disjoint "
+                  "from this server's)")
 
 
 def resolve_backend(requested: str, cuda: bool) -> str:
@@ -119,10 +126,15 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
             "--max-num-seqs", str(r.max_num_seqs), "--tensor-parallel-size", str(tensor_parallel_size),
             "--weight-transfer-config", json.dumps({"backend": backend}),
             "--worker-extension-cls", WORKER_EXTENSION]
-    if r.enforce_eager:
+    if r.enforce_eager or (r.enforce_eager is None and not cuda):
         argv.append("--enforce-eager")
-    if _routes_asked(cfg, model_dir, where):  # a cached token is never computed, so it would have no route
-        argv.append("--no-enable-prefix-caching")
+    if _routes_asked(cfg, model_dir, where):
+        if cuda:
+            setting = cfg.parity.routing_replay  # a YAML bare on / off arrives as true / false
+            setting = {True: "on", False: "off"}[setting] if isinstance(setting, bool) else setting
+            raise RecipeError(f"{where}: parity.routing_replay = {setting!r} with a "
+                              f"mixture-of-experts model: a server on CUDA cannot return routes: {SERVER_ROUTES_ON_CUDA}")
+        argv.append("--no-enable-prefix-caching")  # a cached token is never computed, so it would have no route
     if not cuda:
         argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_bytes)]
     env = dict(os.environ)
@@ -158,13 +170,17 @@ def _routes_asked(cfg: RunConfig, model_dir: str, where: str) -> bool:
 
 
 def run_serve(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend: str = "auto",
-              dry_run: bool = False) -> int:
+              dry_run: bool = False, cuda: bool | None = None) -> int:
     """Print the command, then run the vLLM server until it ends (or only print, with dry_run)."""
-    argv, env = serve_command(cfg, tensor_parallel_size=tensor_parallel_size, transfer_backend=transfer_backend)
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    argv, env = serve_command(cfg, tensor_parallel_size=tensor_parallel_size, transfer_backend=transfer_backend,
+                              cuda=cuda)
     backend = json.loads(argv[argv.index("--weight-transfer-config") + 1])["backend"]
     print(f"parityrl serve: vLLM for {argv[argv.index('--model') + 1]} on {cfg.rollout.server_url} "
           f"(tensor parallel {tensor_parallel_size}, weight transfer {backend}); ready when "
           f"{cfg.rollout.server_url.rstrip('/')}/health answers 200", file=sys.stderr, flush=True)
+    if cuda:
+        print(GPU_SHARE_NOTE, file=sys.stderr, flush=True)
     if cfg.rollout.mode != "server":
         print(f"parityrl serve: note: the recipe has rollout.mode = {cfg.rollout.mode!r}; train with "
               "--set rollout.mode=server to use this server", file=sys.stderr, flush=True)

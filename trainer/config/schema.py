@@ -151,9 +151,18 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 24
-    kv_cache_memory_bytes: int = 256 * 1024**2  # CPU backend only; it would otherwise reserve 92% of RAM
-    gpu_memory_utilization: float = 0.3  # CUDA only: the share the colocated engine may take
-    enforce_eager: bool = True
+    # The colocated engine's KV cache, on CPU (vLLM would otherwise reserve 92% of RAM) and on CUDA (vLLM would
+    # otherwise fill gpu_memory_utilization of the GPU with it): rollout.vllm_engine.memory_options.
+    kv_cache_memory_bytes: int = 256 * 1024**2
+    # CUDA only: the share of the GPU vLLM requires free when the colocated engine starts (its start-up check);
+    # the one default of it (VLLMEngine has none of its own)
+    gpu_memory_utilization: float = 0.3
+    # null: eager on CPU (compiling costs more than it saves), CUDA graphs on CUDA (decoding a small model is
+    # launch-bound; a sync keeps every weight's address, so the graphs stay valid: rollout.vllm_engine)
+    enforce_eager: Optional[bool] = None
+    # CUDA, colocated vLLM: the engine sleeps (vLLM sleep mode, level 1: weights to host memory, KV cache freed)
+    # from the end of the rollout to the weight sync, so the update has the GPU to itself
+    sleep_mode: bool = True
     max_num_seqs: int = 256
     # The engine (colocated, or a server as one weight version) takes the merged weights in
     # chunks of whole decoder layers of at most this size (trainer.sampling.engines.sync_weights): a

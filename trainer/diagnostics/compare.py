@@ -75,7 +75,7 @@ def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len
     # started as training starts its engine (the FP8 export on CUDA included), so compare measures it
     return start_vllm(model_dir, precision=precision, dtype=dtype, max_model_len=max_model_len, seed=seed,
                       work_dir=work_dir, max_logprobs=max(20, topk), kv_cache_memory_bytes=kv_cache_bytes,
-                      enforce_eager=True, return_routes=return_routes)
+                      enforce_eager=None, return_routes=return_routes)
 
 
 def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_len, seed, kv_cache_bytes, say,

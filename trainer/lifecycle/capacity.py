@@ -2,7 +2,9 @@
 colocated vLLM engine's KV cache and weights against host or GPU memory.
 
 Every estimate here is a lower bound (what the run needs at the least), so a refusal is certain and a run that
-fits is never refused; a run that passes may still need more (activations, vLLM's own buffers). Estimates that
+fits is never refused; a run that passes may still need more (activations, vLLM's own buffers, and the trainer's
+optimizer and activations: with sleep mode on CUDA the update runs while the engine's weights and KV cache are
+off the GPU). Estimates that
 need the model's config or weights are skipped when those are not local (a hub id not yet downloaded).
 """
 from __future__ import annotations
@@ -103,31 +105,54 @@ def capacity_problems(cfg: RunConfig, where: str, machine: Machine, model: Optio
     per_token = kv_bytes_per_token(model.config, dtype_bytes)
     one_sequence = None if per_token is None else per_token * seq_len
     engine_weights = model.parameters * (engine_weight_bytes_per_param or dtype_bytes)
-    if machine.gpu_total is None:  # CPU: a KV cache of exactly kv_cache_memory_bytes, in host memory
-        kv = r.kv_cache_memory_bytes
-        if one_sequence is not None and one_sequence > kv:
-            problems.append(
-                f"{where}: rollout.kv_cache_memory_bytes = {kv}: one sequence of "
-                f"{'env.max_tokens' if cfg.env.enabled else 'data.max_prompt_tokens + rollout.max_new_tokens'} = {seq_len} tokens needs {_size(one_sequence)} of KV cache ({per_token} "
-                f"bytes per token in {cfg.model.dtype}), more than the cache holds, so the engine would not start; "
-                f"expected at least {one_sequence}")
-        trainer_weights = model.parameters * dtype_bytes
+    trainer_weights = model.parameters * dtype_bytes
+    kv = r.kv_cache_memory_bytes  # on CPU and CUDA alike the engine's KV cache (rollout.vllm_engine.memory_options)
+    if one_sequence is not None and one_sequence > kv:
+        problems.append(
+            f"{where}: rollout.kv_cache_memory_bytes = {kv}: one sequence of "
+            f"{'env.max_tokens' if cfg.env.enabled else 'data.max_prompt_tokens + rollout.max_new_tokens'} = {seq_len} tokens needs {_size(one_sequence)} of KV cache ({per_token} "
+            f"bytes per token in {cfg.model.dtype}), more than the cache holds, so the engine would not start; "
+            f"expected at least {one_sequence}")
+    if machine.gpu_total is None:  # CPU: the KV cache, in host memory
         if avail is not None and kv + engine_weights + trainer_weights > avail:
             problems.append(
                 f"{where}: rollout.kv_cache_memory_bytes = {kv}: the KV cache, the engine's weights "
                 f"({_size(engine_weights)}) and the trainer's ({_size(trainer_weights)}: {model.parameters} parameters "
                 f"in {cfg.model.dtype}) need {_size(kv + engine_weights + trainer_weights)}, more than the "
                 f"{_size(avail)} of memory available; expected at most {max(0, avail - engine_weights - trainer_weights)}")
-    else:  # CUDA: the engine may take gpu_memory_utilization of the GPU, weights and KV cache included
-        share = r.gpu_memory_utilization * machine.gpu_total
-        need = engine_weights + (one_sequence or 0)
-        if need > share:
-            what = f"its weights ({_size(engine_weights)})" + (
-                f" and one sequence's KV cache ({_size(one_sequence)}, {seq_len} tokens)" if one_sequence else "")
-            problems.append(
-                f"{where}: rollout.gpu_memory_utilization = {r.gpu_memory_utilization}: the engine's share of the "
-                f"GPU, {_size(share)} of {_size(machine.gpu_total)}, does not hold {what}; expected at least "
-                f"{need / machine.gpu_total:.3f} (below 1: the trainer needs the rest)")
+    else:
+        problems += _gpu_problems(cfg, where, machine, engine_weights, trainer_weights)
+    return problems
+
+
+def _gpu_problems(cfg: RunConfig, where: str, machine: Machine, engine_weights: int, trainer_weights: int) -> list[str]:
+    """CUDA. What vLLM reserves: its weights and ``rollout.kv_cache_memory_bytes`` of KV cache (activation and graph
+    buffers on top), all resident during a rollout, beside the trainer's weights (loaded first: setup starts the
+    engine after the policy). Its start-up check wants ``gpu_memory_utilization`` of the GPU free
+    (``vllm/v1/worker/utils.py: request_memory``). Sleep mode keeps the engine's weights in host memory during
+    the update (``vllm/device_allocator/cumem.py``: pinned CPU copies)."""
+    r, total, problems = cfg.rollout, machine.gpu_total, []
+    kv = r.kv_cache_memory_bytes
+    need = engine_weights + kv + trainer_weights
+    if need > total:
+        problems.append(
+            f"{where}: rollout.kv_cache_memory_bytes = {kv}: the engine's weights ({_size(engine_weights)}) and KV "
+            f"cache, beside the trainer's weights ({_size(trainer_weights)}), need {_size(need)}, more than the "
+            f"GPU's {_size(total)}; expected at most {max(0, total - engine_weights - trainer_weights)}")
+    free = total - trainer_weights
+    if r.gpu_memory_utilization * total > free:
+        problems.append(
+            f"{where}: rollout.gpu_memory_utilization = {r.gpu_memory_utilization}: vLLM starts only when that "
+            f"share of the GPU ({_size(r.gpu_memory_utilization * total)} of {_size(total)}) is free, and the "
+            f"trainer's weights ({_size(trainer_weights)}), loaded first, leave at most {_size(free)}; expected at "
+            f"most {free / total:.3f}")
+    avail = machine.host_available
+    if r.sleep_mode and avail is not None and engine_weights > avail:
+        problems.append(
+            f"{where}: rollout.sleep_mode = true: the sleeping engine keeps its weights ({_size(engine_weights)}) "
+            f"in host memory during every update, more than the {_size(avail)} available; expected false "
+            "(the engine then keeps its GPU memory through the update)")
+    return problems
     return problems
 
 

@@ -12,8 +12,9 @@ One rule, read before anything loads (``trainer.lifecycle.preflight``) and again
 * ``auto`` (default): ``on`` where it can hold, else ``off``.
 
 Every engine returns routes when asked: colocated vLLM (CPU: the project's capture; CUDA: vLLM's own option),
-the HF engine, and a ``parityrl serve`` server (its workers capture them; the trainer fetches them after each
-batch), which ``parityrl serve`` then starts without prefix caching.
+the HF engine, and a ``parityrl serve`` server on CPU (its workers capture them; the trainer fetches them after
+each batch), which ``parityrl serve`` then starts without prefix caching. A server on CUDA cannot: ``parityrl
+serve`` and the trainer's connection refuse it (``rollout.server_engine.SERVER_ROUTES_ON_CUDA``).
 """
 from __future__ import annotations
 

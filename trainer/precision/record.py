@@ -65,6 +65,7 @@ class MaeFloor:
 # float32 on both sides: the pipeline self-test. ~1e-5 at any depth (`parityrl compare`, 4 and 30
 # layers, bench/RESULTS.md "The parity level by model and dtype"; the probe of a float32 GRPO run on the
 # tiny model read 1.1e-5 to 1.6e-5, 2026-11-25); 1e-4 is where docs/parity-metrics.md says rounding ends.
+# A CPU figure: on CUDA vLLM's float32 attention runs Triton's default TF32 dots (docs/parity-metrics.md).
 FLOAT32_FLOOR = MaeFloor(1e-4, any_depth=True)
 
 

@@ -113,6 +113,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             boundary.begin(step, _run_state(run))
             t_step = time.perf_counter()
             drawn, m = rollout_phase(run, step)
+            run.engine.release_memory()  # the update has the GPU to itself; the sync wakes the engine (CUDA)
             batch = with_routes(run.routing, run.engine, batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device))
             check_engine_logprobs(batch.rollout_logprobs, batch.mask, run.dp)
             rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)

@@ -17,7 +17,7 @@ from rollout.server_engine import ServerEngine
 from rollout.types import SamplingSpec
 from rollout.vllm_engine import VLLMEngine
 from rollout.weight_export import iter_merged_lora_weights, layer_chunks, payload_bytes
-from trainer.config import RunConfig
+from trainer.config import RolloutConfig, RunConfig
 from trainer.distributed.data_parallel import DataParallel
 from trainer.precision import PrecisionRecipe, recipe_for
 
@@ -46,8 +46,10 @@ def start_vllm(model_dir: str, *, precision: str, dtype: str, max_model_len: int
     """A colocated vLLM engine for the precision recipe named ``precision``: how training (``make_engine``) and
     ``parityrl compare`` both start one, so that compare measures the engine training runs.
 
-    ``engine_kwargs``: VLLMEngine's memory and scheduling options (kv_cache_memory_bytes, ...).
+    ``engine_kwargs``: VLLMEngine's memory and scheduling options (kv_cache_memory_bytes, ...); without a
+    ``gpu_memory_utilization`` (compare has no recipe's), the recipe schema's default.
     """
+    engine_kwargs.setdefault("gpu_memory_utilization", RolloutConfig.gpu_memory_utilization)
     recipe = recipe_for(precision)
     return VLLMEngine(engine_model_dir(recipe, model_dir, work_dir), dtype=dtype, max_model_len=max_model_len,
                       seed=seed, max_logprobs=max_logprobs, **engine_kwargs,
@@ -73,7 +75,8 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
                       # vLLM refuses requests for more log-probs than max_logprobs (default 20).
                       max_logprobs=max(20, cfg.parity.topk),
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
-                      enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, return_routes=return_routes)
+                      enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, return_routes=return_routes,
+                      enable_sleep_mode=r.sleep_mode)
 
 
 def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:

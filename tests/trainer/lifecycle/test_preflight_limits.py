@@ -76,16 +76,44 @@ def test_a_kv_cache_and_weights_beyond_the_host_memory():
     assert capacity_problems(cfg, "r", Machine(host_available=6 * GiB, gpu_total=None), size) == []
 
 
-def test_a_gpu_share_that_does_not_hold_the_weights():
-    cfg = cfg_with("rollout.gpu_memory_utilization=0.1")
-    size = ModelSize(parameters=4 * GiB, config=LLAMA)  # 8 GiB in bf16
-    (p,) = capacity_problems(cfg, "r", Machine(host_available=None, gpu_total=80 * GiB), size)
-    # 8 GiB + 88 tokens x 256 bytes of KV = 8589956320 bytes, over 80 GiB
-    assert p.startswith("r: rollout.gpu_memory_utilization = 0.1: the engine's share of the GPU, 8.0 GiB of 80.0 GiB, "
-                        "does not hold its weights (8.0 GiB) and one sequence's KV cache (22.0 KiB, 88 tokens)"), p
-    assert f"expected at least {(8 * GiB + 88 * 256) / (80 * GiB):.3f}" in p
-    # FP8 weights: 4 GiB fit the same share
-    assert capacity_problems(cfg, "r", Machine(None, 80 * GiB), size, engine_weight_bytes_per_param=1) == []
+def test_on_a_gpu_what_vllm_reserves_is_counted_beside_the_trainers_weights():
+    # vLLM on CUDA reserves its weights and rollout.kv_cache_memory_bytes (not gpu_memory_utilization of the GPU),
+    # all resident during a rollout beside the trainer's weights: 36 GiB + 36 GiB + 16 GiB > 80 GiB
+    cfg = cfg_with("rollout.kv_cache_memory_bytes=17179869184")
+    size = ModelSize(parameters=18 * GiB, config=LLAMA)
+    gpu = Machine(host_available=None, gpu_total=80 * GiB)
+    (p,) = capacity_problems(cfg, "r", gpu, size)
+    assert p == ("r: rollout.kv_cache_memory_bytes = 17179869184: the engine's weights (36.0 GiB) and KV cache, beside "
+                 "the trainer's weights (36.0 GiB), need 88.0 GiB, more than the GPU's 80.0 GiB; expected at most "
+                 f"{8 * GiB}"), p
+    assert capacity_problems(cfg_with("rollout.kv_cache_memory_bytes=8589934592"), "r", gpu, size) == []
+    # FP8 engine weights: 18 GiB, so the 16 GiB cache fits
+    assert capacity_problems(cfg, "r", gpu, size, engine_weight_bytes_per_param=1) == []
+    # the one-sequence rule holds on a GPU too: the cache is the recipe's there as well
+    big = {**LLAMA, "num_hidden_layers": 64, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128}
+    (p,) = capacity_problems(cfg_with("rollout.kv_cache_memory_bytes=16777216"), "r", gpu, ModelSize(1000, big))
+    assert p.startswith("r: rollout.kv_cache_memory_bytes = 16777216: one sequence of"), p
+
+
+def test_on_a_gpu_vllms_start_up_share_must_be_free_beside_the_trainers_weights():
+    size = ModelSize(parameters=18 * GiB, config=LLAMA)  # 36 GiB of trainer weights, loaded before the engine
+    gpu = Machine(host_available=None, gpu_total=80 * GiB)
+    (p,) = capacity_problems(cfg_with("rollout.gpu_memory_utilization=0.6"), "r", gpu, size)
+    assert p == ("r: rollout.gpu_memory_utilization = 0.6: vLLM starts only when that share of the GPU (48.0 GiB of "
+                 "80.0 GiB) is free, and the trainer's weights (36.0 GiB), loaded first, leave at most 44.0 GiB; "
+                 "expected at most 0.550"), p
+    assert capacity_problems(cfg_with("rollout.gpu_memory_utilization=0.55"), "r", gpu, size) == []
+
+
+def test_sleep_mode_needs_host_memory_for_the_engines_weights():
+    size = ModelSize(parameters=GiB, config=LLAMA)  # 2 GiB in bf16
+    gpu = Machine(host_available=GiB, gpu_total=80 * GiB)
+    (p,) = capacity_problems(cfg_with(), "r", gpu, size)
+    assert p == ("r: rollout.sleep_mode = true: the sleeping engine keeps its weights (2.0 GiB) in host memory during "
+                 "every update, more than the 1.0 GiB available; expected false (the engine then keeps its GPU memory "
+                 "through the update)"), p
+    assert capacity_problems(cfg_with("rollout.sleep_mode=false"), "r", gpu, size) == []
+    assert capacity_problems(cfg_with(), "r", Machine(host_available=3 * GiB, gpu_total=80 * GiB), size) == []
 
 
 def test_the_gpu_share_is_checked_on_this_ranks_gpu(monkeypatch):

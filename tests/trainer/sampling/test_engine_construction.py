@@ -56,5 +56,6 @@ def test_train_and_compare_ask_for_the_same_engine(tmp_path, recorded, precision
         assert train_kw["quantization"] == cmp_kw["quantization"] == "fp8"
     else:
         assert train_dir == cmp_dir == "/models/base" and "quantization" not in train_kw | cmp_kw
-    for key in ("dtype", "max_model_len", "seed", "max_logprobs", "kv_cache_memory_bytes", "enforce_eager"):
+    for key in ("dtype", "max_model_len", "seed", "max_logprobs", "kv_cache_memory_bytes", "enforce_eager",
+                "gpu_memory_utilization"):
         assert train_kw[key] == cmp_kw[key], key
