@@ -41,8 +41,8 @@ OLMOE_1B_7B = ({"model_type": "olmoe", "hidden_size": 2048, "num_hidden_layers":
 def test_gpu_recipes_checkpoint_activations_and_fit_one_80_gib_gpu(name):
     """The GPU recipes' micro-batches (8-16 sequences of up to 1,536 tokens) need gradient checkpointing beside a
     colocated engine; what that engine reserves (weights + the recipe's KV cache) fits beside the trainer's
-    weights, with sleep mode's host copy of the weights (trainer/rl/capacity.py)."""
-    from trainer.rl.capacity import Machine, ModelSize, capacity_problems
+    weights, with sleep mode's host copy of the weights (trainer/lifecycle/capacity.py)."""
+    from trainer.lifecycle.capacity import Machine, ModelSize, capacity_problems
 
     cfg = load_recipe(REPO / "recipes" / name, check_paths=False)
     assert cfg.train.gradient_checkpointing and cfg.rollout.sleep_mode

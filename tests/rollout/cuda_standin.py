@@ -1,5 +1,5 @@
 """Run as a script (tests/rollout/test_engine_cuda_options.py does): start the colocated engine as training starts
-it (``trainer.rl.engines.make_engine``) on a stand-in CUDA platform, through vLLM's own ``LLM`` and
+it (``trainer.sampling.engines.make_engine``) on a stand-in CUDA platform, through vLLM's own ``LLM`` and
 ``EngineArgs.create_engine_config`` -- the real option handling and config validation -- and stop there, before
 anything would touch a device. Prints, per case, what vLLM made of the options (or its refusal) as one JSON line.
 
@@ -51,11 +51,13 @@ import vllm.entrypoints.llm as entry_llm  # noqa: E402
 
 import rollout.vllm_engine as vllm_engine  # noqa: E402
 from trainer.config.validate import sequence_length  # noqa: E402
-from trainer.rl.engines import make_engine  # noqa: E402
-from trainer.rl.preflight import load_recipe  # noqa: E402
+from trainer.lifecycle.preflight import load_recipe  # noqa: E402
+from trainer.sampling.engines import make_engine  # noqa: E402
 
 config_vllm.HAS_TRITON = True
 torch.cuda.is_available = lambda: True
+torch.cuda.current_device = lambda: 0  # one GPU: the process is on cuda:0 (rollout.device_placement asks)
+torch.cuda.set_device = lambda index: None
 vllm_engine._preserve_rng = contextlib.nullcontext
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollout.cuda_driver import unusable_cuda_problem
-from trainer.rl.preflight import inspect_recipe
+from trainer.lifecycle.preflight import inspect_recipe
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "grpo_tiny.yaml"
 

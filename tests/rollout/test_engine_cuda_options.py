@@ -23,7 +23,7 @@ from rollout.vllm_engine import VLLMEngine
 from trainer.builtin.zoo import ensure_arch_model
 from trainer.config import LoraConfig, RolloutConfig
 from trainer.models.policy import add_lora, load_base_model
-from trainer.rl.engines import sync_weights
+from trainer.sampling.engines import sync_weights
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
@@ -103,6 +103,9 @@ def on_cuda(monkeypatch):
 
     RecordingLLM.log = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # one GPU (rollout.device_placement asks)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(rollout.vllm_engine, "check_engine_device", lambda llm, expected: None)  # no worker
     monkeypatch.setattr(rollout.vllm_engine, "_preserve_rng", contextlib.nullcontext)  # it reads the CUDA RNG
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
     monkeypatch.setattr(VLLMEngine, "_live", VLLMEngine._live)  # restored: this engine is never closed

@@ -207,7 +207,7 @@ def test_routes_from_a_server_on_cuda_are_refused_before_it_starts(tiny_model_di
     from trainer.builtin.zoo import ensure_arch_model
     from trainer.commands.serve import GPU_SHARE_NOTE, run_serve, serve_command
     from trainer.config import RecipeError
-    from trainer.rl.preflight import load_recipe
+    from trainer.lifecycle.preflight import load_recipe
 
     moe = str(ensure_arch_model("qwen3_moe", dtype="bfloat16"))
     cfg = load_recipe(RECIPE, [f"model.path={moe}", "parity.routing_replay=on"], check_paths=False)

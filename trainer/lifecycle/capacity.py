@@ -153,7 +153,6 @@ def _gpu_problems(cfg: RunConfig, where: str, machine: Machine, engine_weights: 
             f"in host memory during every update, more than the {_size(avail)} available; expected false "
             "(the engine then keeps its GPU memory through the update)")
     return problems
-    return problems
 
 
 def _size(n: float) -> str:

@@ -53,7 +53,7 @@ def attempt(results: dict, name: str, fn) -> None:
 
 
 def collectives(dp: DataParallel) -> dict:
-    from trainer.rl.stops import RewardFailed, stop_together
+    from trainer.lifecycle.stops import RewardFailed, stop_together
 
     out: dict = {}
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]]) if dp.rank == 0 else torch.tensor([[1, 1, 1], [0, 0, 0]])

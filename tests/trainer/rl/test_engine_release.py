@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.rl.engines
+import trainer.sampling.engines
 from rollout.hf_engine import HFEngine
-from trainer.rl.preflight import load_recipe
+from trainer.lifecycle.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -38,7 +38,7 @@ def test_each_step_releases_the_engine_after_its_rollout_and_syncs_after_the_upd
         log.append("update")
         return step(self, *a, **k)
 
-    monkeypatch.setattr(trainer.rl.engines, "HFEngine", Recorded)
+    monkeypatch.setattr(trainer.sampling.engines, "HFEngine", Recorded)
     monkeypatch.setattr(torch.optim.AdamW, "step", recorded_step)
     cfg = load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [
         "rollout.engine=hf", f"logging.run_dir={tmp_path}", "logging.wandb.mode=disabled", "train.steps=2",
