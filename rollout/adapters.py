@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager, Optional, Sequence
@@ -107,8 +106,10 @@ def lora_modules(peft_model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def export_lora_adapter(peft_model: nn.Module, *, version: int, dtype: torch.dtype,
-                        gather: Optional[Gather] = None, adapter: str = "default") -> LoraAdapter:
-    """The policy's adapter ``adapter`` as one ``LoraAdapter`` version, its weights copied in ``dtype``.
+                        gather: Optional[Gather] = None, adapter: str = "default",
+                        device: Optional[str] = "cpu") -> LoraAdapter:
+    """The policy's adapter ``adapter`` as one ``LoraAdapter`` version, its weights copied in ``dtype`` to
+    ``device`` (None: where they are; a model on the meta device then gives a size-only export).
 
     ``gather``: under ZeRO-3, gathers one module's shards at a time (every rank must call this then). The copy is
     taken, so the next optimizer step cannot change what the engine loads.
@@ -122,14 +123,9 @@ def export_lora_adapter(peft_model: nn.Module, *, version: int, dtype: torch.dty
             continue
         a, b = module.lora_A[adapter], module.lora_B[adapter]
         with torch.no_grad(), gather([a.weight, b.weight]):
-            tensors[f"{name}.lora_A.weight"] = a.weight.detach().to("cpu", dtype, copy=True)
-            tensors[f"{name}.lora_B.weight"] = b.weight.detach().to("cpu", dtype, copy=True)
+            for key, w in (("lora_A", a.weight), ("lora_B", b.weight)):
+                tensors[f"{name}.{key}.weight"] = w.detach().to(device=device or w.device, dtype=dtype, copy=True)
     if not tensors:
         raise ValueError(f"the policy has no LoRA layers of adapter {adapter!r} to export")
     return LoraAdapter(version=version, config=adapter_config(peft_model, adapter), tensors=tensors)
 
-
-def adapter_scaling(config: dict) -> float:
-    """s of ``W + s·B·A``: lora_alpha / r, or / sqrt(r) with rsLoRA (Kalajdzievski 2023, arXiv 2312.03732)."""
-    r, alpha = float(config["r"]), float(config["lora_alpha"])
-    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r

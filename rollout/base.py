@@ -5,6 +5,7 @@ from typing import Iterable, Protocol
 
 import torch
 
+from rollout.adapters import LoraAdapter
 from rollout.types import Rollouts, SamplingSpec, Scored
 
 
@@ -30,12 +31,15 @@ class RolloutEngine(Protocol):
     fp8_block_weights: True for an engine running vLLM's CUDA block-FP8 layers, which takes the
         targeted weights as block-FP8 values and scales (``rollout.fp8_weights.fp8_block_weights``);
         False: HF-named weights in a float dtype.
+    adapter_dtype: the dtype a LoRA adapter's weights run in on this engine, which serves adapters
+        (``load_adapter``); None: it was started without LoRA support and takes merged weights only.
     """
 
     max_model_len: int | None
     pushes_weights: bool
     streams_weights: bool
     fp8_block_weights: bool
+    adapter_dtype: torch.dtype | None
 
     def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
         """Sample ``spec.n`` completions per prompt; groups are contiguous."""
@@ -49,6 +53,10 @@ class RolloutEngine(Protocol):
         """Replace the named parameters (Hugging Face names, e.g.
         ``model.layers.0.self_attn.q_proj.weight``) in place. Names not given keep
         their current values."""
+
+    def load_adapter(self, adapter: LoraAdapter) -> None:
+        """Run ``adapter`` (one version of the policy's LoRA, ``rollout.adapters``) over the base weights the
+        engine started from, for every generate and score from now on. Only called when ``adapter_dtype``."""
 
     def load_weight_chunks(self, chunks: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
         """Take one update as an iterable of chunks (whole decoder layers,
@@ -78,6 +86,7 @@ class InProcessEngine:
     pushes_weights = True
     streams_weights = True
     fp8_block_weights = False
+    adapter_dtype = None
 
     def load_weight_chunks(self, chunks: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
         for chunk in chunks:

@@ -20,11 +20,13 @@ Reproducible: the global torch RNG is seeded per chunk from ``spec.seed`` inside
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
+from rollout.adapters import LoraAdapter
 from rollout.base import InProcessEngine
 from rollout.hf_routes import RouterTap, generation_routes
 from rollout.moe_config import route_shape
@@ -56,10 +58,14 @@ class HFEngine(InProcessEngine):
     max_batch_size: sequences per ``generate`` call.
     return_routes: an MoE model's routes in every ``Rollouts.routes``, read from its routers during
         generation (``rollout.hf_routes``).
+    serve_adapters: run LoRA adapters (``load_adapter``) as the trainer does: the model becomes a PEFT model at
+        the first one, its adapter weights in float32 as PEFT keeps the trainer's (``autocast_adapter_dtype``),
+        so both sides compute the same function.
     """
 
     def __init__(self, model, *, dtype: str = "bfloat16", device: str = "cpu",
-                 eos_ids: Sequence[int] | None = None, max_batch_size: int = 256, return_routes: bool = False) -> None:
+                 eos_ids: Sequence[int] | None = None, max_batch_size: int = 256, return_routes: bool = False,
+                 serve_adapters: bool = False) -> None:
         if isinstance(model, (str, Path)):
             from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -90,6 +96,9 @@ class HFEngine(InProcessEngine):
         pad = getattr(cfg, "pad_token_id", None) if pad is None else pad
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.max_model_len = getattr(cfg, "max_position_embeddings", None)
+        # PEFT runs an adapter in its own dtype, float32 unless told otherwise (peft/tuners/lora/layer.py)
+        self.adapter_dtype = torch.float32 if serve_adapters else None
+        self.adapter_version: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -199,8 +208,29 @@ class HFEngine(InProcessEngine):
         return completions, logprobs, finish, top_ids, top_lps, routes
 
     # ---- weights ----------------------------------------------------------------------------
+    def load_adapter(self, adapter: LoraAdapter) -> None:
+        """Run ``adapter`` from now on: the first one wraps the model in PEFT (from PEFT's own files), a later
+        one replaces the adapter's weights in place."""
+        if self.adapter_dtype is None:
+            raise RuntimeError("load_adapter(): this engine was started without adapters; construct "
+                               "HFEngine(..., serve_adapters=True)")
+        from peft import PeftModel, set_peft_model_state_dict
+
+        if self.adapter_version is None:
+            with tempfile.TemporaryDirectory(prefix="parityrl-adapter-") as d:
+                self.model = PeftModel.from_pretrained(self.model, adapter.write(d), is_trainable=False).eval()
+        else:
+            result = set_peft_model_state_dict(self.model, adapter.tensors)
+            if result.unexpected_keys:
+                raise ValueError(f"adapter version {adapter.version}: weights the engine's adapter does not have: "
+                                 f"{result.unexpected_keys[:4]}")
+        self.adapter_version = adapter.version
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model's parameters by HF name (cast to each parameter's dtype)."""
+        if self.adapter_version is not None:
+            raise RuntimeError("load_weights(): this engine runs a LoRA adapter; merged weights would add the "
+                               "update a second time (rollout.lora_sync chooses one of the two per run)")
         params = dict(self.model.named_parameters(remove_duplicate=False))
         updates = list(named_tensors)
         unknown = [n for n, _ in updates if n not in params]

@@ -312,6 +312,7 @@ class ServerEngine:
 
     # A push may come as chunks of whole layers, all under one weight version (load_weight_chunks).
     streams_weights = True
+    adapter_dtype = None  # merged weights only
     # The server runs vLLM in BF16/FP16 (the recipe check refuses FP8 recipes in server mode).
     fp8_block_weights = False
 

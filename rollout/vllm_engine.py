@@ -50,6 +50,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from rollout.adapters import LoraAdapter
 from rollout.base import InProcessEngine
 from rollout.device_placement import check_engine_device, keep_current_device, placement_options
 from rollout.fp8_weights import check_engine_fp8_layers, engine_fp8_layers
@@ -59,6 +60,7 @@ from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import sample_seed, validate_request, validate_score_request
 from rollout.routes import NO_ROUTE, ROUTE_DTYPE
 from rollout.types import Rollouts, SamplingSpec, Scored
+from rollout.vllm_adapters import ServedAdapter, lora_options
 from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors, quiet_partial_reload
 
@@ -214,7 +216,8 @@ class VLLMEngine(InProcessEngine):
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
                  enforce_eager: bool | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
                  eos_ids: Sequence[int] | None = None, load_tokenizer: bool = False,
-                 enable_sleep_mode: bool = False, return_routes: bool = False, **llm_kwargs) -> None:
+                 enable_sleep_mode: bool = False, return_routes: bool = False, max_lora_rank: int | None = None,
+                 lora_target_modules: Sequence[str] | None = None, **llm_kwargs) -> None:
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len = {max_model_len!r}: expected an integer >= 2")
         self.model = str(model)
@@ -244,6 +247,10 @@ class VLLMEngine(InProcessEngine):
         # prompt tokens exceed max_num_batched_tokens (seen with 64 prompts x n=8).
         # Seeded requests are how rollouts stay reproducible, so prefill stays whole.
         llm_kwargs.setdefault("enable_chunked_prefill", False)
+        llm_kwargs = {**lora_options(max_lora_rank, lora_target_modules), **llm_kwargs}
+        self._adapter: ServedAdapter | None = None  # the adapter served (max_lora_rank set)
+        self.adapter_dtype: torch.dtype | None = None  # the dtype its weights run in; None: no adapter served
+        self._base_changed = False  # a merged update replaced base weights: an adapter needs them back first
         self.return_routes = bool(return_routes)
         if self.return_routes:  # CUDA: vLLM's own capture (Model Runner V2); not run on a GPU by this project yet
             routes = route_options(self.cuda, enable_prefix_caching)
@@ -268,6 +275,9 @@ class VLLMEngine(InProcessEngine):
             self._check_fp8_layers()
         self._moe_layers = None  # the decoder layers that route (vLLM's own routes hold every layer)
         self.route_shape = self._install_route_capture() if self.return_routes else None
+        if max_lora_rank is not None:
+            self._adapter = ServedAdapter(max_lora_rank)
+            self.adapter_dtype = self.torch_dtype  # LoRA runs in the model dtype (lora_dtype "auto", config/lora.py)
 
     def _install_route_capture(self) -> dict:
         """``{"layers", "top_k", "num_experts"}`` of the model's routes (CPU: hooks the runner's routers)."""
@@ -345,7 +355,7 @@ class VLLMEngine(InProcessEngine):
         self.wake_up()
         with _preserve_rng():
             self._reset_routes()
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         routes = self._routes(outputs) if self.return_routes else []
 
         completion_ids, logprobs, finish, texts, top_ids, top_lps = [], [], [], [], [], []
@@ -413,7 +423,7 @@ class VLLMEngine(InProcessEngine):
         self.wake_up()
         with _preserve_rng():
             self._reset_routes()
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         # the sequence's routes; the one token sampled after it is not part of it
         routes = ([r[:len(seq)] for r, seq in zip(self._routes(outputs), sequences)] if self.return_routes else [])
 
@@ -452,11 +462,40 @@ class VLLMEngine(InProcessEngine):
         self._check_update(named)
         with quiet_partial_reload():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        self._base_changed = True
+        if self._adapter is not None:  # vLLM dropped its adapters with the reload (reset_lora_state)
+            self._adapter.forget()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
         check_update(named, self._shapes, self.model, self.packed_modules)
+
+    # ---- LoRA adapter -----------------------------------------------------------------------
+    def load_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` over the base weights the engine started from, for every generate and score from
+        now on (``rollout.vllm_adapters``). Base weights a merged update replaced are reloaded from the model's
+        files first. The prefix cache is reset, as after every weight update."""
+        if self._adapter is None:
+            raise RuntimeError("load_adapter(): this engine was started without LoRA support; construct "
+                               "VLLMEngine(..., max_lora_rank=r) to serve adapters")
+        self.wake_up()
+        if self._base_changed:
+            with quiet_partial_reload():
+                self.llm.collective_rpc("reload_weights")  # from the model's files; vLLM drops its adapters
+            self._adapter.forget()
+            self._base_changed = False
+        self._adapter.load(self.llm, adapter)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after an adapter update (requests running?)")
+
+    @property
+    def adapter_version(self) -> int | None:
+        """The trainer's version of the adapter served (None: the base weights alone)."""
+        return None if self._adapter is None else self._adapter.version
+
+    def _lora_request(self):
+        return None if self._adapter is None else self._adapter.request
 
     # ---- memory -----------------------------------------------------------------------------
     def release_memory(self) -> None:
@@ -498,6 +537,8 @@ class VLLMEngine(InProcessEngine):
         if engine_core is not None:
             engine_core.shutdown()
         self._llm = None
+        if self._adapter is not None:
+            self._adapter.close()
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
         # vLLM's model-parallel groups are process globals that every in-process engine shares: the

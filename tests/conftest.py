@@ -15,6 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PARITYRL_CACHE", str(REPO / ".cache" / "parityrl"))
 
 
+# The tiny Llama's decoder linears: what model.lora.target_modules [all-linear] resolves to on it.
+TINY_LORA_TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> str:
     """The warm-started built-in model (built once per cache, then reused)."""
@@ -27,11 +31,15 @@ def tiny_model_dir() -> str:
 def vllm_engine(tiny_model_dir):
     """One in-process vLLM engine for the whole session (engine start is the slow part on 2 cores).
 
+    Started as a run of the demo recipe starts its own: serving the LoRA adapter of rank 16 on every linear
+    (``rollout.lora_sync: auto`` is ``adapter`` there), so the integration tests run the default sync; a merged
+    update works on it too (``VLLMEngine.load_adapter`` restores the base weights after one).
     Tests that change its weights must restore them (train() re-syncs at its start).
     """
     from rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(tiny_model_dir, dtype="bfloat16", max_model_len=128, seed=0,
-                        kv_cache_memory_bytes=256 * 1024**2, enforce_eager=True)
+                        kv_cache_memory_bytes=256 * 1024**2, enforce_eager=True, max_lora_rank=16,
+                        lora_target_modules=TINY_LORA_TARGETS)
     yield engine
     engine.close()

@@ -179,7 +179,7 @@ class RolloutConfig:
     # sync, so the engine runs the trainer's update to the dtype's relative precision. merged: W + s·B·A rounded
     # to model.dtype (what the FP8 recipes and exact mode need; in BF16 an update below half a BF16 step of W
     # is lost). auto: adapter wherever the engine, the precision recipe and the LoRA targets allow it, else
-    # merged, the reason printed once at start (trainer/sampling/lora_sync.py).
+    # merged, the reason printed once at start (trainer/precision/lora_sync.py).
     lora_sync: Literal["auto", "adapter", "merged"] = "auto"
     # 1: one step off-policy (trainer/sampling/async_prefetch.py): the next step's batch is generated with the
     # weights before this step's update while this step trains; in server mode the server generates in

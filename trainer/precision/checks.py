@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from trainer.config import RecipeError, RunConfig
+from trainer.precision.lora_sync import merged_reasons
 from trainer.precision.record import (
     ASYNC,
     COMPARE,
@@ -62,7 +63,16 @@ def recipe_rules(cfg: RunConfig, cuda: Optional[bool] = None) -> list[Rule]:
         (ASYNC not in refuses or not r.max_staleness, "precision.recipe", name,
          f"not {name} with rollout.max_staleness {r.max_staleness} ({refuses.get(ASYNC)})"),
         cuda_rule(recipe, cuda),
+        lora_sync_rule(cfg, recipe),
     ]
+
+
+def lora_sync_rule(cfg: RunConfig, recipe: PrecisionRecipe) -> Rule:
+    """An explicit ``rollout.lora_sync: adapter`` the engine can serve (``trainer.precision.lora_sync``)."""
+    reasons = merged_reasons(cfg, recipe) if cfg.rollout.lora_sync == "adapter" else []
+    return (not reasons, "rollout.lora_sync", cfg.rollout.lora_sync,
+            f"'merged' (or 'auto', which falls back to it): the engine cannot serve this recipe's adapter "
+            f"({'; '.join(reasons)})")
 
 
 def check_recipe(cfg: RunConfig, need) -> None:

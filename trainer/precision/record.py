@@ -13,7 +13,7 @@ of this package named after it. The record holds:
 - ``transform(model)``: what the trainer's model becomes after LoRA is added (identity for most);
 - ``engine_logprobs``: the trainer's log-probs are the engine's own forward (``trainer.models.exact``);
 - ``merged_sync``: why the engine must hold the LoRA-merged weights (``rollout.lora_sync: merged``) rather than
-  serve the adapter; None: it can serve the adapter (``trainer.sampling.lora_sync``);
+  serve the adapter; None: it can serve the adapter (``trainer.precision.lora_sync``);
 - ``refuses``: situation (the constants below) -> the reason it cannot run there;
 - ``check_model(config)``: raises ValueError for a model config the recipe cannot run.
 

@@ -25,6 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from parity.metrics import compare_by_turn, finalize, log10_abs_histogram, turn_index
+from rollout.adapters import adapter_config
 from rollout.base import EngineUnavailable
 from rollout.weight_export import merged_lora_weights  # noqa: F401  (fail on a broken install before the engine starts)
 from trainer.algorithms import AdvantageInputs
@@ -58,6 +59,7 @@ from trainer.lifecycle.stops import (
 )
 from trainer.lifecycle.summary import print_summary
 from trainer.measurement.evaluation import BestCheckpoint, Evaluator
+from trainer.measurement.merge_cost import MergeCost
 from trainer.measurement.parity_breakdown import append_breakdown, routing_by_layer, step_breakdown, wandb_tables
 from trainer.measurement.parity_limits import enforce_parity_limits, ratio_limit_for
 from trainer.measurement.probe import Probe, due, probe_prompt_ids
@@ -86,7 +88,8 @@ from trainer.rl.value_head import ValueHead
 from trainer.sampling.async_prefetch import behaviour_weights, snapshot
 from trainer.sampling.drawn import Drawn
 from trainer.sampling.dynamic_sampling import fill_with_signal
-from trainer.sampling.engines import block_fp8_engine, make_engine, sync_weights
+from trainer.sampling.engines import make_engine
+from trainer.sampling.policy_sync import policy_sync
 from trainer.sampling.sampler import drawn_metrics
 
 
@@ -230,14 +233,17 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     record_recipe(run, resumed=resume)
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
-        cfg, model_dir, max_model_len=sequence_length(cfg), dp=dp, return_routes=routing != "off")
+        cfg, model_dir, max_model_len=sequence_length(cfg), dp=dp, return_routes=routing != "off",
+        lora_targets=adapter_config(policy)["target_modules"])
     if routing != "off":
         check_engine_routes(run.engine, run.model)
     if precision.engine_logprobs:
         run.exact = run.probe.exact = ExactLogprobs(run.engine, policy, getattr(torch, cfg.model.dtype))
+    run.sync = policy_sync(cfg, run.engine, policy, dp, gather=run.gather, announce=run.is_main)
+    run.merge_cost = MergeCost(policy, getattr(torch, cfg.model.dtype), gather=run.gather)
     # Always align the engine with the policy being trained (fresh adapter = base weights,
-    # resumed adapter = its merge), so a reused engine never carries another run's weights.
-    _sync(run)
+    # resumed adapter = its weights), so a reused engine never carries another run's weights.
+    run.sync(run.engine)
     run.logger = RunLogger(cfg.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode,
                            project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity, name=cfg.name,
                            total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main,
@@ -448,8 +454,12 @@ def sync_phase(run: Run, step: int, m: dict) -> None:
     run.prefetch.wait()  # the next batch must come from the weights it was launched with
     m["perf/prefetch_wait_s"] = time.perf_counter() - t
     if run.cfg.rollout.sync_weights:
-        m.update(_sync(run))
+        m.update(run.sync(run.engine))
     m["perf/sync_s"] = time.perf_counter() - t
+    m.update(run.merge_cost())  # what a merged sync loses of this update, in both modes
+    warning = run.merge_cost.warning(step, m, run.sync.mode)
+    if warning and run.is_main:
+        print(warning, flush=True)
     if run.probe.prompt_ids and due(run.cfg, step):
         t = time.perf_counter()
         m.update(run.probe(run.engine, run.model))
@@ -477,20 +487,6 @@ def eval_phase(run: Run, step: int, m: dict) -> None:
     if run.is_main:
         print(run.evaluator.console_line(step, out), flush=True)
     m.update(out)
-
-
-def _sync(run: Run) -> dict:
-    # Every rank leaves together: with a shared server rank 0 pushes while the others
-    # wait for it before their next generate; a failed push stops every rank.
-    out, error = {}, None
-    try:
-        out = sync_weights(run.engine, run.policy, block_fp8=block_fp8_engine(recipe_for(run.cfg.precision.recipe)),
-                           gather=run.gather, dtype=getattr(torch, run.cfg.model.dtype),
-                           chunk_bytes=run.cfg.rollout.sync_chunk_bytes)
-    except Exception as e:  # noqa: BLE001 - re-raised by raise_together on this rank
-        error = e
-    run.dp.raise_together(error)
-    return out
 
 
 def checkpoint_phase(run: Run, step: int, result: TrainResult, m: dict) -> None:

@@ -17,6 +17,7 @@ from trainer.io.run_logger import RunLogger
 from trainer.lifecycle.stops import RecordWrites
 from trainer.lifecycle.truncation import TruncationWatch
 from trainer.measurement.evaluation import BestCheckpoint, Evaluator
+from trainer.measurement.merge_cost import MergeCost
 from trainer.measurement.probe import Probe
 from trainer.models.exact import ExactLogprobs
 from trainer.rl.critic import NegativeKLWatch
@@ -24,6 +25,7 @@ from trainer.rl.learner import Learner
 from trainer.rl.value_head import ValueHead
 from trainer.sampling.async_prefetch import Prefetch
 from trainer.sampling.episode_sampler import EpisodeSampler
+from trainer.sampling.policy_sync import PolicySync
 from trainer.sampling.sampler import Sampler
 
 
@@ -76,6 +78,8 @@ class Run:
     environment: Optional[EpisodeEnvironment] = None  # env: multi-turn episodes (trainer/sampling/episode_sampler.py)
     evaluator: Optional[Evaluator] = None  # eval: held-out evaluation (trainer/measurement/evaluation.py)
     best: Optional[BestCheckpoint] = None  # checkpoint.best_metric (checkpointed)
+    sync: Optional[PolicySync] = None  # the engine's sync: the adapter, or the merged weights (rollout.lora_sync)
+    merge_cost: Optional[MergeCost] = None  # sync/merge_* of every sync
     routing: str = "off"  # parity.routing_replay resolved: replay | measure | off (trainer/models/routing_mode.py)
 
     @property

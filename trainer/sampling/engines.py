@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
+from rollout.adapters import export_lora_adapter
 from rollout.base import RolloutEngine
 from rollout.fp8_weights import fp8_block_weights, write_fp8_checkpoint
 from rollout.hf_engine import HFEngine
@@ -19,7 +21,10 @@ from rollout.vllm_engine import VLLMEngine
 from rollout.weight_export import iter_merged_lora_weights, layer_chunks, payload_bytes
 from trainer.config import RolloutConfig, RunConfig
 from trainer.distributed.data_parallel import DataParallel
+from trainer.lifecycle.preflight import meta_model
+from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.precision import PrecisionRecipe, recipe_for
+from trainer.precision.lora_sync import ADAPTER, lora_sync_mode
 
 
 def block_fp8_engine(recipe: PrecisionRecipe) -> bool:
@@ -56,27 +61,42 @@ def start_vllm(model_dir: str, *, precision: str, dtype: str, max_model_len: int
                       **recipe.engine_options(torch.cuda.is_available()))
 
 
+def lora_target_leaves(cfg: RunConfig, model_dir: str) -> list[str]:
+    """The leaf names the recipe's LoRA wraps (``all-linear`` resolved on the model built on the meta device, as
+    training resolves it)."""
+    model = meta_model(model_dir)
+    if model is None:  # not local: the targets as the recipe names them, all-linear left to vLLM's own rule
+        return [t for t in cfg.model.lora.target_modules if t != ALL_LINEAR]
+    return resolve_lora_targets(model, cfg.model.lora.target_modules)
+
+
 def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
-                return_routes: bool = False) -> RolloutEngine:
+                return_routes: bool = False, lora_targets: Optional[Sequence[str]] = None) -> RolloutEngine:
     """The rollout engine of this process. ``dp``: the data-parallel group (server mode: see ``_server_engine``).
     ``return_routes``: an MoE model's routes with every rollout (``trainer.models.routing_mode``).
 
-    The recipe was validated at load: its precision recipe's record refused the engines it cannot run on.
+    The recipe was validated at load: its precision recipe's record refused the engines it cannot run on. With
+    ``rollout.lora_sync`` resolving to ``adapter`` (``trainer.precision.lora_sync``) the engine is started to serve
+    the recipe's LoRA adapter on ``lora_targets`` (the policy's resolved LoRA leaf names; default: resolved here).
     """
     r = cfg.rollout
+    adapter = lora_sync_mode(cfg)[0] == ADAPTER
+    if adapter and lora_targets is None and r.mode != "server" and r.engine != "hf":
+        lora_targets = lora_target_leaves(cfg, model_dir)
     if r.mode == "server":
         # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer.
         return _server_engine(cfg, model_dir, max_model_len, dp, return_routes)
     if r.engine == "hf":
         return HFEngine(model_dir, dtype=cfg.model.dtype, device="cuda" if torch.cuda.is_available() else "cpu",
-                        return_routes=return_routes)
+                        return_routes=return_routes, serve_adapters=adapter)
     return start_vllm(model_dir, precision=cfg.precision.recipe, dtype=cfg.model.dtype, max_model_len=max_model_len,
                       seed=cfg.train.seed, work_dir=cfg.run_dir,
                       # vLLM refuses requests for more log-probs than max_logprobs (default 20).
                       max_logprobs=max(20, cfg.parity.topk),
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
                       enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, return_routes=return_routes,
-                      enable_sleep_mode=r.sleep_mode)
+                      enable_sleep_mode=r.sleep_mode, max_lora_rank=cfg.model.lora.r if adapter else None,
+                      lora_target_modules=lora_targets if adapter else None)
 
 
 def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
@@ -115,6 +135,19 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, retur
     if dp.rank != 0:
         engine = connect(False)
     return engine
+
+
+def sync_adapter(engine: RolloutEngine, policy, *, version: int, gather=None) -> dict[str, float]:
+    """Serve the policy's current LoRA adapter as version ``version`` (``rollout.lora_sync: adapter``): its
+    weights in the engine's ``adapter_dtype``, the base weights untouched. ``gather``: as in ``sync_weights`` (every
+    rank takes part under ZeRO-3). An engine that does not push its own weights only follows the push."""
+    adapter = export_lora_adapter(policy, version=version, dtype=engine.adapter_dtype or torch.float32, gather=gather)
+    if not engine.pushes_weights:
+        engine.follow_push()
+        return {}
+    engine.load_adapter(adapter)
+    return {"perf/sync_bytes": float(adapter.nbytes), "perf/sync_tensors": float(len(adapter.tensors)),
+            "perf/sync_chunks": 1.0}
 
 
 def sync_weights(engine: RolloutEngine, policy, *, block_fp8: bool = False, gather=None,

@@ -18,7 +18,8 @@ from typing import Optional
 
 from rollout.adapters import VLLM_LORA_RANKS
 from trainer.config import RecipeError, RunConfig
-from trainer.precision import PrecisionRecipe, recipe_for
+from trainer.precision.record import PrecisionRecipe
+from trainer.precision.registry import recipe_for
 
 ADAPTER = "adapter"
 MERGED = "merged"
