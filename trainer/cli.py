@@ -151,6 +151,9 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-check", action="store_true",
                    help="score the engine side with the trainer too: every error metric must be exactly 0 "
                         "(validates the report pipeline); exit status 1 if not")
+    p.add_argument("--adapter", default=None, metavar="PATH",
+                   help="a run's LoRA adapter (a checkpoint folder or its adapter/): parity with the engine serving "
+                        "it and with the merged weights, side by side (docs/compare.md)")
 
 
 def run_train(argv: list[str] | None = None, prog: str = "parityrl train") -> int:
@@ -282,7 +285,7 @@ def _compare(args) -> int:
             use_chat_template={"auto": None, "on": True, "off": False}[args.chat_template],
             max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_bytes, batch_size=args.batch_size, self_check=args.self_check, topk=args.topk,
-            precision=args.precision, system_prompt=args.system_prompt,
+            precision=args.precision, system_prompt=args.system_prompt, adapter=args.adapter,
             overwrite=args.overwrite, progress=progress)
     except (CompareError, FileExistsError, ImportError) as e:
         print(f"parityrl compare: {e}", file=sys.stderr)
@@ -313,6 +316,16 @@ def _compare_digest(summary: dict, out: str) -> str:
         lines.append(f"routing agree {r['parity/routing_agree']:.4f} (tokens differing in a layer "
                      f"{r['parity/routing_tokens_any_diff']:.4f}); without replay: kl_k3 {u['parity/kl_k3']:.3e}, "
                      f"max |d| {u['parity/max_abs']:.3e}")
+    if "lora_sync" in summary:  # a run's adapter: served and merged on the same prompts
+        ls = summary["lora_sync"]
+        for mode in ("adapter", "merged"):
+            if mode in ls:
+                lines.append(f"{mode:<8} mae {ls[mode]['parity/mae']:.3e}   kl_k3 {ls[mode]['parity/kl_k3']:.3e}   "
+                             f"max |d| {ls[mode]['parity/max_abs']:.3e}" + ("   (served)" if ls["served"] == mode else ""))
+        cost = ls["merge_cost"]
+        if "sync/merge_update_error" in cost:
+            lines.append(f"merging loses {cost['sync/merge_update_error']:.1%} of the adapter's update "
+                         f"({cost['sync/merge_unchanged_frac']:.1%} of the weights do not move)")
     if "self_check_result" in summary:
         lines.append(f"self-check {'passed' if summary['self_check_result']['passed'] else 'FAILED'}")
     lines.append(f"report  {out}")

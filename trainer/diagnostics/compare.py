@@ -28,6 +28,7 @@ from parity.report import check_out_dir, prepare_out_dir, require_report_deps, w
 from rollout.hf_engine import HFEngine
 from rollout.moe_config import moe_shape
 from rollout.types import Rollouts, SamplingSpec
+from trainer.diagnostics.compare_adapter import generate_both, resolve_adapter_dir, side_by_side, with_adapter
 from trainer.diagnostics.compare_inputs import (
     CompareError,
     chat_template_info,
@@ -68,14 +69,21 @@ Progress = Optional[Callable[[str], None]]
 
 def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len: int, seed: int,
                   kv_cache_bytes: Optional[int], work_dir, topk: int = 0, precision: str = DEFAULT_RECIPE,
-                  return_routes: bool = False):
+                  return_routes: bool = False, adapter: Optional[dict] = None):
+    """``model``: the scoring model, which an "hf" engine runs itself (None: one of its own, loaded from
+    ``model_dir``); ``adapter``: the adapter_config of a LoRA the engine is to serve (None: none)."""
     if kind == "hf":
+        if model is None:
+            return HFEngine(model_dir, dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu",
+                            return_routes=return_routes, serve_adapters=adapter is not None)
         # The scoring model itself: one copy of the weights, and identical weights by construction.
         return HFEngine(model, return_routes=return_routes)
     # started as training starts its engine (the FP8 export on CUDA included), so compare measures it
     return start_vllm(model_dir, precision=precision, dtype=dtype, max_model_len=max_model_len, seed=seed,
                       work_dir=work_dir, max_logprobs=max(20, topk), kv_cache_memory_bytes=kv_cache_bytes,
-                      enforce_eager=None, return_routes=return_routes)
+                      enforce_eager=None, return_routes=return_routes,
+                      max_lora_rank=None if adapter is None else int(adapter["r"]),
+                      lora_target_modules=None if adapter is None else adapter["target_modules"])
 
 
 def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_len, seed, kv_cache_bytes, say,
@@ -175,6 +183,7 @@ def run_compare(
     overwrite: bool = False,
     num_examples: int = 5,
     worst_k: int = 20,
+    adapter: Optional[str | Path] = None,
     progress: Progress = None,
 ) -> dict:
     """Generate with an engine, score the same tokens with the trainer, write the report; returns the summary.
@@ -204,6 +213,9 @@ def run_compare(
             (see module doc and ``SELF_CHECK_EXPECTED``); the summary's ``self_check_result`` says.
         num_examples: samples in each of the xlsx "longest" / "typical" sheets.
         worst_k: rows of the worst-tokens breakdown.
+        adapter: a run's LoRA adapter (a checkpoint folder, or its ``adapter/``): the trainer scores with it, and
+            the engine runs it both served as an adapter and merged, reported side by side in the summary's
+            ``lora_sync`` (``trainer.diagnostics.compare_adapter``); the report's tokens are the served mode's.
         progress: called with one-line progress messages (None: silent).
 
     Raises:
@@ -218,6 +230,7 @@ def run_compare(
     require_report_deps()
     check_out_dir(out_dir, overwrite)
     model_dir = resolve_model_dir(model)
+    adapter_dir = resolve_adapter_dir(adapter) if adapter is not None else None
     prompts = load_prompts(prompts_path, prompt_column=prompt_column, num_prompts=num_prompts)
     tokenizer = load_tokenizer(model_dir)
     template = chat_template_info(tokenizer, use_chat_template, model_dir)
@@ -225,6 +238,8 @@ def run_compare(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf = load_base_model(model_dir, dtype, device).eval()
+    if adapter_dir is not None:
+        hf = with_adapter(hf, adapter_dir)
     kind = "vllm" if engine is None else engine
     context = context_len(prompt_ids, max_new_tokens, max_model_len,
                            getattr(hf.config, "max_position_embeddings", None))
@@ -237,9 +252,24 @@ def run_compare(
     t0 = time.monotonic()
     # a mixture-of-experts model of a replayed family: the engine returns its routes and the trainer replays them
     moe = moe_shape(hf.config) is not None
-    rollouts = _generate(kind, model_dir, hf, prompt_ids, spec, dtype=dtype, max_model_len=context, seed=seed,
-                         kv_cache_bytes=kv_cache_bytes, say=say, work_dir=out, precision=precision,
-                         return_routes=moe)
+    served_mode, both = None, None
+    if adapter_dir is not None:
+        # the mode training would serve: the adapter, unless the precision recipe needs the merged weights
+        served_mode = "merged" if recipe_for(precision).merged_sync else "adapter"
+
+        def start(config: Optional[dict]):
+            return _start_engine(kind, model_dir, None, dtype=dtype, max_model_len=context, seed=seed,
+                                 kv_cache_bytes=kv_cache_bytes, work_dir=out, topk=topk, precision=precision,
+                                 return_routes=moe, adapter=config)
+
+        say(f"generating with the adapter {'served and ' if served_mode == 'adapter' else ''}merged")
+        both = generate_both(kind, hf, prompt_ids, spec, dtype=getattr(torch, dtype), start=start,
+                             modes=("adapter", "merged") if served_mode == "adapter" else ("merged",))
+        rollouts = both[served_mode]
+    else:
+        rollouts = _generate(kind, model_dir, hf, prompt_ids, spec, dtype=dtype, max_model_len=context, seed=seed,
+                             kv_cache_bytes=kv_cache_bytes, say=say, work_dir=out, precision=precision,
+                             return_routes=moe)
     # The scoring side is the recipe's trainer model (FP8 linears where both phases run the same FP8
     # forward), transformed after generation: an "hf" engine shares this model object, and the records
     # that transform it refuse the HF engine (check_settings).
@@ -277,6 +307,10 @@ def run_compare(
         **({"self_check_result": self_check_result(metrics)} if self_check else {}),
         "metrics": metrics,
         **({"routing": routing} if routing is not None else {}),
+        **({"lora_sync": {"adapter_dir": str(adapter_dir), "served": served_mode,
+                          **side_by_side(hf, both, tokenizer.pad_token_id, device, temperature=spec.temperature,
+                                         batch_size=batch_size, dtype=getattr(torch, dtype))}}
+           if adapter_dir is not None else {}),
         "settings": {
             "engine": engine_name, "temperature": spec.temperature, "top_p": top_p, "top_k": top_k,
             "max_new_tokens": max_new_tokens, "n": n, "seed": seed, "dtype": dtype, "device": device,

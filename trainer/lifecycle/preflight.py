@@ -49,6 +49,7 @@ from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_model_config, check_recipe
+from trainer.precision.lora_sync import lora_sync_mode
 from trainer.rewards.functions import resolve_reward
 
 
@@ -213,6 +214,7 @@ def _check_model(cfg: RunConfig, where: str, report: Report) -> None:
     report.run(check_lora_targets, cfg, where)
     report.run(check_precision_model, cfg, where)
     report.run(check_routing, cfg, where)
+    report.run(check_lora_sync, cfg, where)
     files_ok, size = report.run(check_model_files, cfg, where)
     if files_ok:
         report.run(check_capacity, cfg, where, size)
@@ -302,6 +304,21 @@ def check_routing(cfg: RunConfig, where: str) -> None:
         routing_mode(cfg.parity.routing_replay, config, where=where)
     except ValueError as e:
         raise RecipeError(str(e)) from None
+
+
+def check_lora_sync(cfg: RunConfig, where: str) -> None:
+    """An explicit ``rollout.lora_sync: adapter`` against what the model adds to the recipe's own reasons for the
+    merged weights (``trainer.precision.lora_sync``: an MoE model on vLLM's CPU build)."""
+    if cfg.rollout.lora_sync != "adapter":
+        return
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    except (OSError, ValueError):  # a hub id without network: the engine's start decides with the loaded model
+        return
+    try:
+        lora_sync_mode(cfg, model_config=config)
+    except RecipeError as e:
+        raise RecipeError(f"{where}: {e}") from None
 
 
 def check_run_dir(cfg: RunConfig, where: str) -> None:

@@ -10,13 +10,19 @@ the run says why once at its start:
 - the LoRA targets: an embedding or output layer (vLLM's LoRA takes linear layers of every supported model, its
   embedding LoRA only some models', and the trainer refuses lm_head);
 - the rank: vLLM serves adapters of rank <= 512 (``rollout.adapters.VLLM_LORA_RANKS``);
+- a mixture-of-experts model on vLLM's CPU build: with LoRA on, vLLM runs the experts through its Triton
+  fused-MoE kernel (``vllm/model_executor/layers/fused_moe/experts/triton_moe.py``), which has no CPU backend
+  (known from the model's config: ``model_config``; on CUDA the adapter is served);
 - an engine handed to the run that was started without LoRA support (``adapter_dtype`` None).
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from rollout.adapters import VLLM_LORA_RANKS
+from rollout.moe_config import is_moe
 from trainer.config import RecipeError, RunConfig
 from trainer.precision.record import PrecisionRecipe
 from trainer.precision.registry import recipe_for
@@ -28,8 +34,11 @@ MERGED = "merged"
 NOT_SERVED = ("embed_tokens", "wte", "word_embeddings", "lm_head")
 
 
-def merged_reasons(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None) -> list[str]:
-    """Why this recipe's engine cannot serve its adapter (empty: it can), from the recipe alone."""
+def merged_reasons(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None, *, model_config=None,
+                   cuda: Optional[bool] = None) -> list[str]:
+    """Why this recipe's engine cannot serve its adapter (empty: it can): from the recipe alone, and with the
+    model's ``model_config`` (a Transformers config) what the model adds, on CUDA or not (``cuda``; None: this
+    machine's)."""
     recipe = recipe or recipe_for(cfg.precision.recipe)
     lora = cfg.model.lora
     reasons = []
@@ -40,16 +49,21 @@ def merged_reasons(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None) -> 
         reasons.append(f"model.lora.target_modules {served}: the engine serves adapters of linear layers only")
     if lora.r > VLLM_LORA_RANKS[-1]:
         reasons.append(f"model.lora.r {lora.r}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if model_config is not None and is_moe(model_config) and cfg.rollout.engine == "vllm" and not cuda:
+        reasons.append("a mixture-of-experts model on vLLM's CPU build: its LoRA runs the experts through vLLM's "
+                       "Triton fused-MoE kernel, which has no CPU backend")
     return reasons
 
 
-def lora_sync_mode(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None) -> tuple[str, Optional[str]]:
+def lora_sync_mode(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None, *, model_config=None,
+                   cuda: Optional[bool] = None) -> tuple[str, Optional[str]]:
     """(``adapter`` | ``merged``, why merged when the recipe did not ask for it); ``RecipeError`` for ``adapter``
-    where it cannot be served, naming the key, the reason and the fallback."""
+    where it cannot be served, naming the key, the reason and the fallback (``merged_reasons``' arguments)."""
     asked = cfg.rollout.lora_sync
     if asked == MERGED:
         return MERGED, None
-    reasons = merged_reasons(cfg, recipe)
+    reasons = merged_reasons(cfg, recipe, model_config=model_config, cuda=cuda)
     if not reasons:
         return ADAPTER, None
     if asked == ADAPTER:
@@ -58,10 +72,11 @@ def lora_sync_mode(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None) -> 
     return MERGED, "; ".join(reasons)
 
 
-def engine_lora_sync(cfg: RunConfig, engine, recipe: Optional[PrecisionRecipe] = None) -> tuple[str, Optional[str]]:
+def engine_lora_sync(cfg: RunConfig, engine, recipe: Optional[PrecisionRecipe] = None, *,
+                     model_config=None) -> tuple[str, Optional[str]]:
     """``lora_sync_mode`` for a started engine: one without LoRA support (``adapter_dtype`` None, e.g. handed to
     the run already started) takes the merged weights, or is refused for an explicit ``adapter``."""
-    mode, why = lora_sync_mode(cfg, recipe)
+    mode, why = lora_sync_mode(cfg, recipe, model_config=model_config)
     if mode == ADAPTER and getattr(engine, "adapter_dtype", None) is None:
         if cfg.rollout.lora_sync == ADAPTER:
             raise RecipeError(f"rollout.lora_sync = 'adapter': the engine ({type(engine).__name__}) was started "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from transformers import AutoConfig
 
 from rollout.adapters import export_lora_adapter
 from rollout.base import RolloutEngine
@@ -61,6 +62,14 @@ def start_vllm(model_dir: str, *, precision: str, dtype: str, max_model_len: int
                       **recipe.engine_options(torch.cuda.is_available()))
 
 
+def local_config(model_dir: str):
+    """The model's Transformers config, or None when it cannot be read from here (a hub id offline)."""
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
 def lora_target_leaves(cfg: RunConfig, model_dir: str) -> list[str]:
     """The leaf names the recipe's LoRA wraps (``all-linear`` resolved on the model built on the meta device, as
     training resolves it)."""
@@ -80,7 +89,7 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
     the recipe's LoRA adapter on ``lora_targets`` (the policy's resolved LoRA leaf names; default: resolved here).
     """
     r = cfg.rollout
-    adapter = lora_sync_mode(cfg)[0] == ADAPTER
+    adapter = lora_sync_mode(cfg, model_config=local_config(model_dir))[0] == ADAPTER
     if adapter and lora_targets is None and r.mode != "server" and r.engine != "hf":
         lora_targets = lora_target_leaves(cfg, model_dir)
     if r.mode == "server":

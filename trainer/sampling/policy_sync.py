@@ -49,7 +49,7 @@ class PolicySync:
 def policy_sync(cfg: RunConfig, engine, policy, dp: DataParallel, *, gather=None, announce: bool = True) -> PolicySync:
     """The run's sync for its engine. An ``auto`` that falls back to ``merged`` says why once (``announce``)."""
     recipe = recipe_for(cfg.precision.recipe)
-    mode, why = engine_lora_sync(cfg, engine, recipe)
+    mode, why = engine_lora_sync(cfg, engine, recipe, model_config=policy.config)
     if why and announce:
         print(f"rollout.lora_sync: merged ({why})", flush=True)
     return PolicySync(mode=mode, policy=policy, dp=dp, dtype=getattr(torch, cfg.model.dtype),

@@ -54,3 +54,17 @@ def test_an_engine_started_without_lora_takes_merged_weights_or_refuses_an_expli
     assert mode == "merged" and "started without LoRA support" in why
     with pytest.raises(RecipeError, match="rollout.lora_sync = 'adapter': the engine .* without LoRA support"):
         engine_lora_sync(cfg_with("rollout.lora_sync=adapter"), plain)
+
+
+def test_a_mixture_of_experts_model_serves_its_adapter_on_cuda_and_takes_merged_weights_on_vllms_cpu_build():
+    from transformers import LlamaConfig, Qwen2MoeConfig
+
+    moe, dense = Qwen2MoeConfig(num_experts=4), LlamaConfig()
+    cfg = cfg_with()
+    mode, why = lora_sync_mode(cfg, model_config=moe, cuda=False)
+    assert mode == "merged" and "Triton fused-MoE kernel, which has no CPU backend" in why
+    assert lora_sync_mode(cfg, model_config=moe, cuda=True) == ("adapter", None)
+    assert lora_sync_mode(cfg, model_config=dense, cuda=False) == ("adapter", None)
+    assert lora_sync_mode(cfg_with("rollout.engine=hf"), model_config=moe, cuda=False) == ("adapter", None)
+    with pytest.raises(RecipeError, match="mixture-of-experts"):
+        lora_sync_mode(cfg_with("rollout.lora_sync=adapter"), model_config=moe, cuda=False)
