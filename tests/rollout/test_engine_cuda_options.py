@@ -91,7 +91,7 @@ class RecordingLLM:
         self.log.append(("reset_prefix_cache",))
         return True
 
-    def generate(self, prompts, params, use_tqdm=False):
+    def generate(self, prompts, params, use_tqdm=False, lora_request=None):
         self.log.append(("generate", len(prompts)))
         raise Stop
 
