@@ -1,68 +1,83 @@
 """What a user runs first on a new CUDA machine: ``python bench/gpu_check.py``, one table of pass / fail / skipped.
 
-Checks, in order (each row: check, status, figure):
+One command, bounded by ``--budget-s`` (default 570 s: one 10-minute call on one GPU); a check that would start
+with less than its share of the budget left is skipped, saying so (``--only`` runs it alone). ``--json PATH``
+writes the rows. Rows in order (each: check, the issue-44 item it covers, status, figure):
 
 - ``device`` and the versions of torch (and its CUDA), triton, transformers, peft, vllm, flash_attn;
+- setup (bench/gpu_rows_setup.py): ``make setup``'s Python check accepts this interpreter (item 4; CPU too), and
+  the CUDA driver as ``rollout.cuda_driver`` reads it agrees with nvidia-smi and torch (item 10);
 - ``log-prob kernel accuracy``: ``parity.fused_logprobs`` (and the Triton backend on CUDA) against a float64
   reference on a small bf16 shape: log-probs and the hidden-state gradient (CPU too);
+- torch only, one process: the capacity check reads each rank's own GPU (item 2, bench/gpu_rows_distributed.py);
+  the FP8 activation quantizer on CUDA, in Triton and in vLLM's CUDA op equals the CPU path bitwise (item 5,
+  bench/gpu_rows_fp8.py); the NCCL push waits for the trainer's stream (item 9, bench/gpu_rows_server.py);
+- several processes (``torchrun``, bench/gpu_rows_distributed.py): the loop's collectives on the NCCL + gloo group
+  accelerate and DeepSpeed make (item 1: 2 ranks with 2 GPUs, else the 1-rank fallback), each rank's engine on
+  its own GPU (item 2, 2 GPUs);
+- ``parityrl serve --dry-run`` on CUDA refuses routes (item 3) and says server and trainer need disjoint GPUs
+  (item 11);
 - ``log-prob kernel speed`` (CUDA): ``bench/bench_logprobs.py``'s CUDA measurement at N = 16384 tokens,
   Qwen2.5-7B's H and V, LoRA mode (gradient for the hidden states), naive vs ours;
 - ``FP8 GEMM`` (CUDA SM 9.x): ``parity.fp8_gemm.verify_scaled_mm``, then ``bench/bench_fp8.py``'s LoRA linear
   (Qwen2.5-7B's 3584 x 18944, 8192 tokens), BF16 vs FP8 forward + backward;
+- vLLM's CUDA build, each group in a child process, on a random model of Qwen2.5-0.5B's shape (hidden 896, 24
+  layers, vocabulary 151936; the built-in tiny tokenizer): the FP8 engine's layers, kernel, activation
+  quantizer and weights after a sync (item 5), Phi3 and OLMoE FP8 engines keeping their BF16 layers (item 6),
+  the engine's memory against the capacity rule, sleep / wake around the update (item 7), CUDA graphs kept
+  across a sync and their speed against eager (item 8), two engines at the default share and the float32
+  level (item 11) (bench/gpu_rows_fp8.py, bench/gpu_rows_engine.py);
+- ``parityrl train`` (bench/gpu_rows_training.py, bench/gpu_rows_server.py): MoE routes from the colocated
+  engine (item 3), a server with NCCL weight transfer (item 9, 2 GPUs), sleep mode on and off in training (item 7);
 - ``GRPO steps, HF engine`` (CUDA): ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps with
-  ``rollout.engine=hf`` on a random model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, vocabulary
-  151936; the built-in tiny tokenizer), LoRA r 32: step time and ``perf/peak_memory_gb``;
+  ``rollout.engine=hf`` on the Qwen2.5-0.5B-shaped model, LoRA r 32: step time and ``perf/peak_memory_gb``;
 - ``gradient checkpointing memory`` (CUDA): one LoRA forward + backward of 8 x 2048 tokens on that model
   with and without ``train.gradient_checkpointing``: peak extra memory of each (``torch.cuda``'s
   allocator statistics) and the step-time cost;
 - ``colocated vLLM, precision <name>`` (CUDA and vLLM's CUDA build): one step of ``grpo_tiny`` per
-  precision recipe (trainer/precision/registry.py; model.dtype the recipe's first): engine start, sleep /
-  wake, weight sync, the probe and the step's parity; a recipe that refuses the machine it runs on at load (exit 2)
-  is reported as skipped with its reason.
+  precision recipe (trainer/precision/registry.py; model.dtype the recipe's first), the FP8 recipes on the
+  Qwen2.5-0.5B-shaped model (vLLM's block-FP8 layers refuse the tiny model's shapes): engine start, sleep /
+  wake, weight sync, the probe and the step's parity; a recipe that refuses the machine it runs on at load
+  (exit 2) is reported as skipped with its reason.
 
-On a machine without CUDA the rows that need it say ``skipped`` and why; the script exits 0 unless a
+Each row module's docstring says what its rows run and what passes. On a machine without CUDA (or without vLLM's
+CUDA build, or with one GPU where two are needed) those rows say ``skipped`` and why; the script exits 0 unless a
 check that ran failed (exit 1). Nothing is estimated: a figure is measured in this run or absent.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
 import importlib.metadata
-import importlib.util
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import traceback
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence, Union
 
 import torch
 
 BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
-# Qwen2.5-0.5B's decoder shape (its config.json), random init: what the GRPO and checkpointing rows train.
-QWEN05_SHAPE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                    rope_theta=1e6, tie_word_embeddings=True)
-# Accuracy limits of the kernel rows (bf16 inputs, float64 reference of the same inputs): issue 25's
-# goal for the hidden-state gradient; for the log-probs, the rounding of bf16 logits (half an ulp at
-# 4 <= |z| < 8 is 2^-6 = 0.016; the small shape's logits are ~N(0, 1)): what a bf16 lm_head output
-# costs in any implementation, while a wrong normaliser or gather is off by O(1).
-KERNEL_GRAD_REL = 3e-3
-KERNEL_LP_ABS = 2e-2
+import gpu_rows_common as common  # noqa: E402 - bench/ on sys.path first
+import gpu_rows_distributed as distributed  # noqa: E402
+import gpu_rows_engine as engine_rows  # noqa: E402
+import gpu_rows_fp8 as fp8  # noqa: E402
+import gpu_rows_kernels as kernels  # noqa: E402
+import gpu_rows_server as server  # noqa: E402
+import gpu_rows_setup as setup  # noqa: E402
+import gpu_rows_shaped as shaped_rows  # noqa: E402
+import gpu_rows_training as training  # noqa: E402
+from gpu_rows_common import QWEN05_SHAPE, Row, Skip, build_shaped_model, need_cuda, run_check  # noqa: E402
 
+from trainer.builtin.zoo import ensure_arch_model  # noqa: E402
+from trainer.precision.registry import RECIPES, recipe_for  # noqa: E402
 
-class Skip(Exception):
-    """The check cannot run here; the message says why."""
-
-
-Row = tuple[str, str, str]  # (check, status, figure)
+BUDGET_S = 570  # one 10-minute call on a GPU machine, less its start and the transfers
 
 
 def _version(dist: str) -> str:
@@ -91,320 +106,173 @@ def device_rows() -> list[Row]:
     return rows
 
 
-def _need_cuda(what: str = "") -> torch.device:
-    if not torch.cuda.is_available():
-        raise Skip(f"needs a CUDA GPU{what}")
-    return torch.device("cuda")
-
-
-# ---------------------------------------------------------------- the log-prob kernel
-
-
-# The implementations this project ships: their accuracy is asserted. Third-party kernels (Liger-Kernel,
-# cut-cross-entropy) are timed and their errors printed, never asserted: a check of ours must not fail on another
-# project's bug (an older Liger's reduction="none" gradient was wrong, linkedin/Liger-Kernel#1298).
-OURS = ("torch", "triton")
-
-
-def kernel_accuracy() -> str:
-    """Ours (and Triton on CUDA) vs float64 on N=256, H=128, V=4096 bf16, every row: log-probs and grad_hidden with
-    a frozen lm_head, grad_hidden and grad_weight (sampled vocabulary rows) with a trained one."""
-    import bench_logprobs as bl
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    n, h, v = 256, 128, 4096
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=g).to(device, torch.bfloat16)
-    weight = (torch.randn(v, h, generator=g) * h**-0.5).to(device, torch.bfloat16)
-    targets = torch.randint(0, v, (n,), generator=g).to(device)
-    a, b = torch.randn(n, generator=g).to(device), torch.zeros(n, device=device)
-    sampled = torch.randperm(v, generator=g)[:256].to(device)
-    ref_lp, ref_gh, ref_gw = bl.reference_float64(hidden, weight, targets, a, sampled)
-    variants = bl._cuda_variants()
-    names = ["naive", "torch"] + (["triton"] if device.type == "cuda" and "triton" in variants else [])
-    out, bad, errs = [], [], {}
-    for name in names:
-        lp, _ = bl._cuda_once(variants[name], "frozen", hidden, weight, targets, a, b)
-        lp_err, gh_rel = (lp.double() - ref_lp).abs().max().item(), bl._rel(hidden.grad, ref_gh)
-        bl._cuda_once(variants[name], "full", hidden, weight, targets, a, b)
-        full_gh, gw_rel = bl._rel(hidden.grad, ref_gh), bl._rel(weight.grad[sampled], ref_gw)
-        errs[name] = (lp_err, max(gh_rel, full_gh), gw_rel)
-        out.append(f"{name}: lp {lp_err:.1e}, grad_h rel {max(gh_rel, full_gh):.1e}, grad_w rel {gw_rel:.1e}")
-        # within the absolute limits, or no worse than twice the full-logits implementation's error in the
-        # same dtype (bf16's own); a wrong normaliser or gather is off by O(1) either way
-        limits = [max(2 * e, lim) for e, lim in zip(errs["naive"], (KERNEL_LP_ABS, KERNEL_GRAD_REL, KERNEL_GRAD_REL))]
-        if name in OURS and any(e > lim for e, lim in zip(errs[name], limits)):
-            bad.append(name)
-    figure = f"{device.type} bf16 N={n} H={h} V={v}: " + "; ".join(out)
-    if bad:
-        raise AssertionError(f"{figure} (limits: lp {KERNEL_LP_ABS}, gradients rel {KERNEL_GRAD_REL})")
-    return figure
-
-
-def kernel_speed() -> str:
-    """bench_logprobs' CUDA measurement, LoRA mode ('frozen'), at one token count; every row checked against float64."""
-    _need_cuda()
-    import bench_logprobs as bl
-
-    n, h, v = 16384, bl.CUDA_H, bl.CUDA_V
-    dev = torch.device(bl.CUDA_DEVICE)
-    torch.manual_seed(0)
-    hidden = torch.randn(n, h, device=dev, dtype=torch.bfloat16)
-    weight = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h**-0.5
-    targets = torch.randint(0, v, (n,), device=dev)
-    a, b = torch.randn(n, device=dev), 0.01 * torch.randn(n, device=dev)
-    _, ref_gh, _ = bl.reference_float64(hidden, weight, targets, a, torch.arange(1, device=dev))
-    cells, bad = [], []
-    for name, fn in bl._cuda_variants().items():
-        r = bl._cuda_measure(fn, "frozen", (hidden, weight, targets, a, b), reps=5)
-        if r is None:
-            continue
-        if r["oom"]:
-            cells.append(f"{name} OOM")
-            continue
-        gh_rel = bl._rel(r["grad_h"], ref_gh)
-        cells.append(f"{name} {r['time'] * 1e3:.0f} ms {r['peak'] / 2**30:.1f} GiB grad_h rel {gh_rel:.1e}")
-        if name in OURS and gh_rel > KERNEL_GRAD_REL:
-            bad.append(f"{name} grad_h rel {gh_rel:.1e}")
-    figure = f"N={n} H={h} V={v} fwd+bwd: " + ", ".join(cells)
-    if bad:
-        raise AssertionError(f"{figure}; over the limit {KERNEL_GRAD_REL}: {', '.join(bad)}")
-    return figure
-
-
-# ---------------------------------------------------------------- FP8
-
-
-def _need_fp8() -> None:
-    from parity.fp8_gemm import scaled_mm_supported
-
-    _need_cuda()
-    if not scaled_mm_supported("cuda"):
-        cap = ".".join(map(str, torch.cuda.get_device_capability()))
-        raise Skip(f"needs SM 9.x and torch's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm); here SM {cap}")
-
-
-def fp8_verify() -> str:
-    from parity.fp8_gemm import verify_scaled_mm
-
-    _need_fp8()
-    return f"relative error vs the emulation {verify_scaled_mm('cuda'):.2e}"  # raises when it disagrees
-
-
-def fp8_speed() -> str:
-    _need_fp8()
-    import bench_fp8
-
-    m, k, n = 8192, 3584, 18944
-    r = bench_fp8.bench_linear(m, k, n, "cuda", "scaled_mm", iters=20)
-    return (f"LoRA linear M={m} K={k} N={n} fwd+bwd: BF16 {r['bf16_fwdbwd']:.2f} ms, FP8 {r['fp8_fwdbwd']:.2f} ms "
-            f"({r['bf16_fwdbwd'] / r['fp8_fwdbwd']:.2f}x)")
-
-
-# ---------------------------------------------------------------- a model of a real model's shape
-
-
-def build_shaped_model(out: Path, shape: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A random-init Qwen2 of ``shape`` in ``out`` with the built-in tiny tokenizer (its 512 ids are a
-    subset of the vocabulary; ids above them decode to nothing, which the reward reads as a wrong answer)."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
-    from trainer.builtin.tiny import build_tokenizer
-
-    tok = build_tokenizer(512, shape["max_position_embeddings"])
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**shape, **ids)).to(dtype)
-    model.generation_config = GenerationConfig(**ids)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-def _train(recipe: str, sets: list[str], run_root: Path, timeout: int) -> tuple[subprocess.CompletedProcess, list]:
-    """``parityrl train`` in a subprocess (wandb off, run directory under ``run_root``): (process, metric rows)."""
-    sets = [*sets, "logging.wandb.mode=disabled", f"logging.run_dir={run_root}/{{name}}", "checkpoint.every=0"]
-    cmd = [sys.executable, "-m", "trainer", "train", str(REPO / "recipes" / recipe)]
-    for s in sets:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    rows = []
-    for path in run_root.glob("*/metrics.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= 1:
-                rows.append(row)
-    return proc, rows
-
-
-def _tail(proc: subprocess.CompletedProcess) -> str:
-    lines = [x for x in (proc.stderr + proc.stdout).strip().splitlines() if x.strip()]
-    return lines[-1][:200] if lines else f"exit {proc.returncode}"
-
-
-def grpo_steps(model_dir: Path, steps: int) -> str:
-    with tempfile.TemporaryDirectory(prefix="gpu_check_grpo_") as tmp:
-        proc, rows = _train("grpo_tiny.yaml", [f"model.path={model_dir}", "rollout.engine=hf",
-                                               f"train.steps={steps}", "model.lora.r=32", "model.lora.alpha=64",
-                                               "rollout.max_new_tokens=128", "train.micro_batch_size=32"],
-                            Path(tmp), timeout=1800)
-    if proc.returncode != 0 or len(rows) < steps:
-        raise AssertionError(f"exit {proc.returncode}, {len(rows)}/{steps} steps: {_tail(proc)}")
-    step_s = statistics.median(r["perf/step_s"] for r in rows[1:] or rows)  # the first step warms up
-    peak = max(r.get("perf/peak_memory_gb") or 0.0 for r in rows)
-    return (f"Qwen2.5-0.5B shape, LoRA r 32, 128 samples x <=128 tokens: {len(rows)} steps, "
-            f"median step {step_s:.1f} s (after the first), peak {peak:.1f} GiB")
-
-
-def checkpointing_memory(model_dir: Path, rows: int = 8, tokens: int = 2048) -> str:
-    """Peak extra memory of one LoRA forward + backward without and with gradient checkpointing."""
-    device = _need_cuda()
-    from trainer.config.schema import LoraConfig
-    from trainer.models.batch import build_token_batch
-    from trainer.models.checkpointing import enable_gradient_checkpointing, hf_model
-    from trainer.models.policy import add_lora, completion_logprobs, load_base_model
-
-    policy = add_lora(load_base_model(str(model_dir), "bfloat16", device), LoraConfig(r=32, alpha=64)).train()
-    g = torch.Generator().manual_seed(0)
-    prompt = 64
-    ids = lambda n: torch.randint(3, 512, (n,), generator=g).tolist()  # noqa: E731
-    batch = build_token_batch([ids(prompt) for _ in range(rows)], [ids(tokens - prompt) for _ in range(rows)], pad_id=0,
-                              device=device)
-    out = {}
-    for on in (False, True):
-        if on:
-            enable_gradient_checkpointing(policy)
-        else:
-            hf_model(policy).gradient_checkpointing_disable()
-        times = []
-        try:
-            for _ in range(3):  # the first call warms up; peak from the last
-                policy.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                t0 = time.perf_counter()
-                lp, _ = completion_logprobs(policy, batch, temperature=1.0)
-                (-(lp * batch.mask).sum() / batch.mask.sum()).backward()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-                del lp
-            out[on] = (peak, statistics.median(times[1:]))
-        except torch.OutOfMemoryError:
-            out[on] = None
-            torch.cuda.empty_cache()
-    label = f"{rows} x {tokens} tokens, LoRA r 32"
-    if out[True] is None:
-        raise AssertionError(f"{label}: out of memory with checkpointing")
-    on_gb, on_s = out[True]
-    if out[False] is None:
-        return f"{label}: without OOM, with {on_gb:.1f} GiB ({on_s:.2f} s)"
-    off_gb, off_s = out[False]
-    figure = f"{label}: {off_gb:.1f} GiB -> {on_gb:.1f} GiB, step {off_s:.2f} s -> {on_s:.2f} s ({on_s / off_s - 1:+.0%})"
-    if not on_gb < off_gb:
-        raise AssertionError(figure)
-    return figure
-
-
-# ---------------------------------------------------------------- the colocated vLLM engine
-
-
-def vllm_cuda() -> None:
-    """Skip unless vLLM's CUDA build is importable here."""
-    _need_cuda(" and vLLM's CUDA build")
-    if importlib.util.find_spec("vllm") is None:
-        raise Skip("vLLM is not installed (pip install vllm: its CUDA build)")
-    try:
-        from vllm.platforms import current_platform
-    except Exception as e:  # a broken install: say what it is
-        raise Skip(f"vLLM does not import: {type(e).__name__}: {e}") from None
-    if not current_platform.is_cuda():
-        raise Skip(f"the installed vLLM is not its CUDA build (platform: {current_platform.device_type})")
-
-
-def precision_step(name: str) -> str:
-    from trainer.precision.registry import recipe_for
-
-    vllm_cuda()
-    dtype = recipe_for(name).dtypes[0]
-    with tempfile.TemporaryDirectory(prefix=f"gpu_check_{name}_") as tmp:
-        proc, rows = _train("grpo_tiny.yaml", [f"precision.recipe={name}", f"model.dtype={dtype}", "train.steps=1"],
-                            Path(tmp), timeout=1200)
-    if proc.returncode == 2:  # the recipe refused the machine or its setup at load: documented, not a failure
-        raise Skip(f"refused at load: {_tail(proc)}")
-    if proc.returncode != 0 or not rows:
-        raise AssertionError(f"exit {proc.returncode}: {_tail(proc)}")
-    r = rows[-1]
-    return (f"model.dtype {dtype}: 1 step {r.get('perf/step_s', float('nan')):.1f} s, parity/mae "
-            f"{r.get('parity/mae', float('nan')):.2e}, probe/mae {r.get('probe/mae', float('nan')):.2e}, "
-            f"sync {r.get('perf/sync_s', float('nan')):.2f} s")
-
-
 # ---------------------------------------------------------------- the table
 
 
-def run_check(name: str, fn: Callable[[], str]) -> Row:
-    t0 = time.perf_counter()
-    print(f"... {name}", file=sys.stderr, flush=True)
+@dataclass
+class Check:
+    """One row, or a group of rows that share a process or an engine (``group``: ``run`` returns their rows)."""
+
+    names: tuple[str, ...]
+    run: Callable[[], Union[str, list[Row]]]
+    items: Union[str, Sequence[str]] = ""  # issue 44's item of each row ("44.5"), or one for all
+    min_s: float = 0.0  # the least budget left to start it
+    group: bool = False
+    trains: bool = False  # starts `parityrl train` (--skip-train skips it)
+
+    def item(self, i: int) -> str:
+        return self.items if isinstance(self.items, str) else self.items[i]
+
+
+class Models:
+    """The rows' models, built on first use in one temporary directory (only where a row runs)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _dir(self, name: str, build: Callable[[Path], object]) -> Path:
+        need_cuda()
+        out = self.root / name
+        if not (out / "config.json").is_file():
+            build(out)
+        return out
+
+    def shaped(self) -> Path:
+        return self._dir("qwen05_shape", lambda out: build_shaped_model(out, QWEN05_SHAPE))
+
+    def moe(self) -> Path:
+        need_cuda()
+        # the zoo's own sizes: at BLOCK_SHAPE's, vLLM's CPU engine gave NaN log-probs in bf16 (2026-11-27)
+        return ensure_arch_model("qwen3_moe", cache_dir=self.root, dtype="bfloat16")
+
+    def tiny(self) -> Path:
+        need_cuda()
+        # late: builds the cached tiny model only where a row uses it
+        from trainer.builtin.tiny import ensure_tiny_base
+
+        return ensure_tiny_base()
+
+
+def checks(m: Models, steps: int) -> list[Check]:
+    """Every check, in the order it runs: the quick ones first, then the vLLM groups, then the ones that train."""
+    d, f, e, s, t, k, sh = distributed, fp8, engine_rows, server, training, kernels, shaped_rows
+    return [
+        Check(("python (make setup's check)",), setup.python_row, "44.4"),
+        Check(("CUDA driver as parityrl reads it",), setup.driver_row, "44.10"),
+        Check(("log-prob kernel accuracy",), k.kernel_accuracy),
+        Check(("capacity check reads the rank's GPU",), d.capacity_row, "44.2"),
+        Check(("FP8 act quantizer: CUDA, Triton = CPU",), f.quantizer_torch_row, "44.5"),
+        Check(("FP8 act quantizer = vLLM's CUDA op",), f.quantizer_vllm_row, "44.5"),
+        Check(("NCCL push waits for the trainer's stream",), s.stream_wait_row, "44.9"),
+        Check(("DP collectives, NCCL + gloo, 2 ranks",), lambda: d.dp_row(2, False), "44.1", 60),
+        Check(("DP collectives, NCCL + gloo, 1 rank",), lambda: d.dp_row(1, False), "44.1", 60),
+        Check(("DP collectives under ZeRO-2, 2 ranks",), lambda: d.dp_row(2, True), "44.1", 60),
+        Check(("DP collectives under ZeRO-2, 1 rank",), lambda: d.dp_row(1, True), "44.1", 60),
+        Check(d.RANK_GPU_ROWS, lambda: d.rank_gpu_rows(m.tiny), "44.2", 120, group=True),
+        Check(("serve on CUDA refuses routes",), lambda: s.serve_routes_row(m.moe), "44.3", 30),
+        Check(("serve on CUDA: server and trainer GPUs apart",), lambda: s.serve_note_row(m.tiny), "44.11", 30),
+        Check(("log-prob kernel speed",), k.kernel_speed, min_s=30),
+        Check(("FP8 GEMM verify",), k.fp8_verify),
+        Check(("FP8 GEMM speed",), k.fp8_speed, min_s=30),
+        Check(f.FP8_ENGINE_ROWS, lambda: f.engine_rows(m.shaped), "44.5", 150, group=True),
+        Check(f.FP8_ARCH_ROWS, f.arch_rows, "44.6", 120, group=True),
+        Check(e.ENGINE_ROWS, lambda: e.engine_rows(m.shaped), ("44.7", "44.7", "44.8", "44.8"), 180, group=True),
+        Check(e.TWO_ENGINES_ROWS, lambda: e.two_engines_rows(m.tiny), "44.11", 90, group=True),
+        Check(e.FLOAT32_ROWS, lambda: e.float32_rows(m.shaped), "44.11", 90, group=True),
+        Check(("MoE routes from the colocated engine",), lambda: t.routes_row(m.moe), "44.3", 120, trains=True),
+        Check(("server with NCCL weight transfer",), lambda: s.server_nccl_row(m.tiny), "44.9", 240, trains=True),
+        Check(("sleep mode in training, on vs off",), lambda: t.sleep_training_row(m.shaped), "44.7", 240,
+              trains=True),
+        Check(("GRPO steps, HF engine",), lambda: sh.grpo_steps(m.shaped(), steps), min_s=120, trains=True),
+        Check(("gradient checkpointing memory",), lambda: sh.checkpointing_memory(m.shaped()), min_s=60),
+        *(Check((f"colocated vLLM, precision {name}",), lambda name=name: sh.precision_step(name, m.shaped),
+                "44.5" if recipe_for(name).block_fp8_on_cuda else "", 120, trains=True) for name in RECIPES.names()),
+    ]
+
+
+def selected(check: Check, only: Sequence[str]) -> bool:
+    """``--only``: a row name containing one of the texts (any case), or an issue item equal to one ("44.5")."""
+    if not only:
+        return True
+    items = {check.item(i) for i in range(len(check.names))}
+    return any(o.lower() in n.lower() for o in only for n in check.names) or any(o in items for o in only)
+
+
+def execute(check: Check, skip_train: bool) -> list[Row]:
+    if check.trains and skip_train:
+        return [(n, "skipped", "--skip-train") for n in check.names]
+    left = common.BUDGET.left()
+    if left < check.min_s:
+        return [(n, "skipped", f"time budget: {left:.0f} s left of --budget-s {common.BUDGET.seconds:.0f}, it "
+                               f"starts with at least {check.min_s:.0f}; run it alone: --only {n!r}")
+                for n in check.names]
+    if not check.group:
+        return [run_check(check.names[0], check.run)]
+    print(f"... {' | '.join(check.names)}", file=sys.stderr, flush=True)
     try:
-        figure = fn()
-        status = "pass"
+        return check.run()
     except Skip as e:
-        return name, "skipped", str(e)
-    except Exception as e:  # a failed check is a row, not the end of the run
-        traceback.print_exc(file=sys.stderr)
-        return name, "FAIL", f"{type(e).__name__}: {e}"[:300]
-    return name, status, f"{figure} [{time.perf_counter() - t0:.0f} s]"
+        return [(n, "skipped", str(e)) for n in check.names]
+    except Exception as e:  # noqa: BLE001 - a failed group is its rows, not the end of the run
+        return [(n, "FAIL", f"{type(e).__name__}: {e}"[:400]) for n in check.names]
 
 
-def print_table(rows: list[Row]) -> None:
-    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
-    print(f"{'check':<{w0}}  {'status':<{w1}}  figure")
-    print(f"{'-' * w0}  {'-' * w1}  ------")
-    for check, status, figure in rows:
-        print(f"{check:<{w0}}  {status:<{w1}}  {figure}")
+def print_table(rows: list[tuple[str, str, str, str]]) -> None:
+    w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
+    w1 = max(w1, len("item"))
+    print(f"{'check':<{w0}}  {'item':<{w1}}  {'status':<{w2}}  figure")
+    print(f"{'-' * w0}  {'-' * w1}  {'-' * w2}  ------")
+    for check, item, status, figure in rows:
+        print(f"{check:<{w0}}  {item:<{w1}}  {status:<{w2}}  {figure}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps on the shaped model (default 3)")
     ap.add_argument("--skip-train", action="store_true", help="skip the rows that start `parityrl train`")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help=f"wall-clock seconds for the whole check (default {BUDGET_S}); a check that would start "
+                         "with less than its share left is skipped, saying so")
+    ap.add_argument("--only", action="append", default=[], metavar="TEXT",
+                    help="run only the checks whose row name contains TEXT, or whose issue item is TEXT (44.5); "
+                         "repeatable")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows, the device and the command as JSON")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from trainer.precision.registry import RECIPES
+    common.BUDGET = common.Budget(args.budget_s)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
-    rows = device_rows()
-    rows.append(run_check("log-prob kernel accuracy", kernel_accuracy))
-    rows.append(run_check("log-prob kernel speed", kernel_speed))
-    rows.append(run_check("FP8 GEMM verify", fp8_verify))
-    rows.append(run_check("FP8 GEMM speed", fp8_speed))
-    with tempfile.TemporaryDirectory(prefix="gpu_check_model_") as tmp:
-        def shaped() -> Path:
-            _need_cuda()
-            if not (Path(tmp) / "config.json").is_file():
-                build_shaped_model(Path(tmp), QWEN05_SHAPE)
-            return Path(tmp)
+    cuda = torch.cuda.is_available()
 
-        if args.skip_train:
-            rows.append(("GRPO steps, HF engine", "skipped", "--skip-train"))
-        else:
-            rows.append(run_check("GRPO steps, HF engine", lambda: grpo_steps(shaped(), args.steps)))
-        rows.append(run_check("gradient checkpointing memory", lambda: checkpointing_memory(shaped())))
-    for name in RECIPES.names():
-        if args.skip_train:
-            rows.append((f"colocated vLLM, precision {name}", "skipped", "--skip-train"))
-        else:
-            rows.append(run_check(f"colocated vLLM, precision {name}", lambda name=name: precision_step(name)))
+    def write_json(finished: bool) -> None:
+        # after every check, so that a run stopped from outside leaves the rows it finished
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "command": [sys.executable, *sys.argv], "started": started, "finished": finished,
+                "budget_s": args.budget_s, "device": table[0][3], "cuda": cuda, "gpus": common.gpu_count(),
+                "rows": [{"check": c, "item": i, "status": st, "figure": fig} for c, i, st, fig in table],
+            }, indent=2) + "\n")
+
+    table = [(check, "", status, figure) for check, status, figure in device_rows()]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_models_") as tmp:
+        for check in checks(Models(Path(tmp)), args.steps):
+            if not selected(check, args.only):
+                continue
+            rows = {r[0]: r for r in execute(check, args.skip_train)}
+            for i, n in enumerate(check.names):
+                table.append((n, check.item(i), rows[n][1], rows[n][2]))
+                print(f"    {n}: {rows[n][1]}: {rows[n][2]}", file=sys.stderr, flush=True)
+            if cuda:  # what an in-process check cached must not count against the next one's free memory
+                gc.collect()
+                torch.cuda.empty_cache()
+            write_json(False)
     print()
-    print_table(rows)
-    failed = [r[0] for r in rows if r[1] == "FAIL"]
-    print(f"\n{len(rows)} checks: {sum(r[1] == 'pass' for r in rows)} pass, {len(failed)} fail, "
-          f"{sum(r[1] == 'skipped' for r in rows)} skipped" + ("" if torch.cuda.is_available() else
+    print_table(table)
+    failed = [r[0] for r in table if r[2] == "FAIL"]
+    print(f"\n{len(table)} checks: {sum(r[2] == 'pass' for r in table)} pass, {len(failed)} fail, "
+          f"{sum(r[2] == 'skipped' for r in table)} skipped" + ("" if cuda else
                                                               " (no CUDA here: the GPU rows say what they need)"))
+    write_json(True)
     return 1 if failed else 0
 
 
