@@ -17,6 +17,7 @@ the run says why once at its start:
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -73,13 +74,23 @@ def lora_sync_mode(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None, *, 
 
 
 def engine_lora_sync(cfg: RunConfig, engine, recipe: Optional[PrecisionRecipe] = None, *,
-                     model_config=None) -> tuple[str, Optional[str]]:
+                     model_config=None, model_dir: Optional[str] = None) -> tuple[str, Optional[str]]:
     """``lora_sync_mode`` for a started engine: one without LoRA support (``adapter_dtype`` None, e.g. handed to
-    the run already started) takes the merged weights, or is refused for an explicit ``adapter``."""
+    the run already started), or one started from another model directory than the run's ``model_dir`` (an adapter
+    would run over that model's base weights, while a merged sync overwrites every LoRA-targeted weight), takes the
+    merged weights, or is refused for an explicit ``adapter``."""
     mode, why = lora_sync_mode(cfg, recipe, model_config=model_config)
-    if mode == ADAPTER and getattr(engine, "adapter_dtype", None) is None:
-        if cfg.rollout.lora_sync == ADAPTER:
-            raise RecipeError(f"rollout.lora_sync = 'adapter': the engine ({type(engine).__name__}) was started "
-                              "without LoRA support; expected an engine started for this recipe, or 'merged'")
-        return MERGED, f"the engine ({type(engine).__name__}) was started without LoRA support"
-    return mode, why
+    if mode != ADAPTER:
+        return mode, why
+    problem = None
+    if getattr(engine, "adapter_dtype", None) is None:
+        problem = f"the engine ({type(engine).__name__}) was started without LoRA support"
+    elif model_dir is not None and isinstance(getattr(engine, "model", None), str) and \
+            Path(engine.model).resolve() != Path(model_dir).resolve():
+        problem = f"the engine ({type(engine).__name__}) was started from {engine.model}, not the run's {model_dir}"
+    if problem is None:
+        return mode, None
+    if cfg.rollout.lora_sync == ADAPTER:
+        raise RecipeError(f"rollout.lora_sync = 'adapter': {problem}; expected an engine started for this recipe, "
+                          "or 'merged'")
+    return MERGED, problem

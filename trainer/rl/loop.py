@@ -239,7 +239,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
         check_engine_routes(run.engine, run.model)
     if precision.engine_logprobs:
         run.exact = run.probe.exact = ExactLogprobs(run.engine, policy, getattr(torch, cfg.model.dtype))
-    run.sync = policy_sync(cfg, run.engine, policy, dp, gather=run.gather, announce=run.is_main)
+    run.sync = policy_sync(cfg, run.engine, policy, dp, gather=run.gather, announce=run.is_main, model_dir=model_dir)
     run.merge_cost = MergeCost(policy, getattr(torch, cfg.model.dtype), gather=run.gather)
     # Always align the engine with the policy being trained (fresh adapter = base weights,
     # resumed adapter = its weights), so a reused engine never carries another run's weights.

@@ -46,10 +46,12 @@ class PolicySync:
         return out
 
 
-def policy_sync(cfg: RunConfig, engine, policy, dp: DataParallel, *, gather=None, announce: bool = True) -> PolicySync:
-    """The run's sync for its engine. An ``auto`` that falls back to ``merged`` says why once (``announce``)."""
+def policy_sync(cfg: RunConfig, engine, policy, dp: DataParallel, *, gather=None, announce: bool = True,
+                model_dir: Optional[str] = None) -> PolicySync:
+    """The run's sync for its engine (``model_dir``: the run's model, which the engine must have started from to serve
+    the adapter over its base). An ``auto`` that falls back to ``merged`` says why once (``announce``)."""
     recipe = recipe_for(cfg.precision.recipe)
-    mode, why = engine_lora_sync(cfg, engine, recipe, model_config=policy.config)
+    mode, why = engine_lora_sync(cfg, engine, recipe, model_config=policy.config, model_dir=model_dir)
     if why and announce:
         print(f"rollout.lora_sync: merged ({why})", flush=True)
     return PolicySync(mode=mode, policy=policy, dp=dp, dtype=getattr(torch, cfg.model.dtype),

@@ -68,3 +68,13 @@ def test_a_mixture_of_experts_model_serves_its_adapter_on_cuda_and_takes_merged_
     assert lora_sync_mode(cfg_with("rollout.engine=hf"), model_config=moe, cuda=False) == ("adapter", None)
     with pytest.raises(RecipeError, match="mixture-of-experts"):
         lora_sync_mode(cfg_with("rollout.lora_sync=adapter"), model_config=moe, cuda=False)
+
+
+def test_an_engine_of_another_model_takes_merged_weights_which_overwrite_its_targets(tmp_path):
+    other = SimpleNamespace(adapter_dtype=torch.bfloat16, model=str(tmp_path / "another"))
+    mode, why = engine_lora_sync(cfg_with(), other, model_dir=str(tmp_path / "mine"))
+    assert mode == "merged" and "was started from" in why
+    same = SimpleNamespace(adapter_dtype=torch.bfloat16, model=str(tmp_path / "mine"))
+    assert engine_lora_sync(cfg_with(), same, model_dir=str(tmp_path / "mine")) == ("adapter", None)
+    with pytest.raises(RecipeError, match="not the run's"):
+        engine_lora_sync(cfg_with("rollout.lora_sync=adapter"), other, model_dir=str(tmp_path / "mine"))
