@@ -10,13 +10,21 @@ the run says why once at its start:
 - the LoRA targets: an embedding or output layer (vLLM's LoRA takes linear layers of every supported model, its
   embedding LoRA only some models', and the trainer refuses lm_head);
 - the rank: vLLM serves adapters of rank <= 512 (``rollout.adapters.VLLM_LORA_RANKS``);
-- an engine handed to the run that was started without LoRA support (``adapter_dtype`` None).
+- a mixture-of-experts model on a CPU vLLM (``moe_on_cpu``): with LoRA on, vLLM runs every MoE layer on its
+  Triton kernel, which the CPU backend lacks;
+- an engine handed to the run that was started without LoRA support (``adapter_dtype`` None), or a server
+  (``parityrl serve``) that cannot serve it (``ServerEngine.adapter_unavailable`` says why).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
+import torch
+from transformers import AutoConfig
+
 from rollout.adapters import VLLM_LORA_RANKS
+from rollout.moe_config import is_moe
 from trainer.config import RecipeError, RunConfig
 from trainer.precision.record import PrecisionRecipe
 from trainer.precision.registry import recipe_for
@@ -40,7 +48,30 @@ def merged_reasons(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None) -> 
         reasons.append(f"model.lora.target_modules {served}: the engine serves adapters of linear layers only")
     if lora.r > VLLM_LORA_RANKS[-1]:
         reasons.append(f"model.lora.r {lora.r}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}")
+    moe = moe_on_cpu(cfg)
+    if moe:
+        reasons.append(moe)
     return reasons
+
+
+def moe_on_cpu(cfg: RunConfig) -> Optional[str]:
+    """Why a vLLM engine on this machine's CPU cannot serve this mixture-of-experts model's adapter (None: it can,
+    or the model is not one): with LoRA enabled vLLM picks its Triton MoE kernel for every MoE layer, whatever the
+    LoRA targets (``vllm/model_executor/layers/fused_moe/oracle/unquantized.py``:
+    ``select_unquantized_moe_backend``), and its CPU backend has no Triton (a forward fails: ``tl.bfloat16``).
+    Read from the model's config where it is a local directory; the built-in models are dense."""
+    path = cfg.model.path
+    if cfg.rollout.engine != "vllm" or torch.cuda.is_available() or path.startswith("builtin:"):
+        return None
+    try:
+        config = AutoConfig.from_pretrained(str(Path(path).expanduser()))
+    except (OSError, ValueError):  # a hub id without network: vLLM's own start says what it is
+        return None
+    if not is_moe(config):
+        return None
+    return (f"model.path {path}: a mixture-of-experts model on a CPU vLLM (with LoRA enabled vLLM runs its MoE "
+            "layers on its Triton kernel, which the CPU backend lacks: "
+            "vllm/model_executor/layers/fused_moe/oracle/unquantized.py)")
 
 
 def lora_sync_mode(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None) -> tuple[str, Optional[str]]:
@@ -63,8 +94,11 @@ def engine_lora_sync(cfg: RunConfig, engine, recipe: Optional[PrecisionRecipe] =
     the run already started) takes the merged weights, or is refused for an explicit ``adapter``."""
     mode, why = lora_sync_mode(cfg, recipe)
     if mode == ADAPTER and getattr(engine, "adapter_dtype", None) is None:
+        # the engine's own reason where it has one (a server: rollout.server_engine.ServerEngine.adapter_unavailable)
+        reason = (getattr(engine, "adapter_unavailable", None)
+                  or f"the engine ({type(engine).__name__}) was started without LoRA support")
         if cfg.rollout.lora_sync == ADAPTER:
-            raise RecipeError(f"rollout.lora_sync = 'adapter': the engine ({type(engine).__name__}) was started "
-                              "without LoRA support; expected an engine started for this recipe, or 'merged'")
-        return MERGED, f"the engine ({type(engine).__name__}) was started without LoRA support"
+            raise RecipeError(f"rollout.lora_sync = 'adapter': {reason}; expected an engine started for this recipe, "
+                              "or 'merged'")
+        return MERGED, reason
     return mode, why

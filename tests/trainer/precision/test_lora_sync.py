@@ -54,3 +54,20 @@ def test_an_engine_started_without_lora_takes_merged_weights_or_refuses_an_expli
     assert mode == "merged" and "started without LoRA support" in why
     with pytest.raises(RecipeError, match="rollout.lora_sync = 'adapter': the engine .* without LoRA support"):
         engine_lora_sync(cfg_with("rollout.lora_sync=adapter"), plain)
+
+
+def test_a_mixture_of_experts_model_on_a_cpu_vllm_takes_the_merged_weights(monkeypatch):
+    """vLLM 0.32 runs every MoE layer on its Triton kernel once LoRA is enabled (fused_moe/oracle/unquantized.py),
+    which its CPU backend lacks: a colocated engine or `parityrl serve` on CPU serves such a model merged weights;
+    on CUDA (faked here) and with the HF engine (PEFT) the adapter."""
+    from trainer.builtin.zoo import ensure_arch_model
+
+    moe = str(ensure_arch_model("qwen3_moe", dtype="bfloat16"))
+    mode, why = lora_sync_mode(cfg_with(f"model.path={moe}"))
+    assert mode == "merged" and f"model.path {moe}: a mixture-of-experts model on a CPU vLLM" in why
+    with pytest.raises(RecipeError, match="rollout.lora_sync = 'adapter': .*mixture-of-experts model on a CPU vLLM"):
+        cfg_with(f"model.path={moe}", "rollout.lora_sync=adapter")
+    assert lora_sync_mode(cfg_with(f"model.path={moe}", "rollout.engine=hf")) == ("adapter", None)
+    assert lora_sync_mode(cfg_with(f"model.path={ensure_arch_model('qwen2', dtype='bfloat16')}")) == ("adapter", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert lora_sync_mode(cfg_with(f"model.path={moe}")) == ("adapter", None)
