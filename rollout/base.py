@@ -63,9 +63,10 @@ class RolloutEngine(Protocol):
         ``rollout.weight_export.layer_chunks``), each taken before the next is made. Only called
         when ``streams_weights``; an engine that does not stream raises."""
 
-    def follow_push(self) -> None:
-        """Only called when not ``pushes_weights``: another process has just pushed new weights;
-        expect their version from now on. An engine that pushes its own weights raises."""
+    def follow_push(self, adapter: bool = False) -> None:
+        """Only called when not ``pushes_weights``: another process has just pushed new weights (with
+        ``adapter``: a new adapter version, ``load_adapter``); expect their version from now on. An engine
+        that pushes its own weights raises."""
 
     def release_memory(self) -> None:
         """Called before the trainer's update: free what the engine holds on the accelerator until it is used
@@ -92,7 +93,7 @@ class InProcessEngine:
         for chunk in chunks:
             self.load_weights(chunk)
 
-    def follow_push(self) -> None:
+    def follow_push(self, adapter: bool = False) -> None:
         raise RuntimeError(f"{type(self).__name__} pushes its own weights (pushes_weights is True): "
                            "call load_weights, not follow_push")
 

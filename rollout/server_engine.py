@@ -30,7 +30,23 @@ processes and devices, tensor parallel size >= 1. This client implements the
   ``{token id: {logprob, rank}}`` of the actual token and the top ``prompt_logprobs`` by rank.
 - Every response carries the weight version it was generated with (vLLM's
   ``weight_versions`` spans); each push sets a new version, and a sample generated
-  with any other version is refused (a stale or shared server).
+  with any other version is refused (a stale or shared server). A batch is checked
+  against the version current when it was launched (one-step-off async generates it
+  in a thread while the trainer updates; the sync waits for it).
+
+LoRA adapter sync (``rollout.lora_sync: adapter``, ``load_adapter``): the server keeps the
+model's own weights and runs the policy's adapter beside them, as the colocated engine does
+(``rollout.vllm_adapters``). Each version is written as PEFT's files on the server's own
+filesystem by the worker extension (``parityrl_put_adapter`` over ``/collective_rpc``:
+``rollout.vllm_plugins.server_adapters``), loaded by vLLM's ``POST /v1/load_lora_adapter``
+under a name of its own -- the weight version, ``parityrl-<tag>-<n>``, set with it -- and
+the previous one unloaded (``/v1/unload_lora_adapter``) and its files deleted. Every
+generate and score then names it in the request's ``model`` field (the token route's
+``_maybe_get_adapters``), and the answer's ``model`` must name it back, as its weight
+versions must be the one set: a sample of another adapter version is refused. A server
+started without LoRA support (or for a smaller rank, or other LoRA targets) is refused at
+connect when the recipe asks for ``adapter``; with ``auto`` the run takes merged weights
+and says why (``adapter_unavailable``; ``trainer.precision.lora_sync``).
 
 Weight sync (``load_weights``) uses vLLM's weight-transfer lifecycle over its RL HTTP
 routes (``vllm/entrypoints/rl/online/api_router.py``, enabled by
@@ -55,6 +71,7 @@ refusal (other settings, an answer of another shape) is ``UnusableServer``, an `
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import json
 import math
@@ -68,6 +85,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from rollout.adapters import LoraAdapter
 from rollout.base import EngineUnavailable
 from rollout.model_files import checkpoint_shapes, eos_token_ids
 from rollout.prompt_logprobs import read_prompt_logprobs
@@ -94,6 +112,14 @@ def _check_version(choice: dict, version: str, bad) -> None:
     if stale:
         raise bad(f"generated with weight version(s) {stale}, but this trainer's last push is {version!r} "
                   "(is another trainer pushing weights to the same server?)")
+
+
+def _check_adapter(resp: dict, adapter: str | None, bad) -> None:
+    """The answer names the adapter the request asked for (the token route answers ``model`` = the adapter's
+    name, ``serving.py: serve_tokens``); without an adapter, the base model."""
+    if adapter is not None and resp.get("model") != adapter:
+        raise bad(f"generated with {resp.get('model')!r}, but this trainer serves the adapter {adapter!r} "
+                  "(is another trainer loading adapters on the same server?)")
 
 
 class ServerEngineError(RuntimeError):
@@ -178,7 +204,13 @@ class _Http:
             # same status and the same way back (seen when a kill reached the engine core before the front end).
             return EngineUnavailable(f"vLLM server at {self.url}: its engine core died (HTTP {status} during "
                                      f"{action}, {method} {path}: vLLM's EngineDeadError); {_RESTART_HINT}")
-        if status == 404:
+        if status == 404 and "does not exist" in text:  # the token route's answer for an unknown `model`
+            text += (" -- the LoRA adapter this trainer asked for is not loaded on the server: another trainer "
+                     "replaced it, a data-parallel rank missed rank 0's push, or the server restarted")
+        elif status == 404 and path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            text += (" -- route missing: the server must run with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, which "
+                     "`parityrl serve` sets for a recipe that serves its adapter")
+        elif status == 404:
             text += (" -- route missing: the server must run with VLLM_SERVER_DEV_MODE=1 and --enable-scale-out, "
                      "which `parityrl serve` sets")
         return ServerEngineError(f"vLLM server at {self.url}: {method} {path} ({action}) failed with HTTP {status}: "
@@ -308,11 +340,15 @@ class ServerEngine:
     return_routes: an MoE model's routes with every answer (``Rollouts.routes``, ``Scored.routes``), read from the
         server's workers after each batch (``parityrl_take_routes`` over ``/collective_rpc``); the server must run
         without prefix caching (``parityrl serve`` starts it so for a recipe that replays or measures routes).
+    adapter_rank: the rank of the policy's LoRA adapter when the run serves it (``rollout.lora_sync`` resolved to
+        ``adapter``), None: merged weights only. The server must then run vLLM's LoRA for that rank on
+        ``adapter_targets`` (the policy's LoRA leaf names), with its runtime adapter routes; if it does,
+        ``adapter_dtype`` is the dtype its LoRA runs in, else None and ``adapter_unavailable`` says why.
+    adapter_required: the recipe asked for ``adapter`` explicitly: a server that cannot serve it is refused here.
     """
 
     # A push may come as chunks of whole layers, all under one weight version (load_weight_chunks).
     streams_weights = True
-    adapter_dtype = None  # merged weights only
     # The server runs vLLM in BF16/FP16 (the recipe check refuses FP8 recipes in server mode).
     fp8_block_weights = False
 
@@ -320,7 +356,8 @@ class ServerEngine:
                  max_model_len: int | None = None, eos_ids: Sequence[int] | None = None,
                  transfer_root: str | Path | None = None, max_concurrency: int = 256, pushes_weights: bool = True,
                  version_tag: str | None = None, connect_timeout_s: float | None = None,
-                 return_routes: bool = False) -> None:
+                 return_routes: bool = False, adapter_rank: int | None = None,
+                 adapter_targets: Sequence[str] | None = None, adapter_required: bool = False) -> None:
         self.host, self.port = parse_server_url(url)
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"rollout.server_timeout_s = {timeout_s!r}: expected a number of seconds > 0")
@@ -341,6 +378,11 @@ class ServerEngine:
         self.pushes_weights = bool(pushes_weights)
         self.return_routes = bool(return_routes)
         self.route_shape = None
+        self.adapter_dtype: torch.dtype | None = None  # None: merged weights only (RolloutEngine.adapter_dtype)
+        self.adapter_unavailable: str | None = None  # why not, when an adapter was asked for
+        self._lora: dict[str, Any] | None = None  # the server's LoRA settings (None: started without LoRA)
+        self._adapter: str | None = None  # the adapter every request names (its version's name), None: the base
+        self._loaded_adapters = False  # this client loaded adapters on the server (close() unloads them)
 
         self.startup_wait_s = wait_for_health(self.url, self.timeout_s, connect_timeout_s=connect_timeout_s)
         self._http = _Http(self.url, self.timeout_s)
@@ -354,6 +396,9 @@ class ServerEngine:
                 self.tensor_parallel_size = int(info["tensor_parallel_size"])
                 self.packed_modules = {k: list(v)
                                        for k, v in (info["packed_modules"] or DEFAULT_PACKED_MODULES).items()}
+                self._lora = info["lora"]
+                if adapter_rank is not None:
+                    self._adapter_support(adapter_rank, adapter_targets, adapter_required)
             except (KeyError, TypeError, ValueError, AttributeError) as e:  # an answer of another shape
                 raise UnusableServer(
                     f"vLLM server at {self.url}: its parityrl_server_info answer is not what this parityrl reads "
@@ -389,6 +434,43 @@ class ServerEngine:
         if not isinstance(results, list) or not results or not isinstance(results[0], dict):
             raise ServerEngineError(f"vLLM server at {self.url}: parityrl_server_info returned {out!r:.300}")
         return results[0]
+
+    def _adapter_support(self, rank: int, targets: Sequence[str] | None, required: bool) -> None:
+        """``adapter_dtype`` from the server's LoRA settings, or ``adapter_unavailable`` (a ServerEngineError for
+        an explicit ``rollout.lora_sync: adapter``)."""
+        lora, where = self._lora, f"the vLLM server at {self.url}"
+        targets = sorted(targets or [])
+        why = None
+        if lora is None:
+            why = f"{where} was started without LoRA support (vLLM's --enable-lora)"
+        elif not lora["runtime_updating"]:
+            why = (f"{where} runs without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, so it cannot load a new adapter "
+                   "version (vLLM's /v1/load_lora_adapter)")
+        elif int(lora["max_lora_rank"]) < rank:
+            why = f"{where} serves LoRA adapters of rank <= {lora['max_lora_rank']}, the recipe's model.lora.r is {rank}"
+        elif lora["target_modules"] is None:
+            # vLLM's LoRA logits wrapper then breaks prompt log-probs (rollout.vllm_adapters.lora_options)
+            why = f"{where} runs LoRA on every supported layer, the output layer included (no --lora-target-modules)"
+        else:
+            missing = [t for t in targets if not self._lora_covers(t, lora["target_modules"])]
+            if missing:
+                why = (f"{where} runs LoRA on {lora['target_modules']}, not on the recipe's "
+                       f"model.lora.target_modules {missing}")
+        if why is None:
+            self.max_lora_rank = int(lora["max_lora_rank"])
+            self.adapter_dtype = getattr(torch, lora["dtype"])
+            return
+        if required:
+            raise ServerEngineError(f"rollout.lora_sync = 'adapter': {why}; expected a server started for this "
+                                    "recipe: restart it with `parityrl serve <recipe>` (it starts vLLM with LoRA for "
+                                    "a recipe that serves its adapter), or set rollout.lora_sync to 'auto' or "
+                                    "'merged' to train with merged weights")
+        self.adapter_unavailable = f"{why}; `parityrl serve <recipe>` starts it to serve the adapter"
+
+    def _lora_covers(self, target: str, served: Sequence[str]) -> bool:
+        """vLLM's rule (``vllm/lora/utils.py: is_in_target_modules``): a leaf name, or its fused parent's."""
+        return target in served or any(target in children and parent in served
+                                       for parent, children in self.packed_modules.items())
 
     def _start_routes(self, info: dict[str, Any]) -> dict[str, int]:
         """Hook the server's MoE routers (``parityrl_install_route_capture``): the routes' shape."""
@@ -508,12 +590,14 @@ class ServerEngine:
         if k:  # k + 1: see the module docstring
             self._check_max_logprobs(k + 1, f"spec.logprobs_topk = {k}: this client asks for k + 1")
         tag = secrets.token_hex(4)
+        version, adapter = self._version(), self._adapter  # as at launch: the batch must come from these
         bodies = []
         for i, p in enumerate(prompt_ids):
             for j in range(spec.n):
                 s = i * spec.n + j
                 bodies.append({
                     "request_id": f"parityrl-{tag}-{s}", "token_ids": list(p), "output_mode": "tokens",
+                    **self._model_field(adapter),
                     "sampling_params": {
                         "n": 1, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
                         "max_tokens": spec.max_new_tokens, "seed": sample_seed(spec.seed, spec.sample_index(s)),
@@ -521,10 +605,9 @@ class ServerEngine:
                         # k + 1: see the module docstring (the route cuts [sampled, top...] to this many).
                         "logprobs": k + 1 if k else 0}})
         responses = _run_coroutine(self._post_all(bodies, action=f"generate ({len(bodies)} requests)"))
-        version = self._version()
         completion_ids, logprobs, finish, top_ids, top_lps = [], [], [], [], []
         for s, resp in enumerate(responses):
-            ids, lps, reason, t_ids, t_lps = self._parse(s, resp, k, version)
+            ids, lps, reason, t_ids, t_lps = self._parse(s, resp, k, version, adapter)
             completion_ids.append(ids)
             logprobs.append(lps)
             finish.append(reason)
@@ -542,13 +625,14 @@ class ServerEngine:
         validate_score_request(sequences, self.max_model_len)
         self._check_max_logprobs(topk, f"score: topk = {topk}")
         tag = secrets.token_hex(4)
+        version, adapter = self._version(), self._adapter
         bodies = [{"request_id": f"parityrl-score-{tag}-{k}", "token_ids": list(seq), "output_mode": "tokens",
+                   **self._model_field(adapter),
                    "sampling_params": {"n": 1, "temperature": 1.0, "max_tokens": 1, "seed": sample_seed(0, k),
                                        "detokenize": False, "prompt_logprobs": topk}}
                   for k, seq in enumerate(sequences)]
         responses = _run_coroutine(self._post_all(bodies, action=f"score ({len(bodies)} sequences)"))
-        version = self._version()
-        scored = Scored.from_rows(self._parse_prompt_logprobs(k, seq, resp, topk, version)
+        scored = Scored.from_rows(self._parse_prompt_logprobs(k, seq, resp, topk, version, adapter)
                                   for k, (seq, resp) in enumerate(zip(sequences, responses)))
         if self.return_routes:  # the prefill's routes of the whole sequence (+1: the one token sampled after it)
             scored.routes = [r[:len(seq)] for r, seq in zip(
@@ -556,11 +640,18 @@ class ServerEngine:
                 sequences)]
         return scored
 
-    def _parse_prompt_logprobs(self, k: int, seq: list[int], resp: dict, topk: int, version: str):
+    @staticmethod
+    def _model_field(adapter: str | None) -> dict:
+        """A request's ``model``: the adapter it runs with (the token route's ``_maybe_get_adapters``), or none."""
+        return {} if adapter is None else {"model": adapter}
+
+    def _parse_prompt_logprobs(self, k: int, seq: list[int], resp: dict, topk: int, version: str,
+                               adapter: str | None = None):
         def bad(msg: str) -> ServerEngineError:
             return ServerEngineError(f"vLLM server at {self.url}, scored sequence {k}: {msg}")
 
         _check_version((resp.get("choices") or [{}])[0], version, bad)
+        _check_adapter(resp, adapter, bad)
         plp = resp.get("prompt_logprobs")
         # JSON: token ids as string keys, the route's -9999 floor for -inf
         positions = [None if pos is None else {int(tid): (_unclamp(e["logprob"]), e["rank"]) for tid, e in pos.items()}
@@ -595,7 +686,7 @@ class ServerEngine:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
 
-    def _parse(self, s: int, resp: dict, k: int, version: str):
+    def _parse(self, s: int, resp: dict, k: int, version: str, adapter: str | None = None):
         def bad(msg: str) -> ServerEngineError:
             return ServerEngineError(f"vLLM server at {self.url}, sample {s}: {msg}")
 
@@ -606,6 +697,7 @@ class ServerEngine:
         if c.get("finish_reason") not in ("stop", "length"):
             raise bad(f"finished with reason {c.get('finish_reason')!r} (expected 'stop' or 'length')")
         _check_version(c, version, bad)
+        _check_adapter(resp, adapter, bad)
         ids = [int(t) for t in c.get("token_ids") or []]
         content = (c.get("logprobs") or {}).get("content")
         if not ids or content is None or len(content) != len(ids):
@@ -655,6 +747,8 @@ class ServerEngine:
             self._check_update(named)
             if not totals["chunks"]:
                 self._set_version(f"{self._version()}-partial")
+                if self._lora is not None:  # an adapter later must run over the model's own weights again
+                    self._rpc("parityrl_base_changed", "weight push (base weights replaced)")
             if self.backend == "nccl":  # broadcast from the trainer's GPU
                 named = nccl_ready(named)
             self._source.set(named)
@@ -671,18 +765,99 @@ class ServerEngine:
             return
         self._version_n += 1
         self._set_version()
-        out = self.http.call("POST", "/reset_prefix_cache", "weight push (reset_prefix_cache)")
-        if not (out or {}).get("success"):
-            raise ServerEngineError(f"vLLM server at {self.url} refused to reset its prefix cache after a weight push "
-                                    "(requests still running?); KV blocks of the old weights would be reused")
+        self._adapter = None  # the merged weights alone from now on, as the colocated engine after a merged update
+        self._reset_prefix_cache("weight push")
         self.last_push = {**totals, "seconds": time.perf_counter() - t0}
 
-    def follow_push(self) -> None:
+    def _reset_prefix_cache(self, action: str) -> None:
+        out = self.http.call("POST", "/reset_prefix_cache", f"{action} (reset_prefix_cache)")
+        if not (out or {}).get("success"):
+            raise ServerEngineError(f"vLLM server at {self.url} refused to reset its prefix cache after a {action} "
+                                    "(requests still running?); KV blocks of the old weights would be reused")
+
+    def _rpc(self, method: str, action: str, *args: str, timeout: float | None = None) -> list:
+        """The worker extension's ``method`` in every worker of the server (``/collective_rpc``): their answers."""
+        out = self.http.call("POST", "/collective_rpc", action, json={"method": method, "args": list(args)},
+                             timeout=timeout)
+        results = out.get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or not results:
+            raise ServerEngineError(f"vLLM server at {self.url}: {method} returned {out!r:.300}")
+        return results
+
+    # ---- LoRA adapter -----------------------------------------------------------------------
+    def load_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` (one version of the policy's LoRA) over the model's own weights for every generate and
+        score from now on, as a new weight version (module docstring). Only when ``adapter_dtype`` (the server
+        serves adapters). ``last_push`` records the adapter's bytes, the bytes sent and the seconds."""
+        if self.adapter_dtype is None:
+            raise RuntimeError(f"load_adapter(): the server at {self.url} does not serve adapters for this client "
+                               f"({self.adapter_unavailable or 'construct ServerEngine(..., adapter_rank=r)'})")
+        if not self.pushes_weights:
+            raise RuntimeError(f"ServerEngine({self.url}) was created with pushes_weights=False (a data-parallel rank "
+                               "other than 0): rank 0 pushes; call follow_push(adapter=True) after it")
+        if adapter.rank > self.max_lora_rank:
+            raise ValueError(f"adapter rank {adapter.rank}: the server at {self.url} was started with max_lora_rank "
+                             f"{self.max_lora_rank}; restart it with `parityrl serve <recipe>` for model.lora.r")
+        from safetensors.torch import save
+
+        t0 = time.perf_counter()
+        name = f"parityrl-{self._version_tag}-{self._version_n + 1}"  # the version it becomes
+        weights = save({k: v.contiguous() for k, v in adapter.tensors.items()})
+        action = f"adapter push of {name}"
+        written = self._rpc("parityrl_put_adapter", f"{action} (write its files)", name,
+                            json.dumps(adapter.config, sort_keys=True), base64.b64encode(weights).decode("ascii"))
+        paths = {r.get("path") if isinstance(r, dict) else None for r in written}
+        if len(paths) != 1 or None in paths:
+            raise ServerEngineError(f"vLLM server at {self.url}: its workers wrote adapter {name} to {sorted(map(str, paths))}; "
+                                    "expected one path that every worker reads (the same temporary directory on "
+                                    "every host of the server)")
+        path = paths.pop()
+        self._loaded_adapters = True
+        self.http.call("POST", "/v1/load_lora_adapter", f"{action} (load_lora_adapter)",
+                       json={"lora_name": name, "lora_path": path})
+        self._adapter = name
+        self._version_n += 1
+        self._set_version()
+        self._unload_adapters(keep=name, action=action)
+        self._reset_prefix_cache("adapter push")
+        self.last_push = {"bytes": float(adapter.nbytes), "tensors": float(len(adapter.tensors)),
+                          "file_bytes": float(len(weights)), "chunks": 1.0, "base_restored": float(any(
+                              isinstance(r, dict) and r.get("restored") for r in written)),
+                          "seconds": time.perf_counter() - t0}
+
+    def _unload_adapters(self, keep: str, action: str, timeout: float | None = None) -> None:
+        """Unload every parityrl adapter the server lists but ``keep`` (this client's older versions, and any a
+        killed trainer left), then delete their files. In that order: a request naming a listed adapter whose
+        files are gone kills vLLM's engine core (the worker's ``LoRAAdapterNotFoundError`` is fatal there,
+        ``vllm/lora/worker_manager.py``), while one naming an unlisted adapter is an HTTP 404."""
+        listed = self.http.call("GET", "/v1/models", f"{action} (list adapters)", timeout=timeout) or {}
+        for card in listed.get("data") or []:
+            name = card.get("id") if isinstance(card, dict) else None
+            if isinstance(name, str) and name.startswith("parityrl-") and name != keep:
+                try:
+                    self.http.call("POST", "/v1/unload_lora_adapter", f"{action} (unload {name})",
+                                   json={"lora_name": name}, timeout=timeout)
+                except ServerEngineError as e:
+                    if "cannot be found" not in str(e):  # unloaded meanwhile: nothing to do
+                        raise
+        self._rpc("parityrl_drop_adapters", f"{action} (delete older adapter files)", keep, timeout=timeout)
+
+    @property
+    def adapter_version(self) -> str | None:
+        """The name of the adapter version the requests run with (None: the base or merged weights)."""
+        return self._adapter
+
+    def follow_push(self, adapter: bool = False) -> None:
         """On a rank that does not push (``pushes_weights=False``): the pushing rank has just pushed (the
-        caller synchronises the ranks around it); from now on expect its new weight version."""
+        caller synchronises the ranks around it); from now on expect its new weight version, and with ``adapter``
+        name its adapter (the version's name) in every request."""
         if self.pushes_weights:
             raise RuntimeError(f"ServerEngine({self.url}) pushes its own weights: call load_weights, not follow_push")
+        if adapter and self.adapter_dtype is None:
+            raise RuntimeError(f"follow_push(adapter=True): the server at {self.url} does not serve adapters for "
+                               f"this client ({self.adapter_unavailable or 'no adapter_rank'})")
         self._version_n += 1
+        self._adapter = self._version() if adapter else None
 
     def release_memory(self) -> None:
         """Nothing to free: the server holds its own devices (``RolloutEngine.release_memory``)."""
@@ -694,6 +869,12 @@ class ServerEngine:
     def close(self) -> None:
         """Release the transfer channel and the HTTP client; the server keeps running. Safe to call twice,
         and never raises (it runs in the trainer's ``finally`` while another error may be on its way)."""
+        if self._loaded_adapters and self._http is not None:
+            try:  # this trainer's adapters are of no use to any other: unloaded, their files deleted
+                self._unload_adapters(keep="", action="close", timeout=10.0)
+            except Exception:  # noqa: BLE001 - a dead server has nothing to release
+                pass
+            self._adapter, self._loaded_adapters = None, False
         if self._transfer is not None:
             try:
                 if self._http is not None:

@@ -73,6 +73,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rollout.routes import encode_routes
 from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
+from rollout.vllm_plugins.server_adapters import drop_adapters, lora_info, mark_base_changed, put_adapter
 from rollout.weight_updates import quiet_partial_reload
 
 BACKEND = "parityrl_file"
@@ -311,8 +312,9 @@ class ParityrlWorkerExtension:
     """Mixed into every vLLM worker by ``--worker-extension-cls`` (see the module docstring).
 
     Importing this module registered the backend; ``parityrl_server_info`` reports the
-    settings the trainer relies on, and the two route methods serve rollout routing replay
-    (``rollout.vllm_plugins.route_capture``). Names carry a ``parityrl_`` prefix because vLLM
+    settings the trainer relies on, the two route methods serve rollout routing replay
+    (``rollout.vllm_plugins.route_capture``) and the three adapter methods the adapter sync
+    (``rollout.vllm_plugins.server_adapters``). Names carry a ``parityrl_`` prefix because vLLM
     refuses an extension attribute that the worker class already has.
     """
 
@@ -335,6 +337,7 @@ class ParityrlWorkerExtension:
             "rank": int(getattr(self, "rank", 0)),
             "prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
             "device": str(cfg.device_config.device_type),
+            "lora": lora_info(cfg),  # None: started without LoRA (server_adapters)
         }
 
     def parityrl_install_route_capture(self) -> dict[str, int]:
@@ -349,3 +352,15 @@ class ParityrlWorkerExtension:
         strings only), encoded for the wire (``rollout.routes.encode_routes``)."""
         requests = [(str(rid), int(n)) for rid, n in json.loads(requests_json)]
         return [encode_routes(r) for r in take_routes(self, requests)]
+
+    def parityrl_put_adapter(self, name: str, config_json: str, weights_b64: str) -> dict:
+        """Write adapter ``name``'s PEFT files on this server (``server_adapters.put_adapter``): its path."""
+        return put_adapter(self, name, config_json, weights_b64)
+
+    def parityrl_drop_adapters(self, keep: str) -> int:
+        """Delete this server's adapter files but those of ``keep`` (``server_adapters.drop_adapters``)."""
+        return drop_adapters(self, keep)
+
+    def parityrl_base_changed(self) -> None:
+        """A merged push replaces base weights: the next adapter restores them first (``server_adapters``)."""
+        mark_base_changed(self)

@@ -11,13 +11,16 @@ tests/trainer/rl/test_train_integration.py): the server runs the same vLLM code 
 same CPU, and on these prompts it returns bit-identical samples and log-probs to the
 in-process engine (measured, see the report), so nothing looser is warranted.
 """
+import copy
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -152,7 +155,7 @@ def test_serve_command_has_the_settings_the_trainer_relies_on():
     from trainer.lifecycle.preflight import load_recipe
 
     cfg = load_recipe(RECIPE, ["rollout.server_url=http://127.0.0.1:8123", "parity.topk=40",
-                               "rollout.kv_cache_memory_bytes=67108864"], check_paths=False)
+                               "rollout.kv_cache_memory_bytes=67108864", "rollout.lora_sync=merged"], check_paths=False)
     argv, env = serve_command(cfg, tensor_parallel_size=2, cuda=False, model_dir="/m")
     flags = {a: argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else True
              for i, a in enumerate(argv) if a.startswith("--")}
@@ -166,6 +169,8 @@ def test_serve_command_has_the_settings_the_trainer_relies_on():
     for f in ("--skip-tokenizer-init", "--enable-scale-out", "--no-enable-chunked-prefill", "--enforce-eager"):
         assert flags[f] is True, f
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    # merged weights (rollout.lora_sync: merged): no LoRA wrappers, no adapter routes
+    assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
     argv, _ = serve_command(cfg, cuda=True, model_dir="/m")
     assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
     assert "--kv-cache-memory-bytes" not in argv  # CPU only
@@ -177,6 +182,39 @@ def test_serve_command_has_the_settings_the_trainer_relies_on():
     bad = load_recipe(RECIPE, ["rollout.server_url=127.0.0.1:8000"], check_paths=False)
     with pytest.raises(RecipeError, match="rollout.server_url = '127.0.0.1:8000'"):
         serve_command(bad, cuda=False, model_dir="/m")
+
+
+def test_serve_starts_lora_for_a_recipe_that_serves_its_adapter(tiny_model_dir):
+    """rollout.lora_sync resolving to adapter: vLLM's LoRA for the recipe's rank on its resolved LoRA leaves only,
+    one adapter at a time (and room for the next while it is added), the runtime adapter routes on; the flags
+    parse into the LoRA config vLLM's own server builds from them."""
+    from vllm.config.lora import LoRAConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from trainer.commands.serve import serve_command
+    from trainer.config import RecipeError
+    from trainer.lifecycle.preflight import load_recipe
+
+    cfg = load_recipe(RECIPE, ["rollout.server_url=http://127.0.0.1:8123"], check_paths=False)  # auto -> adapter
+    argv, env = serve_command(cfg, cuda=False, model_dir=tiny_model_dir)
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    validate_parsed_serve_args(args)
+    ea = EngineArgs.from_cli_args(args)
+    assert ea.enable_lora and ea.max_lora_rank == 16 and ea.max_loras == 1 and ea.max_cpu_loras == 2
+    # all-linear resolved (tests/conftest.py TINY_LORA_TARGETS): no lm_head, no embedding
+    assert ea.lora_target_modules == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    LoRAConfig(max_lora_rank=ea.max_lora_rank, max_loras=ea.max_loras, max_cpu_loras=ea.max_cpu_loras,
+               target_modules=ea.lora_target_modules)  # vLLM's own validation of the combination
+
+    r20 = load_recipe(RECIPE, ["model.lora.r=20", "model.lora.target_modules=[q_proj,v_proj]"], check_paths=False)
+    argv, _ = serve_command(r20, cuda=False, model_dir=tiny_model_dir)
+    assert argv[argv.index("--max-lora-rank") + 1] == "32"  # the smallest rank vLLM allows >= 20
+    assert argv[argv.index("--lora-target-modules") + 1:] == ["q_proj", "v_proj"]
+    with pytest.raises(RecipeError, match=r"model.lora.target_modules = \['all-linear'\]: cannot be resolved"):
+        serve_command(cfg, cuda=False, model_dir="/not/here")
 
 
 def test_cpu_binding_for_tensor_parallel_on_one_numa_node():
@@ -262,6 +300,7 @@ def test_an_nccl_push_waits_for_the_current_stream_before_the_producer_reads(mon
     engine = ServerEngine.__new__(ServerEngine)
     engine.pushes_weights, engine.backend, engine.torch_dtype = True, "nccl", torch.bfloat16
     engine._version_tag, engine._version_n = "t", 0
+    engine._lora = engine._adapter = None  # a server without LoRA
     engine._source = ListWeightSource()
     engine._transfer = _Producer(log, engine._source)
     engine._check_update = lambda named: None
@@ -306,6 +345,169 @@ def test_response_parser_recovers_the_top_k_and_refuses_bad_answers():
     bad["choices"][0]["finish_reason"] = "abort"
     with pytest.raises(ServerEngineError, match="'abort'"):
         _parser()._parse(0, bad, 2, v)
+
+
+def test_a_sample_of_another_adapter_version_is_refused():
+    """With an adapter served, every answer names it (the token route answers ``model`` = the adapter's name): a
+    sample generated or scored with another version -- a follower rank that missed a push, another trainer -- is
+    refused, as one of another weight version is."""
+    v = "parityrl-x-2"
+    choice = {"finish_reason": "stop", "token_ids": [9], "logprobs": {"content": [_entry(9, -1.0, [])]},
+              "weight_versions": [{"version": v, "start": 0, "end": 1}]}
+    resp = {"model": v, "choices": [choice]}
+    assert _parser()._parse(0, resp, 0, v, v)[0] == [9]
+    with pytest.raises(ServerEngineError, match=r"generated with 'parityrl-x-1', but this trainer serves the adapter "
+                                                r"'parityrl-x-2'"):
+        _parser()._parse(0, {**resp, "model": "parityrl-x-1"}, 0, v, v)
+    with pytest.raises(ServerEngineError, match="serves the adapter"):  # the base model answered
+        _parser()._parse(0, {**resp, "model": "/models/tiny"}, 0, v, v)
+    scored = {"model": "parityrl-x-1", "prompt_logprobs": [None, {"9": {"logprob": -1.0, "rank": 1}}],
+              "choices": [choice]}
+    with pytest.raises(ServerEngineError, match="scored sequence 0: generated with 'parityrl-x-1'"):
+        _parser()._parse_prompt_logprobs(0, [1, 9], scored, 0, v, v)
+
+
+def test_a_batch_is_checked_against_the_adapter_it_was_launched_with():
+    """One-step-off async generates the next batch in a thread; the sync waits for it (trainer/rl/loop.py
+    sync_phase). Should a sync ever land while a batch is in flight, the batch's samples are checked against the
+    adapter and version of its launch: those of the new version are refused, not mixed in."""
+    engine = _parser()
+    engine.max_model_len, engine.max_concurrency, engine.eos_ids, engine.return_routes = 64, 4, [2], False
+    engine._version_tag, engine._version_n, engine._adapter = "x", 1, "parityrl-x-1"
+    sent = []
+
+    async def post_all(bodies, action):  # the server answers after a sync loaded version 2 mid-flight
+        sent.extend(b.get("model") for b in bodies)
+        engine._version_n, engine._adapter = 2, "parityrl-x-2"
+        return [{"model": "parityrl-x-2", "choices": [{"finish_reason": "stop", "token_ids": [2],
+                 "logprobs": {"content": [_entry(2, -0.5, [])]},
+                 "weight_versions": [{"version": "parityrl-x-2", "start": 0, "end": 1}]}]} for _ in bodies]
+
+    engine._post_all = post_all
+    with pytest.raises(ServerEngineError, match="weight version"):
+        engine.generate([[1, 5, 6]], SamplingSpec(n=2, temperature=1.0, max_new_tokens=4, seed=0))
+    assert sent == ["parityrl-x-1", "parityrl-x-1"]  # every request named the adapter of the launch
+
+
+def _lora(**change):
+    return {"max_lora_rank": 16, "max_loras": 1, "max_cpu_loras": 2, "target_modules": ["k_proj", "q_proj", "v_proj"],
+            "dtype": "bfloat16", "runtime_updating": True, **change}
+
+
+def _client(lora):
+    engine = _parser()
+    engine.packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    engine.adapter_dtype = engine.adapter_unavailable = None
+    engine._lora = lora
+    return engine
+
+
+def test_a_server_that_cannot_serve_the_adapter_is_refused_for_adapter_and_merged_for_auto():
+    """At connect (``ServerEngine._adapter_support``, from the settings the worker extension reports): the
+    server's LoRA must exist, load new versions at run time, take the recipe's rank and wrap the recipe's targets
+    (or their fused parents) and nothing else. An explicit ``adapter`` is refused naming the key and what to do;
+    ``auto`` keeps the reason, which the run prints as it falls back to merged weights."""
+    from trainer.config import RecipeError
+    from trainer.lifecycle.preflight import load_recipe
+    from trainer.precision.lora_sync import engine_lora_sync
+
+    good = _client(_lora())
+    good._adapter_support(16, ["q_proj", "v_proj"], required=True)
+    assert good.adapter_dtype == torch.bfloat16 and good.max_lora_rank == 16 and good.adapter_unavailable is None
+    fused = _client(_lora(target_modules=["qkv_proj"]))  # vLLM's rule: a fused parent covers its leaves
+    fused._adapter_support(8, ["k_proj", "q_proj"], required=True)
+    assert fused.adapter_dtype == torch.bfloat16
+
+    auto = load_recipe(RECIPE, [], check_paths=False)
+    explicit = load_recipe(RECIPE, ["rollout.lora_sync=adapter"], check_paths=False)
+    for lora, rank, targets, why in [
+            (None, 16, ["q_proj"], "was started without LoRA support"),
+            (_lora(runtime_updating=False), 16, ["q_proj"], "without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"),
+            (_lora(), 32, ["q_proj"], "serves LoRA adapters of rank <= 16, the recipe's model.lora.r is 32"),
+            (_lora(), 16, ["q_proj", "o_proj"], r"not on the recipe's model.lora.target_modules \['o_proj'\]"),
+            (_lora(target_modules=None), 16, ["q_proj"], "the output layer included")]:
+        with pytest.raises(ServerEngineError) as e:
+            _client(lora)._adapter_support(rank, targets, required=True)
+        msg = str(e.value)
+        assert "rollout.lora_sync = 'adapter'" in msg and "http://test:1" in msg and "parityrl serve <recipe>" in msg
+        assert "'merged'" in msg and re.search(why, msg), msg
+        engine = _client(lora)
+        engine._adapter_support(rank, targets, required=False)
+        assert engine.adapter_dtype is None and re.search(why, engine.adapter_unavailable)
+        mode, reason = engine_lora_sync(auto, engine)  # what the run prints once: rollout.lora_sync: merged (...)
+        assert mode == "merged" and reason == engine.adapter_unavailable
+        with pytest.raises(RecipeError, match="rollout.lora_sync = 'adapter': the vLLM server at http://test:1"):
+            engine_lora_sync(explicit, engine)
+
+
+def test_a_follower_names_the_adapter_rank_0_loaded():
+    engine = _client(_lora())
+    engine.pushes_weights, engine._version_tag, engine._version_n, engine._adapter = False, "t", 1, None
+    with pytest.raises(RuntimeError, match="does not serve adapters"):
+        engine.follow_push(adapter=True)
+    engine._adapter_support(16, ["q_proj"], required=True)
+    engine.follow_push(adapter=True)
+    assert engine._version() == engine.adapter_version == "parityrl-t-2"
+    engine.follow_push()  # a merged push: the base (merged) weights alone
+    assert engine._version() == "parityrl-t-3" and engine.adapter_version is None
+    with pytest.raises(RuntimeError, match="rank 0 pushes"):
+        engine.load_adapter(None)
+
+
+class _Worker:
+    """What the adapter functions use of a vLLM worker."""
+
+    def __init__(self, local_rank=0):
+        self.local_rank, self.reloads = local_rank, 0
+        self.vllm_config = SimpleNamespace(instance_id=f"test-{os.getpid()}-{time.monotonic_ns()}")
+
+    def reload_weights(self):
+        self.reloads += 1
+
+
+def test_the_server_writes_each_adapter_version_whole_once_per_host_over_the_models_own_weights():
+    import base64
+
+    from peft.utils import load_peft_weights
+    from safetensors.torch import save
+
+    from rollout.adapters import LoraAdapter
+    from rollout.vllm_plugins.server_adapters import adapter_root, drop_adapters, mark_base_changed, put_adapter
+
+    writer, reader = _Worker(0), _Worker(1)
+    reader.vllm_config = writer.vllm_config  # one server: the tensor-parallel ranks share its instance id
+    tensors = {"base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(4, 8).to(torch.bfloat16),
+               "base_model.model.layers.0.q_proj.lora_B.weight": torch.randn(8, 4).to(torch.bfloat16)}
+    adapter = LoraAdapter(version=1, config={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                             "peft_type": "LORA"}, tensors=tensors)
+    args = (json.dumps(adapter.config), base64.b64encode(save(tensors)).decode())
+    root = adapter_root(writer)
+    try:
+        assert put_adapter(reader, "parityrl-t-1", *args) == {"path": str(root / "parityrl-t-1"), "restored": False}
+        assert not root.exists()  # only local rank 0 writes
+        out = put_adapter(writer, "parityrl-t-1", *args)
+        assert out == {"path": str(root / "parityrl-t-1"), "restored": False} and writer.reloads == 0
+        got = load_peft_weights(out["path"], device="cpu")  # PEFT reads it back: the files are whole
+        assert all(torch.equal(got[k], v) for k, v in tensors.items())
+        assert [p.name for p in root.iterdir()] == ["parityrl-t-1"]  # no temporary left behind
+        # after a merged push, the next adapter restores the model's own weights first (once), in every worker
+        mark_base_changed(writer)
+        mark_base_changed(reader)
+        assert put_adapter(writer, "parityrl-t-2", *args)["restored"] and writer.reloads == 1
+        assert put_adapter(reader, "parityrl-t-2", *args)["restored"] and reader.reloads == 1
+        assert not put_adapter(writer, "parityrl-t-3", *args)["restored"] and writer.reloads == 1
+        assert drop_adapters(reader, "parityrl-t-3") == 0  # a reader deletes nothing
+        assert drop_adapters(writer, "parityrl-t-3") == 2 and [p.name for p in root.iterdir()] == ["parityrl-t-3"]
+        with pytest.raises(ValueError, match="adapter name '../x'"):
+            put_adapter(writer, "../x", *args)
+        with pytest.raises(ValueError, match="no 'r'"):
+            put_adapter(writer, "parityrl-t-4", "{}", args[1])
+        drop_adapters(writer, "")
+        assert not root.exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_top_k_beyond_the_servers_max_logprobs_is_refused_before_any_request():
@@ -603,6 +805,105 @@ def test_a_push_in_layer_chunks_is_one_version_and_a_broken_one_is_refused(serve
     assert same_samples(generate_alone(engine, prompts, spec), before)
 
 
+TINY_LORA_TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def adapter_policy(tiny_model_dir):
+    """The tiny model with the recipe's LoRA (r 16 on every linear), its B drawn so the adapter moves the samples."""
+    from trainer.config import LoraConfig
+    from trainer.models.policy import add_lora, load_base_model
+
+    policy = add_lora(load_base_model(tiny_model_dir, "bfloat16", "cpu"), LoraConfig())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, t in policy.named_parameters():
+            if "lora_B" in name:
+                t.normal_(0, 0.02, generator=g)
+    return policy
+
+
+def adapter_client(server, model_dir, **kw) -> ServerEngine:
+    return ServerEngine(server.url, model_dir=model_dir, timeout_s=120, max_model_len=88, adapter_rank=16,
+                        adapter_targets=TINY_LORA_TARGETS, **kw)
+
+
+@pytest.mark.slow
+def test_adapter_versions_over_the_wire(server, tiny_model_dir, adapter_policy, hf_reference, perturbed_copy):
+    """`parityrl serve` of the demo recipe serves its adapter: each load is a new version on the server (files
+    written there, loaded under the version's name, the previous one unloaded and deleted), run over the model's
+    own weights -- restored first after a merged push -- with the trainer's PEFT model's log-probs; a follower rank
+    generates with the version it follows and is refused one it missed."""
+    from parity.metrics import compare
+    from rollout.adapters import export_lora_adapter
+    from rollout.vllm_plugins.server_adapters import ROOT_PREFIX
+    from trainer.measurement.scoring import score_batch
+    from trainer.models.batch import batch_from_rollouts
+
+    policy = adapter_policy
+    prompts = [[1] + list(range(40 + 7 * i, 64 + 7 * i)) for i in range(8)]
+    spec = SamplingSpec(n=2, temperature=1.0, max_new_tokens=20, seed=11)
+
+    def parity(model, rollouts):
+        batch = batch_from_rollouts(rollouts, 0, "cpu")
+        lp = score_batch(model, batch, micro_batch_size=32, temperature=1.0).logprobs
+        return compare(lp, batch.rollout_logprobs, batch.mask)["parity/mae"]
+
+    engine = adapter_client(server, tiny_model_dir)
+    follower = adapter_client(server, tiny_model_dir, pushes_weights=False, version_tag=engine._version_tag)
+    try:
+        assert engine.adapter_dtype == torch.bfloat16 and engine.max_lora_rank == 16
+        engine.load_adapter(export_lora_adapter(policy, version=1, dtype=engine.adapter_dtype))
+        v1 = engine.adapter_version
+        assert v1 == engine._version() and engine.last_push["tensors"] == 2 * 7 * 4  # A and B, 7 linears, 4 layers
+        served = engine.generate(prompts, spec)
+        with_adapter = parity(policy, served)
+        with policy.disable_adapter():
+            without = parity(policy, served)
+        print(f"server with the adapter: parity mae {with_adapter:.4g}; against the base model: {without:.4g}")
+        assert with_adapter < 0.02 and without > 5 * with_adapter  # test_vllm_adapters.py's bounds, colocated
+        follower.follow_push(adapter=True)
+        assert follower.adapter_version == v1 and same_samples(follower.generate(prompts, spec), served)
+
+        # the next version: the previous one is unloaded and its files deleted on the server; a follower that
+        # missed the push is refused (the version it names is gone), then follows and agrees
+        engine.load_adapter(export_lora_adapter(policy, version=2, dtype=engine.adapter_dtype))
+        v2 = engine.adapter_version
+        assert v2 != v1 and engine.last_push["base_restored"] == 0.0
+        assert list(Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*/{v1}")) == []
+        assert len(list(Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*/{v2}"))) == 1
+        with pytest.raises(ServerEngineError, match=f"model `{v1}` does not exist.*not loaded on the server"):
+            follower.generate(prompts[:1], spec)
+        follower.follow_push(adapter=True)
+        assert follower.adapter_version == v2 and same_samples(follower.generate(prompts, spec), served)
+
+        # a merged push replaces base weights; the next adapter runs over the model's own weights again
+        names = [f"model.layers.1.self_attn.{x}_proj.weight" for x in "qkv"]
+        target = perturbed_copy(hf_reference, names, scale=4.0, seed=0)
+        engine.load_weights([(n, t) for n, t in target.named_parameters() if n in names])
+        follower.follow_push()
+        assert engine.adapter_version is None and follower.adapter_version is None
+        assert not same_samples(engine.generate(prompts, spec), served)
+        engine.load_adapter(export_lora_adapter(policy, version=3, dtype=engine.adapter_dtype))
+        assert engine.last_push["base_restored"] == 1.0
+        follower.follow_push(adapter=True)
+        # the same adapter over the restored base: the same samples, on both ranks
+        assert same_samples(engine.generate(prompts, spec), served)
+        assert same_samples(follower.generate(prompts, spec), served)
+        with pytest.raises(ValueError, match="max_lora_rank 16"):
+            big = copy.deepcopy(export_lora_adapter(policy, version=3, dtype=torch.bfloat16))
+            big.config["r"] = 32
+            engine.load_adapter(big)
+    finally:
+        follower.close()
+        engine.close()  # unloads its adapters, deletes their files
+    import httpx
+
+    listed = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]]
+    assert not [m for m in listed if m.startswith("parityrl-")], listed
+    assert list(Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*/{v2.rsplit('-', 1)[0]}-*")) == []
+
+
 def overrides_for(tmp_path, name, url, *overrides) -> list[str]:
     return [f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled",
             "rollout.prompts_per_step=8", "algorithm.group_size=4", "train.micro_batch_size=16",
@@ -641,6 +942,13 @@ def test_three_training_steps_against_the_server(server, tmp_path, tiny_model_di
     assert rows[0]["step"] == 0 and rows[0]["probe/mae"] < PARITY_MAE_BOUND  # the server started in sync
     lora = load_peft_weights(str(latest_checkpoint(res.run_dir) / "adapter"), device="cpu")
     assert sum(v.float().norm() for k, v in lora.items() if "lora_B" in k) > 0.1  # the pushes carried real updates
+    # rollout.lora_sync auto on a server `parityrl serve` started for the recipe: each sync is the adapter (BF16)
+    assert all(x["perf/sync_bytes"] == adapter_bytes(lora) for x in h)
+
+
+def adapter_bytes(lora: dict) -> float:
+    """What an adapter sync of these PEFT weights sends (BF16, the server's LoRA dtype)."""
+    return float(sum(v.numel() * 2 for v in lora.values()))
 
 
 SHARED_RUN = ("train.steps=2", "checkpoint.every=0", "parity.topk=5")
@@ -654,19 +962,41 @@ def one_trainer_on_server(server, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainers", ["data_parallel", "zero3"])
+def test_adapter_training_against_the_server_is_the_colocated_engines(one_trainer_on_server, vllm_engine, tmp_path):
+    """The same recipe trained with the adapter served colocated (the session's engine, started as the recipe
+    starts one) and by `parityrl serve`: the same rollouts, parity and adapter syncs at every step (the server runs
+    the same vLLM code on the same CPU; the rollouts after the first sync come from the adapter version 2)."""
+    from trainer.rl.loop import train
+
+    one = one_trainer_on_server
+    colocated = train(cfg_for(tmp_path, "colocated", "http://127.0.0.1:9", *SHARED_RUN, "rollout.mode=colocate"),
+                      engine=vllm_engine).history
+    for s, c in zip(one, colocated):
+        print(f"step {s['step']}: server parity/mae {s['parity/mae']:.4g} probe/mae {s['probe/mae']:.4g}; "
+              f"colocated {c['parity/mae']:.4g} {c['probe/mae']:.4g}")
+    assert [h["step"] for h in one] == [h["step"] for h in colocated] == [1, 2]
+    for s, c in zip(one, colocated):
+        assert s["reward/mean"] == c["reward/mean"] and s["parity/num_tokens"] == c["parity/num_tokens"]
+        assert s["parity/mae"] == pytest.approx(c["parity/mae"], rel=0.05)
+        assert s["parity/mae"] < PARITY_MAE_BOUND and s["probe/mae"] < PARITY_MAE_BOUND
+        assert s["perf/sync_bytes"] == c["perf/sync_bytes"] and s["perf/sync_tensors"] == c["perf/sync_tensors"]
+    assert one[0]["perf/sync_tensors"] == 2 * 7 * 4  # lora_A and lora_B of 7 linears in 4 layers: the adapter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainers", ["data_parallel", "zero3", "zero3_merged"])
 def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_server, tmp_path, tiny_model_dir):
     """2 trainer ranks (torchrun; plain data parallel, or DeepSpeed ZeRO-3 with the environment `accelerate
     launch --config_file recipes/accelerate/zero3.yaml` sets) against one server: rank 0 owns the transfer and
-    pushes, rank 1 follows its weight version (under ZeRO-3 it takes part in the gathers); each rank samples
-    its shard with one process's seeds."""
+    pushes, rank 1 follows its weight version -- naming rank 0's adapter version in adapter mode (the recipe's
+    default) -- and under ZeRO-3 takes part in the gathers; each rank samples its shard with one process's seeds.
+    ``zero3_merged``: rollout.lora_sync merged, rank 0 streaming the merged push one gathered layer at a time."""
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    chunks = []
-    if trainers == "zero3":
+    merged = ["rollout.lora_sync=merged", "rollout.sync_chunk_bytes=1"] if trainers == "zero3_merged" else []
+    if trainers.startswith("zero3"):
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO3_INIT="false",
                    ACCELERATE_DEEPSPEED_CONFIG_FILE=str(REPO / "recipes/accelerate/zero3.json"))
-        chunks = ["rollout.sync_chunk_bytes=1"]  # rank 0 streams the push one gathered layer at a time
-    sets = [x for o in overrides_for(tmp_path, "dp2", server.url, *SHARED_RUN, *chunks) for x in ("--set", o)]
+    sets = [x for o in overrides_for(tmp_path, "dp2", server.url, *SHARED_RUN, *merged) for x in ("--set", o)]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "trainer.train", str(RECIPE), *sets], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1200)
@@ -681,8 +1011,11 @@ def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_ser
     # (a sample of any other version is refused, so a missed push would have stopped the run).
     assert all(r["parity/mae"] < PARITY_MAE_BOUND for r in two[1:])
     assert all(r["probe/mae"] < PARITY_MAE_BOUND for r in two)
-    assert all(r["perf/sync_bytes"] == one[0]["perf/sync_bytes"] for r in two[1:])
-    assert all(r["perf/sync_chunks"] == (4 if chunks else 1) for r in two[1:]) and one[0]["perf/sync_chunks"] == 1
+    if merged:  # the 28 merged modules, one chunk per decoder layer
+        assert all(r["perf/sync_tensors"] == 28 and r["perf/sync_chunks"] == 4 for r in two[1:])
+    else:  # the adapter, one push: as the single process's
+        assert all(r["perf/sync_bytes"] == one[0]["perf/sync_bytes"] for r in two[1:])
+        assert all(r["perf/sync_tensors"] == 2 * 7 * 4 and r["perf/sync_chunks"] == 1 for r in two[1:])
     # The gradient reduced by DeepSpeed (or by the loop's all-reduce) has one process's norm.
     assert two[1]["train/grad_norm"] == pytest.approx(one[0]["train/grad_norm"], rel=1e-4)
 
@@ -699,12 +1032,26 @@ def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_ser
 
 
 @pytest.mark.slow
-def test_dead_server_stops_the_run_and_the_checkpoint_resumes(server, tmp_path, tiny_model_dir):
+def test_dead_server_stops_the_run_and_the_checkpoint_resumes(server, tmp_path, tiny_model_dir, capsys):
+    """A server killed mid-run stops it with the engine's error and a usable checkpoint. The server is one started
+    for merged weights (`parityrl serve` of a recipe with rollout.lora_sync: merged: no LoRA in vLLM), so the run
+    also shows what such a server means to a recipe that serves its adapter: refused at connect for an explicit
+    ``adapter``, the merged weights with the reason said once for ``auto``; the resume on the module's server (which
+    serves adapters) goes on in adapter mode."""
+    from rollout.server_engine import UnusableServer
     from trainer.io.checkpoint import latest_checkpoint, list_checkpoints
     from trainer.rl.loop import train
+    from trainer.sampling.engines import make_engine
 
-    doomed = Server(tmp_path)
+    doomed = Server(tmp_path, "rollout.lora_sync=merged")
     cfg = cfg_for(tmp_path, "killed", doomed.url, "train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4")
+    explicit = cfg_for(tmp_path, "explicit", doomed.url, "rollout.lora_sync=adapter")
+    with pytest.raises(UnusableServer) as refused:
+        make_engine(explicit, tiny_model_dir, max_model_len=88)
+    msg = str(refused.value)
+    assert (f"rollout.lora_sync = 'adapter': the vLLM server at {doomed.url} was started without LoRA support" in msg
+            and "parityrl serve <recipe>" in msg and "'merged'" in msg), msg
+    capsys.readouterr()
     stop = threading.Event()
 
     def kill_after_first_checkpoint():
@@ -726,6 +1073,9 @@ def test_dead_server_stops_the_run_and_the_checkpoint_resumes(server, tmp_path, 
     msg = str(e.value)
     print(msg)
     assert doomed.url in msg and "--resume" in msg and ("generate" in msg or "weight push" in msg), msg
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rollout.lora_sync: merged")]
+    assert said == [f"rollout.lora_sync: merged (the vLLM server at {doomed.url} was started without LoRA support "
+                    "(vLLM's --enable-lora); `parityrl serve <recipe>` starts it to serve the adapter)"], said
     steps = [s for s, _ in list_checkpoints(cfg.run_dir)]
     assert steps and max(steps) < 4, steps  # the run stopped, its checkpoints are complete ones
     last = max(steps)
@@ -738,6 +1088,7 @@ def test_dead_server_stops_the_run_and_the_checkpoint_resumes(server, tmp_path, 
     res = train(cfg, resume=True)
     assert [x["step"] for x in res.history] == [last + 1]
     assert res.history[0]["parity/mae"] < PARITY_MAE_BOUND
+    assert res.history[0]["perf/sync_tensors"] == 2 * 7 * 4  # the adapter, over the server's own base weights
 
 
 def test_a_dead_engine_core_behind_a_live_front_end_is_an_unavailable_server():
@@ -811,6 +1162,8 @@ def test_one_step_off_policy_against_the_server(server, one_trainer_on_server, t
     assert all(h["staleness/mae"] > 0 for h in res[1:])  # trained one update after the adapter that sampled
     assert all(h["parity/mae"] < PARITY_MAE_BOUND for h in res)  # engine vs that adapter: numerics only
     assert all("perf/prefetch_wait_s" in h for h in res)
+    # every sync was an adapter version; each batch was checked against the version it was launched with
+    assert all(h["perf/sync_tensors"] == 2 * 7 * 4 for h in res)
 
 
 @pytest.mark.slow

@@ -18,6 +18,16 @@ The server gets exactly the settings the trainer's checks rely on
   (said when it starts, ``GPU_SHARE_NOTE``);
 - routes (an MoE recipe whose ``parity.routing_replay`` is on or measure): on CPU prefix caching off, for the
   project's capture in the workers; on CUDA refused before anything starts (``SERVER_ROUTES_ON_CUDA``);
+- the LoRA adapter (a recipe whose ``rollout.lora_sync`` resolves to ``adapter``,
+  ``trainer.precision.lora_sync``): ``--enable-lora`` with the options the colocated engine
+  starts with (``rollout.vllm_adapters.lora_options``): the smallest ``--max-lora-rank`` vLLM
+  allows at least ``model.lora.r``, ``--max-loras 1`` (one version runs at a time: a sync waits
+  for the rollouts in flight, the one-step-off prefetch included, before it loads the next one)
+  and ``--max-cpu-loras 2`` (the next version is added before the old one goes), on
+  ``--lora-target-modules`` the policy's resolved LoRA leaf names only (vLLM's LoRA logits
+  wrapper would break prompt log-probs); and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, which mounts
+  vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``vllm/entrypoints/serve/lora/
+  api_router.py``): each sync loads a new version (``rollout.server_engine.ServerEngine.load_adapter``);
 - ``--tensor-parallel-size`` from the command line (on a CPU with fewer NUMA nodes than
   ranks, ``VLLM_CPU_OMP_THREADS_BIND`` splits the allowed cores between the ranks:
   vLLM's automatic binding wants a NUMA node per rank);
@@ -45,6 +55,7 @@ import torch
 from transformers import AutoConfig
 
 from rollout.server_engine import SERVER_ROUTES_ON_CUDA, parse_server_url
+from rollout.vllm_adapters import lora_options
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig
 from trainer.config.validate import sequence_length
@@ -53,6 +64,8 @@ from trainer.io.child_processes import run_supervised
 from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.checks import server_problem
+from trainer.precision.lora_sync import ADAPTER, lora_sync_mode
+from trainer.sampling.engines import local_config, lora_target_leaves
 
 WORKER_EXTENSION = "rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension"
 BACKENDS = ("auto", "parityrl_file", "nccl")
@@ -137,7 +150,13 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
         argv.append("--no-enable-prefix-caching")  # a cached token is never computed, so it would have no route
     if not cuda:
         argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_bytes)]
+    lora = lora_flags(cfg, model_dir, where, cuda=cuda)
+    argv += lora
     env = dict(os.environ)
+    if lora:
+        # vLLM mounts its adapter routes only with it (vllm/entrypoints/serve/lora/api_router.py); like the dev
+        # routes, they let any client load an adapter, so the same binding applies (docs/server-mode.md "Security").
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     # Needed, not a debugging leftover: vLLM mounts its RL routes only in dev mode (vllm/entrypoints/serve/__init__.py),
     # and the trainer uses them: /init_weight_transfer_engine and /update_weights (every weight sync),
     # /collective_rpc (the settings check and the parityrl_file transfer), /reset_prefix_cache after a sync.
@@ -155,6 +174,27 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
         if bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     return argv, env
+
+
+def lora_flags(cfg: RunConfig, model_dir: str, where: str, *, cuda: bool) -> list[str]:
+    """vLLM's LoRA flags for a recipe that serves its adapter (``rollout.lora_sync`` resolved to ``adapter`` for the
+    model and the server's device); [] for one that takes merged weights (the server then runs without vLLM's LoRA
+    wrappers)."""
+    try:
+        mode = lora_sync_mode(cfg, model_config=local_config(model_dir), cuda=cuda)[0]
+    except RecipeError as e:  # an explicit adapter the engine cannot serve
+        raise RecipeError(f"{where}: {e}") from None
+    if mode != ADAPTER:
+        return []
+    targets = lora_target_leaves(cfg, model_dir)
+    if not targets:
+        raise RecipeError(f"{where}: model.lora.target_modules = {cfg.model.lora.target_modules!r}: cannot be resolved "
+                          f"to layer names without the model's config ({model_dir} is not readable here); list the "
+                          "modules, or set rollout.lora_sync: merged")
+    options = lora_options(cfg.model.lora.r, targets)
+    return ["--enable-lora", "--max-lora-rank", str(options["max_lora_rank"]), "--max-loras",
+            str(options["max_loras"]), "--max-cpu-loras", str(options["max_cpu_loras"]),
+            "--lora-target-modules", *options["lora_target_modules"]]
 
 
 def _routes_asked(cfg: RunConfig, model_dir: str, where: str) -> bool:
@@ -176,15 +216,21 @@ def run_serve(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend
     argv, env = serve_command(cfg, tensor_parallel_size=tensor_parallel_size, transfer_backend=transfer_backend,
                               cuda=cuda)
     backend = json.loads(argv[argv.index("--weight-transfer-config") + 1])["backend"]
+    lora = (f"LoRA adapters of rank <= {argv[argv.index('--max-lora-rank') + 1]}" if "--enable-lora" in argv
+            else "merged weights")
     print(f"parityrl serve: vLLM for {argv[argv.index('--model') + 1]} on {cfg.rollout.server_url} "
-          f"(tensor parallel {tensor_parallel_size}, weight transfer {backend}); ready when "
+          f"(tensor parallel {tensor_parallel_size}, weight transfer {backend}, {lora}); ready when "
           f"{cfg.rollout.server_url.rstrip('/')}/health answers 200", file=sys.stderr, flush=True)
     if cuda:
         print(GPU_SHARE_NOTE, file=sys.stderr, flush=True)
+    why = lora_sync_mode(cfg, model_config=local_config(resolve_model_path(cfg.model.path)), cuda=cuda)[1]
+    if why:  # the trainer says the same at its start
+        print(f"parityrl serve: rollout.lora_sync: merged ({why}): vLLM runs without LoRA", file=sys.stderr, flush=True)
     if cfg.rollout.mode != "server":
         print(f"parityrl serve: note: the recipe has rollout.mode = {cfg.rollout.mode!r}; train with "
               "--set rollout.mode=server to use this server", file=sys.stderr, flush=True)
-    shown = ["VLLM_SERVER_DEV_MODE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"]
+    shown = ["VLLM_SERVER_DEV_MODE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND",
+             "VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
     prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in shown if k in env)
     print(f"{prefix} {shlex.join(argv)}", flush=True)
     if dry_run:

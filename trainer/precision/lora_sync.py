@@ -13,7 +13,9 @@ the run says why once at its start:
 - a mixture-of-experts model on vLLM's CPU build: with LoRA on, vLLM runs the experts through its Triton
   fused-MoE kernel (``vllm/model_executor/layers/fused_moe/experts/triton_moe.py``), which has no CPU backend
   (known from the model's config: ``model_config``; on CUDA the adapter is served);
-- an engine handed to the run that was started without LoRA support (``adapter_dtype`` None).
+- an engine handed to the run that was started without LoRA support (``adapter_dtype`` None), a server
+  (``parityrl serve``) that cannot serve it (``ServerEngine.adapter_unavailable`` says why), or an engine
+  started from another model than the run's.
 """
 from __future__ import annotations
 
@@ -84,7 +86,9 @@ def engine_lora_sync(cfg: RunConfig, engine, recipe: Optional[PrecisionRecipe] =
         return mode, why
     problem = None
     if getattr(engine, "adapter_dtype", None) is None:
-        problem = f"the engine ({type(engine).__name__}) was started without LoRA support"
+        # the engine's own reason where it has one (a server: rollout.server_engine.ServerEngine.adapter_unavailable)
+        problem = (getattr(engine, "adapter_unavailable", None)
+                   or f"the engine ({type(engine).__name__}) was started without LoRA support")
     elif model_dir is not None and isinstance(getattr(engine, "model", None), str) and \
             Path(engine.model).resolve() != Path(model_dir).resolve():
         problem = f"the engine ({type(engine).__name__}) was started from {engine.model}, not the run's {model_dir}"

@@ -90,11 +90,12 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
     """
     r = cfg.rollout
     adapter = lora_sync_mode(cfg, model_config=local_config(model_dir))[0] == ADAPTER
-    if adapter and lora_targets is None and r.mode != "server" and r.engine != "hf":
+    if adapter and lora_targets is None and r.engine != "hf":
         lora_targets = lora_target_leaves(cfg, model_dir)
     if r.mode == "server":
-        # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer.
-        return _server_engine(cfg, model_dir, max_model_len, dp, return_routes)
+        # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer, an adapter
+        # through vLLM's adapter loading (rollout.server_engine).
+        return _server_engine(cfg, model_dir, max_model_len, dp, return_routes, lora_targets if adapter else None)
     if r.engine == "hf":
         return HFEngine(model_dir, dtype=cfg.model.dtype, device="cuda" if torch.cuda.is_available() else "cpu",
                         return_routes=return_routes, serve_adapters=adapter)
@@ -116,7 +117,8 @@ def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
                         logprobs_topk=cfg.parity.topk)
 
 
-def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, return_routes: bool = False):
+def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, return_routes: bool = False,
+                   lora_targets: Optional[Sequence[str]] = None):
     """One server shared by every data-parallel rank: rank 0 owns the weight transfer and pushes.
 
     Every rank sends its own shard's generate requests (the server batches them). Rank 0
@@ -124,6 +126,8 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, retur
     others then connect without a transfer channel and share rank 0's version tag, so
     every rank refuses samples from another weight version. A failure on rank 0 stops
     every rank (``DataParallel.raise_together``) instead of leaving them waiting.
+    ``lora_targets``: the run serves its adapter on these (``rollout.lora_sync`` resolved to ``adapter``): the
+    server must run LoRA for them (refused at connect for an explicit ``adapter``, else merged weights).
     """
     dp = dp or DataParallel()
     r = cfg.rollout
@@ -132,7 +136,9 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, retur
     def connect(pushes: bool):
         return ServerEngine(r.server_url, model_dir=model_dir, timeout_s=r.server_timeout_s, dtype=cfg.model.dtype,
                             max_model_len=max_model_len, pushes_weights=pushes, version_tag=tag,
-                            connect_timeout_s=r.server_connect_timeout_s, return_routes=return_routes)
+                            connect_timeout_s=r.server_connect_timeout_s, return_routes=return_routes,
+                            adapter_rank=None if lora_targets is None else cfg.model.lora.r,
+                            adapter_targets=lora_targets, adapter_required=r.lora_sync == ADAPTER)
 
     engine, error = None, None
     if dp.rank == 0:
@@ -152,7 +158,7 @@ def sync_adapter(engine: RolloutEngine, policy, *, version: int, gather=None) ->
     rank takes part under ZeRO-3). An engine that does not push its own weights only follows the push."""
     adapter = export_lora_adapter(policy, version=version, dtype=engine.adapter_dtype or torch.float32, gather=gather)
     if not engine.pushes_weights:
-        engine.follow_push()
+        engine.follow_push(adapter=True)
         return {}
     engine.load_adapter(adapter)
     return {"perf/sync_bytes": float(adapter.nbytes), "perf/sync_tensors": float(len(adapter.tensors)),

@@ -9,7 +9,7 @@ from rollout.hf_engine import HFEngine
 from rollout.weight_export import layer_chunks, merged_lora_weights, payload_bytes
 from trainer.config import LoraConfig
 from trainer.models.policy import add_lora, load_base_model
-from trainer.sampling.engines import sync_weights
+from trainer.sampling.engines import sync_adapter, sync_weights
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +134,14 @@ def test_a_follower_rank_only_follows_the_push(policy_and_base):
     engine.follow_push = follow
     assert sync_weights(engine, policy) == {}
     assert engine.calls == [] and engine.followed == 1
+
+
+def test_a_follower_rank_follows_an_adapter_push_as_an_adapter(policy_and_base):
+    """A data-parallel rank > 0 sharing rank 0's server: its requests must name the adapter version rank 0 loaded
+    (rollout.server_engine), so it is told the push was an adapter's."""
+    policy, _ = policy_and_base
+    engine = _Recorder()
+    engine.pushes_weights, engine.adapter_dtype, engine.followed = False, torch.bfloat16, []
+    engine.follow_push = lambda adapter=False: engine.followed.append(adapter)
+    assert sync_adapter(engine, policy, version=3) == {}
+    assert engine.calls == [] and engine.followed == [True]
