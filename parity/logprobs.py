@@ -61,6 +61,15 @@ forward pass but detached, so a caller that only logs it keeps the log-prob-only
 (and, with a frozen lm_head, the precomputed-G shortcut above); with ``entropy_grad=True``
 the backward carries the entropy term and recomputes every tile.
 
+Truncated sampling (``support``): with top-k / top-p / min-p the engine samples from the softmax over the set S of
+tokens it kept, and reports log-probs normalised over S. Given the engine's S per row (a CSR pair), every
+normaliser here is over S instead of the vocabulary: ``lse_S = log sum_{j in S} exp z_j``, ``logprob = z_t - lse_S``,
+the entropy is the truncated distribution's, and the gradients replace p by p_S (0 outside S):
+``d logprob / d z_j = 1[j = t] - p_S,j``. The logits tile is the one computed anyway; S enters as a boolean tile
+of the same shape built from the CSR, so no tensor grows with N x V. The log of the trainer's mass inside S,
+``lse_S - lse``, comes from the same tile (``return_kept_logmass``). The support path runs on the chunked torch
+implementation on every device (the Triton kernels do not take S).
+
 Backends: ``_backend_for`` picks the implementation from the inputs' device, in one place:
 CUDA tensors in float32/bf16/fp16 go to the Triton kernels of ``parity.logprobs_triton``
 (when triton imports, and once they have matched this path on a small problem on that device
@@ -136,7 +145,9 @@ def fused_logprobs(
     ignore_index: int = IGNORE_INDEX,
     logit_softcap: Optional[float] = None,
     logit_scale: float = 1.0,
-) -> _Result:
+    support: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    return_kept_logmass: bool = False,
+):
     """Log-probs of ``targets`` (and entropy) under softmax((hidden @ weight.T + bias) / T), chunked.
 
     Args:
@@ -161,11 +172,17 @@ def fused_logprobs(
         ignore_index: target value meaning "no token here".
         logit_softcap: None, or cap > 0: logits become cap * tanh(logits / cap) (module docstring).
         logit_scale: logits are multiplied by this (after the softcap, before 1/T).
+        support: None, or the kept sets of a truncated sampler (module docstring) as ``(offsets, ids)``: offsets
+            [N + 1] int64 over the flattened positions of ``targets``, ids int [M]; position n's set is
+            ``ids[offsets[n]:offsets[n + 1]]``. Every valid target must be in its set; the log-probs, the entropy
+            and their gradients are then over that set.
+        return_kept_logmass: also return, third, log of the probability mass inside each position's set under the
+            full softmax (0 without ``support``, and at ignored positions); no gradient.
 
     Returns:
         (logprobs, entropy): both shaped like ``targets``, float32 (float64 for float64
         inputs); entropy is None unless ``return_entropy``, and carries no gradient when
-        ``entropy_grad`` is False.
+        ``entropy_grad`` is False. With ``return_kept_logmass``: (logprobs, entropy, kept_logmass).
 
     Out of memory in a tile (``torch.OutOfMemoryError``, or a RuntimeError saying "out of
     memory" / "can't allocate memory") halves the tile and redoes the pass with a
@@ -186,6 +203,12 @@ def fused_logprobs(
         # Padded batches: run the kernel on the valid rows only and scatter back.
         idx = valid.nonzero().squeeze(1)
         rows_h, rows_t = flat_h.index_select(0, idx), flat_t.index_select(0, idx)
+    kept_sets = None
+    if support is not None:
+        kept_sets = _KeptSets.of(support, n_tokens, weight.shape[0], flat_h.device)
+        if not all_valid:
+            kept_sets = kept_sets.rows(idx)
+        kept_sets.check_targets(rows_t)
 
     entropy_grad = bool(return_entropy and entropy_grad)
     if rows_t.numel() == 0:
@@ -193,7 +216,8 @@ def fused_logprobs(
         zero = (flat_h[:0].sum() + weight[:0].sum()).to(compute_dtype)
         lp = zero.expand(n_tokens).clone()
         ent = (lp.clone() if entropy_grad else lp.detach().clone()) if return_entropy else None
-        return lp.reshape(out_shape), (ent.reshape(out_shape) if ent is not None else None)
+        out = (lp.reshape(out_shape), (ent.reshape(out_shape) if ent is not None else None))
+        return out + (lp.detach().clone().reshape(out_shape),) if return_kept_logmass else out
 
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (rows_h, weight, bias)
@@ -206,18 +230,26 @@ def fused_logprobs(
         and not (bias is not None and bias.requires_grad)
         and not entropy_grad
     )
-    fn = _backend_for(rows_h)
-    lp, ent = fn.apply(
-        rows_h, weight, bias, rows_t, xf, bool(return_entropy), entropy_grad,
-        chunk_size or 0, vocab_chunk_size or 0, bool(precompute),
-    )
+    if kept_sets is not None:  # the support path is the chunked torch one on every device
+        lp, ent, kept = _ChunkedLogProbs.apply(
+            rows_h, weight, bias, rows_t, xf, bool(return_entropy), entropy_grad,
+            chunk_size or 0, vocab_chunk_size or 0, bool(precompute), kept_sets,
+        )
+    else:
+        lp, ent = _backend_for(rows_h).apply(
+            rows_h, weight, bias, rows_t, xf, bool(return_entropy), entropy_grad,
+            chunk_size or 0, vocab_chunk_size or 0, bool(precompute),
+        )
+        kept = lp.detach().new_zeros(lp.shape)
     if not return_entropy:
         ent = None
     if not all_valid:
         lp = lp.new_zeros(n_tokens).index_copy(0, idx, lp)
+        kept = kept.new_zeros(n_tokens).index_copy(0, idx, kept)
         if ent is not None:
             ent = ent.new_zeros(n_tokens).index_copy(0, idx, ent)
-    return lp.reshape(out_shape), (ent.reshape(out_shape) if ent is not None else None)
+    out = (lp.reshape(out_shape), (ent.reshape(out_shape) if ent is not None else None))
+    return out + (kept.reshape(out_shape),) if return_kept_logmass else out
 
 
 @torch.no_grad()
@@ -489,6 +521,55 @@ def _retry_halving(run, rows: int, vblock: int, what: str, split_vocab: bool):
 # vs 8 ms), which is also why the naive version pays more than its FLOPs suggest.
 
 
+class _KeptSets:
+    """A truncated sampler's kept sets over the kernel's rows (CSR), and their boolean tiles."""
+
+    def __init__(self, offsets: torch.Tensor, ids: torch.Tensor, vocab: int) -> None:
+        self.offsets, self.ids, self.vocab = offsets, ids, vocab
+        sizes = offsets[1:] - offsets[:-1]
+        self.row_of = torch.repeat_interleave(torch.arange(sizes.numel(), device=ids.device), sizes)
+
+    @classmethod
+    def of(cls, support, n: int, vocab: int, device) -> "_KeptSets":
+        if not (isinstance(support, (tuple, list)) and len(support) == 2):
+            raise ValueError("support: expected (offsets [N + 1], ids [M])")
+        offsets, ids = (torch.as_tensor(x, device=device) for x in support)
+        if offsets.dim() != 1 or offsets.numel() != n + 1 or ids.dim() != 1:
+            raise ValueError(f"support: offsets must be [N + 1] = [{n + 1}] and ids [M], got "
+                             f"{tuple(offsets.shape)} and {tuple(ids.shape)}")
+        offsets, ids = offsets.long(), ids.long()
+        if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError("support: offsets must start at 0, never decrease and end at len(ids)")
+        if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
+            raise ValueError(f"support: ids outside [0, {vocab})")
+        return cls(offsets, ids, vocab)
+
+    def rows(self, idx: torch.Tensor) -> "_KeptSets":
+        """The sets of rows ``idx``, in that order."""
+        sizes = (self.offsets[1:] - self.offsets[:-1])[idx]
+        offsets = torch.zeros(idx.numel() + 1, dtype=torch.long, device=idx.device)
+        offsets[1:] = sizes.cumsum(0)
+        within = torch.arange(int(offsets[-1]), device=idx.device) - torch.repeat_interleave(offsets[:-1], sizes)
+        return _KeptSets(offsets, self.ids[torch.repeat_interleave(self.offsets[idx], sizes) + within], self.vocab)
+
+    def check_targets(self, targets: torch.Tensor) -> None:
+        hit = torch.zeros(targets.numel(), dtype=torch.long, device=targets.device)
+        hit.index_add_(0, self.row_of, (self.ids == targets[self.row_of]).long())
+        missing = (hit == 0).nonzero().squeeze(1)
+        if missing.numel():
+            raise ValueError(f"support: {missing.numel()} target(s) outside their kept set (first at valid position "
+                             f"{int(missing[0])}): a token must be sampled from the set it is normalised over")
+
+    def tile(self, r0: int, r1: int, v0: int, v1: int) -> torch.Tensor:
+        """bool [r1 - r0, v1 - v0]: True where the vocabulary entry is in the row's set."""
+        keep = torch.zeros(r1 - r0, v1 - v0, dtype=torch.bool, device=self.ids.device)
+        a, b = int(self.offsets[r0]), int(self.offsets[r1])
+        ids, rows = self.ids[a:b], self.row_of[a:b]
+        inside = (ids >= v0) & (ids < v1)
+        keep[rows[inside] - r0, ids[inside] - v0] = True
+        return keep
+
+
 class _Buffers:
     """Reusable tile buffers of one pass; ``None`` fields are not needed by the pass.
 
@@ -560,19 +641,26 @@ def _accumulate(acc, x, stage, first: bool):
     return acc
 
 
-def _forward_tile(h, weight, bias_c, t, xf, want_entropy, want_grad_h, buf):
+def _forward_tile(h, weight, bias_c, t, xf, want_entropy, want_grad_h, buf, keep=None):
     """One row chunk against the full vocabulary.
 
-    Returns (logprob [r], lse [r], entropy [r] or None, G [r, H] or None) where
-    G = ((onehot(t) - p) * dz/du) @ weight = d logprob / d hidden.
+    Returns (logprob [r], lse [r], entropy [r] or None, G [r, H] or None, lse over the whole vocabulary [r] or
+    None) where G = ((onehot(t) - p) * dz/du) @ weight = d logprob / d hidden. ``keep`` [r, V]: the rows' kept
+    sets; every normaliser (lse, p, entropy) is then over them, and the last output is the full one.
     """
     z, dcap = _scaled_logits(h, weight, bias_c, xf, buf)
     z_t = z.gather(1, t.unsqueeze(1)).squeeze(1)
+    lse_full = None
+    if keep is not None:
+        lse_full = torch.logsumexp(z, dim=1)
+        z.masked_fill_(~keep, -math.inf)
     m = z.amax(dim=1, keepdim=True)
     z -= m  # z' = z - max, so exp never overflows
     if want_entropy:
         e = torch.exp(z, out=buf.tile(buf.e, *z.shape))
         s = e.sum(dim=1)
+        if keep is not None:
+            z.masked_fill_(~keep, 0.0)  # e is 0 there; 0 * -inf would be NaN
         # entropy = lse - sum p z = log s - sum(e z') / s  (the max cancels)
         ent = torch.log(s) - torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1) / s
     else:
@@ -590,17 +678,18 @@ def _forward_tile(h, weight, bias_c, t, xf, want_entropy, want_grad_h, buf):
         if xf.mult != 1.0:
             g *= xf.mult
         grad_h = torch.mm(_to_input_dtype(g, buf), weight, out=buf.gh[: h.shape[0]]).to(lse.dtype)
-    return logprob, lse, ent, grad_h
+    return logprob, lse, ent, grad_h, lse_full
 
 
-def _backward_tile(h, w_blk, b_blk_c, t, v0, lse, ent, g_lp, g_ent, xf, buf):
+def _backward_tile(h, w_blk, b_blk_c, t, v0, lse, ent, g_lp, g_ent, xf, buf, keep=None):
     """Minus the gradient of sum(g_lp * logprob + g_ent * entropy) w.r.t. the tile's raw logits.
 
     Rows ``h`` [r, H] against vocabulary block ``w_blk`` [v, H] starting at ``v0``.
     Returns float [r, v] (a view of ``buf.z``):
         (p * (g_lp + g_ent * (log p + entropy)) - g_lp * onehot) * dz/du
     The sign is flipped because it saves a full pass over the tile; the caller negates
-    the much smaller accumulated gradients once at the end.
+    the much smaller accumulated gradients once at the end. ``keep`` [r, v]: the rows' kept sets in this block
+    (``lse`` and ``ent`` are then the truncated distribution's); p is 0 outside them.
     """
     logp, dcap = _scaled_logits(h, w_blk, b_blk_c, xf, buf)
     logp.sub_(lse.unsqueeze(1))
@@ -612,6 +701,8 @@ def _backward_tile(h, w_blk, b_blk_c, t, v0, lse, ent, g_lp, g_ent, xf, buf):
         neg_grad = coef.mul_(p)
     else:
         neg_grad = logp.exp_().mul_(g_lp.unsqueeze(1))
+    if keep is not None:
+        neg_grad.masked_fill_(~keep, 0.0)  # also what an overflow outside the set made inf or NaN
     if g_lp is not None:
         local = t - v0
         rows = ((local >= 0) & (local < w_blk.shape[0])).nonzero().squeeze(1)
@@ -623,7 +714,7 @@ def _backward_tile(h, w_blk, b_blk_c, t, v0, lse, ent, g_lp, g_ent, xf, buf):
     return neg_grad
 
 
-def _forward_pass(hidden, weight, bias, targets, xf, want_entropy, precompute, rows):
+def _forward_pass(hidden, weight, bias, targets, xf, want_entropy, precompute, rows, kept_sets=None):
     cd = _compute_dtype(hidden.dtype)
     n, (vocab, hsize) = hidden.shape[0], weight.shape
     rows = min(rows, n)
@@ -634,18 +725,22 @@ def _forward_pass(hidden, weight, bias, targets, xf, want_entropy, precompute, r
     lse = torch.empty_like(lp)
     ent = torch.empty_like(lp) if want_entropy else None
     gh = torch.empty(n, hsize, dtype=cd, device=hidden.device) if precompute else None
+    kept = torch.zeros_like(lp) if kept_sets is not None else None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        out = _forward_tile(hidden[r0:r1], weight, bias_c, targets[r0:r1], xf, want_entropy, precompute, buf)
+        keep = kept_sets.tile(r0, r1, 0, vocab) if kept_sets is not None else None
+        out = _forward_tile(hidden[r0:r1], weight, bias_c, targets[r0:r1], xf, want_entropy, precompute, buf, keep)
         lp[r0:r1], lse[r0:r1] = out[0], out[1]
         if want_entropy:
             ent[r0:r1] = out[2]
         if precompute:
             gh[r0:r1] = out[3]
-    return lp, lse, ent, gh
+        if keep is not None:
+            kept[r0:r1] = out[1] - out[4]  # log of the full softmax's mass inside the set (<= 0)
+    return lp, lse, ent, gh, kept
 
 
-def _backward_pass(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, xf, need, rows, vblock):
+def _backward_pass(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, xf, need, rows, vblock, kept_sets=None):
     need_h, need_w, need_b = need
     cd = lse.dtype
     n, (vocab, hsize) = hidden.shape[0], weight.shape
@@ -670,7 +765,7 @@ def _backward_pass(hidden, weight, bias, targets, lse, ent, g_lp, g_ent, xf, nee
                 hidden[r0:r1], w_blk, bias_c[v0:v1] if bias_c is not None else None, targets[r0:r1], v0,
                 lse[r0:r1], ent[r0:r1] if ent is not None else None,
                 g_lp[r0:r1] if g_lp is not None else None, g_ent[r0:r1] if g_ent is not None else None,
-                xf, buf,
+                xf, buf, kept_sets.tile(r0, r1, v0, v1) if kept_sets is not None else None,
             )
             if need_b:
                 gb[v0:v1] += neg_grad.sum(0)
@@ -704,27 +799,32 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, xf, want_entropy, entropy_grad, chunk, vblock, precompute):
+    def forward(ctx, hidden, weight, bias, targets, xf, want_entropy, entropy_grad, chunk, vblock, precompute,
+                kept_sets=None):
         vocab, hsize = weight.shape
         rows = chunk or _auto_chunk_rows(vocab, _memory_budget(hidden.device))
-        run = lambda r, _v: _forward_pass(hidden, weight, bias, targets, xf, want_entropy, precompute, r)
-        lp, lse, ent, gh = _retry_halving(run, min(rows, hidden.shape[0]), vocab, "forward", split_vocab=False)
+        run = lambda r, _v: _forward_pass(hidden, weight, bias, targets, xf, want_entropy, precompute, r, kept_sets)
+        lp, lse, ent, gh, kept = _retry_halving(run, min(rows, hidden.shape[0]), vocab, "forward", split_vocab=False)
         keep_ent = ent if entropy_grad else None  # a detached entropy plays no part in the backward
         ctx.save_for_backward(hidden, weight, bias, targets, lse, keep_ent, gh)
         ctx.xf, ctx.chunk, ctx.vblock, ctx.precompute = xf, chunk, vblock, precompute
+        ctx.kept_sets = kept_sets
         ctx.set_materialize_grads(False)
         if ent is None:
             ent = torch.zeros(0, dtype=lp.dtype, device=lp.device)
         if keep_ent is None:
             ctx.mark_non_differentiable(ent)
-        return lp, ent
+        if kept_sets is None:
+            return lp, ent
+        ctx.mark_non_differentiable(kept)
+        return lp, ent, kept
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent, *_g_kept):
         hidden, weight, bias, targets, lse, ent, gh = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
-        none = (None,) * 7
+        none = (None,) * (8 if ctx.kept_sets is not None else 7)
         if ent is None or (g_ent is not None and g_ent.numel() == 0):
             g_ent = None
         g_lp = g_lp.to(lse.dtype) if g_lp is not None else None
@@ -741,7 +841,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             hidden.shape[0], vocab, hsize, ctx.chunk, ctx.vblock, _memory_budget(hidden.device)
         )
         run = lambda r, v: _backward_pass(
-            hidden, weight, bias, targets, lse, ent, g_lp, g_ent, ctx.xf, need, r, v
+            hidden, weight, bias, targets, lse, ent, g_lp, g_ent, ctx.xf, need, r, v, ctx.kept_sets
         )
         gh, gw, gb = _retry_halving(run, rows, vblock, "backward", split_vocab=True)
         grad_h = gh.to(hidden.dtype) if gh is not None else None

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from rollout.moe_config import is_moe
+from rollout.support import Support
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # What this forward implements; anything else in a config is refused by ``check_supported``.
@@ -166,11 +167,14 @@ class EngineForward:
     # ---- forward ----------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int], temperature: float = 1.0,
-                 topk_ids: Sequence[torch.Tensor] | None = None):
+                 topk_ids: Sequence[torch.Tensor] | None = None, supports: Sequence[Support] | None = None):
         """Per sequence k, log p(x_t | x_<t) for t in [starts[k], len): float32 1-D tensors.
 
         With ``topk_ids`` (per sequence a [len - start, k] id tensor) also their log-probs, and the
         entropy of each position's distribution: returns (logprobs, entropies, topk_logprobs).
+        ``supports``: per sequence the kept sets of a truncated sampler over the same positions
+        (``rollout.support``): every distribution is then the engine sampler's, the logits outside the set
+        at -inf before the same log-softmax (``vllm/v1/sample/ops/topk_topp_sampler.py``).
         """
         if not self._prepared:
             raise RuntimeError("EngineForward: set_weights() first")
@@ -208,14 +212,15 @@ class EngineForward:
         targets = torch.cat([torch.as_tensor(list(seq[s:]), dtype=torch.long) for seq, s in zip(sequences, starts)])
         counts = [n - s for s, n in zip(starts, lens)]
         tops = None if topk_ids is None else torch.cat(list(topk_ids)).long()
+        keep = None if supports is None else torch.cat([s.mask(self.vocab) for s in supports])
         picked, ent, top = [], [], []
         # [rows x vocab] float32 logits a chunk at a time (a row's log_softmax does not depend on the others')
         for c in range(0, rows.numel(), HEAD_ROWS):
             sl = slice(c, c + HEAD_ROWS)
-            p_c, lsm = self._head(h[rows[sl]], targets[sl], temperature)
+            p_c, lsm = self._head(h[rows[sl]], targets[sl], temperature, None if keep is None else keep[sl])
             picked.append(p_c)
             if tops is not None:
-                ent.append(-(lsm.exp() * lsm).sum(-1))
+                ent.append(-(lsm.exp() * lsm.nan_to_num(neginf=0.0)).sum(-1))
                 top.append(lsm.gather(1, tops[sl]))
         lps = list(torch.cat(picked).split(counts))
         if tops is None:
@@ -279,11 +284,14 @@ class EngineForward:
             s_aux=None)
         return out
 
-    def _head(self, h: torch.Tensor, targets: torch.Tensor, temperature: float):
-        """(log-probs of ``targets``, the full log-softmax) as vLLM's LogitsProcessor + Sampler compute them."""
+    def _head(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, keep: torch.Tensor | None = None):
+        """(log-probs of ``targets``, the full log-softmax) as vLLM's LogitsProcessor + Sampler compute them
+        (``keep``: the kept sets of a truncated sampler, -inf outside them, as its sampler masks)."""
         logits = self._prepared["lm_head"](h)[..., : self.vocab].to(torch.float32)
         if temperature != 1.0:
             logits.div_(torch.full((logits.shape[0], 1), temperature, dtype=torch.float32))
+        if keep is not None:  # a position with no set is context (an episode's reply): nothing was sampled there
+            logits.masked_fill_(~(keep | ~keep.any(1, keepdim=True)), -float("inf"))
         lsm = logits.log_softmax(dim=-1, dtype=torch.float32)
         return lsm.gather(1, targets[:, None])[:, 0], lsm
 

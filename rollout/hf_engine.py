@@ -31,6 +31,7 @@ from rollout.base import InProcessEngine
 from rollout.hf_routes import RouterTap, generation_routes
 from rollout.moe_config import route_shape
 from rollout.requests import sample_seed, validate_request
+from rollout.support import Support
 from rollout.types import Rollouts, SamplingSpec, Scored
 
 
@@ -109,11 +110,12 @@ class HFEngine(InProcessEngine):
         """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n."""
         validate_request(prompt_ids, spec, self.max_model_len)
         rows = [list(p) for p in prompt_ids for _ in range(spec.n)]
-        completion_ids, logprobs, finish, top_ids, top_lps, routes = [], [], [], [], [], []
+        completion_ids, logprobs, finish, top_ids, top_lps, routes, support = [], [], [], [], [], [], []
         for chunk, start in enumerate(range(0, len(rows), self.max_batch_size)):
-            c, lp, f, ti, tl, r = self._generate_chunk(rows[start:start + self.max_batch_size], spec,
-                                                       seed=sample_seed(spec.seed, chunk))
+            c, lp, f, ti, tl, r, sup = self._generate_chunk(rows[start:start + self.max_batch_size], spec,
+                                                            seed=sample_seed(spec.seed, chunk))
             routes += r
+            support += sup
             completion_ids += c
             logprobs += lp
             finish += f
@@ -121,7 +123,7 @@ class HFEngine(InProcessEngine):
             top_lps += tl
         return Rollouts(prompt_ids=rows, completion_ids=completion_ids, rollout_logprobs=logprobs,
                         finish_reasons=finish, group_size=spec.n, topk_ids=top_ids, topk_logprobs=top_lps,
-                        routes=routes)
+                        routes=routes, support=support)
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
@@ -149,6 +151,7 @@ class HFEngine(InProcessEngine):
 
         return GenerationConfig(
             do_sample=True, num_beams=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+            min_p=spec.min_p or None,
             max_new_tokens=spec.max_new_tokens, min_new_tokens=0, eos_token_id=self.eos_ids or None,
             pad_token_id=self.pad_id, output_scores=True, return_dict_in_generate=True, use_cache=True,
         )
@@ -157,8 +160,9 @@ class HFEngine(InProcessEngine):
     def _generate_chunk(self, rows: list[list[int]], spec: SamplingSpec, seed: int):
         """rows: [B][P_b] prompts (already repeated n times).
 
-        Returns completions, log-probs, finish reasons, (if ``spec.logprobs_topk``) top-k ids and log-probs, and
-        (if ``return_routes``) the routes of every row.
+        Returns completions, log-probs, finish reasons, (if ``spec.logprobs_topk``) top-k ids and log-probs,
+        (if ``return_routes``) the routes of every row, and (if ``spec.truncated``) each row's kept sets: the finite
+        entries of the processed scores its token was sampled from.
         """
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -180,9 +184,11 @@ class HFEngine(InProcessEngine):
         new = out.sequences[:, width:]                            # [B, T]
         # out.scores: T x [B, V] processed logits; reduce step by step rather than stacking [B, T, V].
         k = spec.logprobs_topk
-        lp, top_v, top_i = [], [], []
+        lp, top_v, top_i, kept = [], [], [], []
         for t, s in enumerate(out.scores):
             logp = torch.log_softmax(s.float(), dim=-1)
+            if spec.truncated:
+                kept.append(torch.isfinite(logp).cpu())
             lp.append(logp.gather(-1, new[:, t:t + 1]).squeeze(-1))
             if k:
                 v, i = torch.topk(logp, k, dim=-1)
@@ -205,7 +211,9 @@ class HFEngine(InProcessEngine):
                 top_lps.append(top_v[b, :end].tolist())
         routes = (generation_routes(tap, [len(r) for r in rows], width, [len(c) for c in completions])
                   if self.return_routes else [])
-        return completions, logprobs, finish, top_ids, top_lps, routes
+        support = ([Support.from_lists([kept[t][b].nonzero().squeeze(1).tolist() for t in range(len(c))])
+                    for b, c in enumerate(completions)] if spec.truncated else [])
+        return completions, logprobs, finish, top_ids, top_lps, routes, support
 
     # ---- weights ----------------------------------------------------------------------------
     def load_adapter(self, adapter: LoraAdapter) -> None:

@@ -36,6 +36,7 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], spec: SamplingSpec, ma
         (spec.temperature > 0, "spec.temperature", spec.temperature, "a number > 0"),
         (0 < spec.top_p <= 1, "spec.top_p", spec.top_p, "a number in (0, 1]"),
         (isinstance(spec.top_k, int) and spec.top_k >= 0, "spec.top_k", spec.top_k, "an integer >= 0 (0 = off)"),
+        (0 <= spec.min_p < 1, "spec.min_p", spec.min_p, "a number in [0, 1) (0 = off)"),
         (isinstance(spec.max_new_tokens, int) and spec.max_new_tokens >= 1, "spec.max_new_tokens",
          spec.max_new_tokens, "an integer >= 1"),
         (isinstance(spec.logprobs_topk, int) and spec.logprobs_topk >= 0, "spec.logprobs_topk", spec.logprobs_topk,

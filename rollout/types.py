@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from rollout.routes import check_routes
+from rollout.support import check_supports
 
 
 def group_sample_indices(groups: Sequence[int], group_size: int) -> list[int]:
@@ -24,7 +25,8 @@ class SamplingSpec:
     n: completions per prompt (the GRPO group size).
     temperature: > 0. Engines return log-probs *after* temperature scaling,
         i.e. log softmax(logits / temperature) of the sampled token.
-    top_p, top_k: 1.0 / 0 mean off.
+    top_p, top_k, min_p: 1.0 / 0 / 0.0 mean off. With any of them on the engine also returns the set of tokens it
+        kept at every sampled position (``Rollouts.support``), over which its log-probs are normalised.
     max_new_tokens: completion length cap; finish_reason "length" when hit.
     seed: base seed; an engine derives per-request seeds from it so that a
         run is reproducible given the same weights.
@@ -43,11 +45,19 @@ class SamplingSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_new_tokens: int = 64
     seed: int = 0
     logprobs_topk: int = 0
     index_offset: int = 0
     sample_indices: tuple[int, ...] = ()
+
+    @property
+    def truncated(self) -> bool:
+        """Whether top-k, top-p or min-p leave out part of the vocabulary, so that the engine's log-probs are over
+        the set it kept. top-k 1 alone is greedy decoding (a held-out evaluation's): its log-probs are not
+        compared, so it needs no kept sets."""
+        return self.top_p < 1.0 or self.top_k > 1 or self.min_p > 0.0
 
     def sample_index(self, s: int) -> int:
         """The global index of this call's sample ``s`` (the per-sample seed derives from it)."""
@@ -77,6 +87,9 @@ class Rollouts:
     routes: [S] an MoE model's routes, one int16 tensor [P_i + C_i, MoE layers, top_k] per sample over its
         prompt and completion (``rollout.routes``: the expert ids the engine's routers chose, -1 where none);
         empty unless the engine was asked for them.
+    support: [S] with top-k / top-p / min-p, the set of token ids the engine kept at every completion position
+        (``rollout.support.Support``; an empty set at a context position), the sampled token always inside it;
+        empty when sampling was not truncated.
     """
 
     prompt_ids: list[list[int]]
@@ -89,6 +102,7 @@ class Rollouts:
     topk_logprobs: list[list[list[float]]] = field(default_factory=list)
     completion_mask: list[list[int]] = field(default_factory=list)
     routes: list = field(default_factory=list)
+    support: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         s = len(self.completion_ids)
@@ -105,6 +119,8 @@ class Rollouts:
         if self.routes:
             check_routes(self.routes, [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids)],
                          "Rollouts.routes")
+        if self.support:
+            check_supports(self.support, self.completion_ids, self.completion_mask, "Rollouts.support")
         if self.group_size < 1 or s % self.group_size:
             raise ValueError(f"Rollouts: {s} samples is not a multiple of group_size={self.group_size}")
 
@@ -169,7 +185,7 @@ class Rollouts:
                         rollout_logprobs=pick(self.rollout_logprobs), finish_reasons=pick(self.finish_reasons),
                         group_size=g, completion_texts=pick(self.completion_texts), topk_ids=pick(self.topk_ids),
                         topk_logprobs=pick(self.topk_logprobs), completion_mask=pick(self.completion_mask),
-                        routes=pick(self.routes))
+                        routes=pick(self.routes), support=pick(self.support))
 
     @classmethod
     def concat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
@@ -187,12 +203,14 @@ class Rollouts:
         # A part without a mask sampled every token: spelled out only when another part has one.
         masks = ([m for p in parts for m in (p.completion_mask or [[1] * len(c) for c in p.completion_ids])]
                  if any(p.completion_mask for p in parts) else [])
-        if any(p.routes for p in parts) and not all(p.routes or not len(p) for p in parts):
-            raise ValueError("Rollouts.concat: some parts carry routes and others none")
+        for name in ("routes", "support"):
+            if any(getattr(p, name) for p in parts) and not all(getattr(p, name) or not len(p) for p in parts):
+                raise ValueError(f"Rollouts.concat: some parts carry {name} and others none")
         return cls(prompt_ids=joined("prompt_ids"), completion_ids=joined("completion_ids"),
                    rollout_logprobs=joined("rollout_logprobs"), finish_reasons=joined("finish_reasons"),
                    group_size=parts[0].group_size, completion_texts=texts, topk_ids=joined("topk_ids"),
-                   topk_logprobs=joined("topk_logprobs"), completion_mask=masks, routes=joined("routes"))
+                   topk_logprobs=joined("topk_logprobs"), completion_mask=masks, routes=joined("routes"),
+                   support=joined("support"))
 
 
 @dataclass

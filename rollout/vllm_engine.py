@@ -59,9 +59,11 @@ from rollout.moe_config import is_moe, moe_shape, route_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import sample_seed, validate_request, validate_score_request
 from rollout.routes import NO_ROUTE, ROUTE_DTYPE
+from rollout.support import Support
 from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.vllm_adapters import ServedAdapter, lora_options
 from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
+from rollout.vllm_plugins.support_capture import begin_supports, take_supports
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors, quiet_partial_reload
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
@@ -207,6 +209,16 @@ class VLLMEngine(InProcessEngine):
         off; on CUDA through vLLM's ``enable_return_routed_experts``, with prefix caching on (``route_options``).
     enable_sleep_mode: CUDA only: ``release_memory()`` then frees the engine's GPU memory until the next
         update or rollout (module docstring). Ignored on CPU (vLLM's CPU backend has no sleep mode).
+    max_lora_rank: serve LoRA adapters of rank up to this (``load_adapter``; ``rollout.vllm_adapters``): the
+        adapter runs beside the base weights, its weights in the engine's dtype (vLLM's ``lora_dtype`` "auto").
+        None: no LoRA support (weights are synced merged).
+    lora_target_modules: the adapter's layers (HF leaf names): only they get vLLM's LoRA wrappers
+        (``rollout.vllm_adapters.lora_options``).
+    sampling_supports: return, with truncated sampling (top-k / top-p / min-p), the set of tokens kept at every
+        sampled position (``Rollouts.support``): on CUDA vLLM's own ``return_sampling_mask`` (Model Runner V2;
+        a mask per token, so only when asked), on CPU the project's capture in the V1 sampler
+        (``rollout.vllm_plugins.support_capture``). Without it, truncated rollouts come without them (a greedy
+        evaluation's top-k 1 needs none); the trainer refuses to score truncated tokens without their sets.
     llm_kwargs: passed to ``vllm.LLM`` as is.
     """
 
@@ -217,7 +229,8 @@ class VLLMEngine(InProcessEngine):
                  enforce_eager: bool | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
                  eos_ids: Sequence[int] | None = None, load_tokenizer: bool = False,
                  enable_sleep_mode: bool = False, return_routes: bool = False, max_lora_rank: int | None = None,
-                 lora_target_modules: Sequence[str] | None = None, **llm_kwargs) -> None:
+                 lora_target_modules: Sequence[str] | None = None, sampling_supports: bool = False,
+                 **llm_kwargs) -> None:
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len = {max_model_len!r}: expected an integer >= 2")
         self.model = str(model)
@@ -248,6 +261,9 @@ class VLLMEngine(InProcessEngine):
         # Seeded requests are how rollouts stay reproducible, so prefill stays whole.
         llm_kwargs.setdefault("enable_chunked_prefill", False)
         llm_kwargs = {**lora_options(max_lora_rank, lora_target_modules), **llm_kwargs}
+        self.sampling_supports = bool(sampling_supports)
+        if self.sampling_supports and self.cuda:
+            llm_kwargs.setdefault("return_sampling_mask", True)
         self._adapter: ServedAdapter | None = None  # the adapter served (max_lora_rank set)
         self.adapter_dtype: torch.dtype | None = None  # the dtype its weights run in; None: no adapter served
         self._base_changed = False  # a merged update replaced base weights: an adapter needs them back first
@@ -340,6 +356,7 @@ class VLLMEngine(InProcessEngine):
         so the same weights and spec give the same samples, whichever rank draws them.
         """
         validate_request(prompt_ids, spec, self.max_model_len)
+        truncated = spec.truncated and self.sampling_supports  # the kept sets are returned when asked at start
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -348,15 +365,18 @@ class VLLMEngine(InProcessEngine):
             for j in range(spec.n):
                 prompts.append(TokensPrompt(prompt_token_ids=list(p)))
                 params.append(SamplingParams(
-                    n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+                    n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, min_p=spec.min_p,
                     max_tokens=spec.max_new_tokens, logprobs=spec.logprobs_topk, flat_logprobs=True,
                     seed=sample_seed(spec.seed, spec.sample_index(i * spec.n + j)), stop_token_ids=list(self.eos_ids),
                     detokenize=self.load_tokenizer))
         self.wake_up()
         with _preserve_rng():
             self._reset_routes()
+            if truncated and not self.cuda:
+                self.llm.collective_rpc(begin_supports)
             outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         routes = self._routes(outputs) if self.return_routes else []
+        support = self._supports(outputs) if truncated else []
 
         completion_ids, logprobs, finish, texts, top_ids, top_lps = [], [], [], [], [], []
         for k, out in enumerate(outputs):
@@ -375,8 +395,22 @@ class VLLMEngine(InProcessEngine):
             completion_ids=completion_ids, rollout_logprobs=logprobs, finish_reasons=finish,
             group_size=spec.n, completion_texts=texts if self.load_tokenizer else [],
             topk_ids=top_ids if spec.logprobs_topk else [], topk_logprobs=top_lps if spec.logprobs_topk else [],
-            routes=routes,
+            routes=routes, support=support,
         )
+
+    def _supports(self, outputs) -> list[Support]:
+        """Each output's kept sets, one per completion token (``rollout.support``)."""
+        if not self.cuda:
+            return self.llm.collective_rpc(
+                take_supports, args=([(o.request_id, len(o.outputs[0].token_ids)) for o in outputs],))[0]
+        out = []
+        for o in outputs:
+            mask = o.outputs[0].sampling_mask
+            if mask is None or len(mask.token_ids) != len(o.outputs[0].token_ids):
+                raise RuntimeError(f"vLLM returned {None if mask is None else len(mask.token_ids)} sampling masks "
+                                   f"for request {o.request_id}'s {len(o.outputs[0].token_ids)} tokens")
+            out.append(Support.from_lists(mask.token_ids))
+        return out
 
     def _reset_routes(self) -> None:
         """Forget the routes of earlier requests (CPU capture: a new batch of requests starts)."""

@@ -33,13 +33,14 @@ def vllm_engine(tiny_model_dir):
 
     Started as a run of the demo recipe starts its own: serving the LoRA adapter of rank 16 on every linear
     (``rollout.lora_sync: auto`` is ``adapter`` there), so the integration tests run the default sync; a merged
-    update works on it too (``VLLMEngine.load_adapter`` restores the base weights after one).
+    update works on it too (``VLLMEngine.load_adapter`` restores the base weights after one). It returns the kept
+    sets of truncated sampling (top-k / top-p / min-p) when a request truncates.
     Tests that change its weights must restore them (train() re-syncs at its start).
     """
     from rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(tiny_model_dir, dtype="bfloat16", max_model_len=128, seed=0,
                         kv_cache_memory_bytes=256 * 1024**2, enforce_eager=True, max_lora_rank=16,
-                        lora_target_modules=TINY_LORA_TARGETS)
+                        lora_target_modules=TINY_LORA_TARGETS, sampling_supports=True)
     yield engine
     engine.close()

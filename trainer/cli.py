@@ -126,8 +126,10 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the report files in an existing --out")
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="generation engine (default vllm)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; the trainer scores with it too")
-    p.add_argument("--top-p", type=float, default=1.0, help="must stay 1.0 (the trainer cannot reproduce top-p)")
-    p.add_argument("--top-k", type=int, default=0, help="must stay 0 (the trainer cannot reproduce top-k)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling (1.0 = off); the trainer scores over the set the engine kept")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off); scored over the kept set as --top-p")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0 = off); scored as --top-p")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("-n", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
@@ -280,7 +282,7 @@ def _compare(args) -> int:
     try:
         summary = run_compare(
             args.model, args.prompts, args.out, engine=args.engine, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, max_new_tokens=args.max_new_tokens, n=args.n, seed=args.seed, dtype=args.dtype,
+            top_k=args.top_k, min_p=args.min_p, max_new_tokens=args.max_new_tokens, n=args.n, seed=args.seed, dtype=args.dtype,
             num_prompts=args.num_prompts, prompt_column=args.prompt_column,
             use_chat_template={"auto": None, "on": True, "off": False}[args.chat_template],
             max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len,

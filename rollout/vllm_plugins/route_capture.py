@@ -32,7 +32,7 @@ import torch
 from rollout.moe_config import route_shape
 from rollout.routes import NO_ROUTE, ROUTE_DTYPE
 
-__all__ = ["RouteRecorder", "install_route_capture", "reset_routes", "take_routes"]
+__all__ = ["RouteRecorder", "install_route_capture", "request_names", "reset_routes", "take_routes"]
 
 ATTR = "_parityrl_routes"
 
@@ -86,7 +86,7 @@ class RouteRecorder:
         order = torch.sort(req, stable=True).indices  # stable: a recomputed (preempted) position comes later
         req, pos, ids = req[order], pos[order], ids[order]
         ends = torch.bincount(req, minlength=len(self.index)).cumsum(0).tolist()
-        names = _name_table(self.index)
+        names = request_names(self.index)
         out, taken = [], []
         for rid, n in requests:
             number = names.get(rid)
@@ -107,7 +107,7 @@ class RouteRecorder:
         return torch.full((n, self.num_layers, self.top_k), NO_ROUTE, dtype=ROUTE_DTYPE)
 
 
-def _name_table(index: dict[str, int]) -> dict[str, int]:
+def request_names(index: dict[str, int]) -> dict[str, int]:
     """Every name a caller may use for an engine request id -> its number: the id, the id without the engine's
     random suffix, and that behind any route prefix (``generate-tokens-<id>``); the full id itself wins."""
     table: dict[str, int] = {}

@@ -134,7 +134,6 @@ UNREPRODUCIBLE_SAMPLING = {
     "rollout.presence_penalty": "a presence penalty shifts logits by the sequence so far",
     "rollout.frequency_penalty": "a frequency penalty shifts logits by the sequence so far",
     "rollout.min_tokens": "min_tokens suppresses EOS for the first tokens (EOS gets probability 0)",
-    "rollout.min_p": "min_p truncates the distribution by a probability threshold",
     "rollout.logit_bias": "a logit bias adds constants the trainer does not add",
     "rollout.bad_words": "bad_words forbids tokens (probability 0 in the engine only)",
     "rollout.allowed_token_ids": "allowed_token_ids masks the vocabulary in the engine only",

@@ -148,8 +148,11 @@ class RolloutConfig:
     server_connect_timeout_s: float = 30.0  # startup: give up when nothing has accepted a connection for this long
     prompts_per_step: int = 16
     temperature: float = 1.0
+    # Truncated sampling (1.0 / 0 / 0.0: off). The engine reports the set of tokens it kept at every sampled
+    # position and the trainer normalises its log-probs over that set (docs/parity-metrics.md "Truncated sampling").
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_new_tokens: int = 24
     # The colocated engine's KV cache, on CPU (vLLM would otherwise reserve 92% of RAM) and on CUDA (vLLM would
     # otherwise fill gpu_memory_utilization of the GPU with it): rollout.vllm_engine.memory_options.

@@ -17,21 +17,14 @@ Check = Callable[[RunConfig, Need], None]
 Rule = tuple[bool, str, Any, str]
 
 
-def untruncated_sampling(top_p: float, top_k: int, *, top_p_key: str = "rollout.top_p",
-                         top_k_key: str = "rollout.top_k") -> list[Rule]:
-    """No top-p / top-k truncation: the log-probs the trainer computes are those the engine sampled from."""
-    # The trainer scores tokens under softmax(logits / T) over the full vocabulary. The
-    # engine reports processed log-probs (after truncation, renormalised over the kept
-    # tokens), so with top-p / top-k the two sides would describe different
-    # distributions and the difference would be mis-read as numerical mismatch;
-    # reproducing the truncation needs whole sorted rows, which the chunked kernel avoids.
+def sampling_rules(top_p: float, top_k: int, min_p: float = 0.0, *, prefix: str = "rollout.") -> list[Rule]:
+    """The truncation settings' ranges. Any of them on is supported: the engine returns the set of tokens it kept
+    at each sampled position and the trainer normalises over it (``parity.logprobs``'s ``support``)."""
     return [
-        (top_p == 1.0, top_p_key, top_p,
-         "1.0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-p "
-         "truncation (the engine's processed log-probs are renormalised over the kept tokens)"),
-        (top_k == 0, top_k_key, top_k,
-         "0: the trainer scores tokens under the untruncated softmax(logits / T) and cannot reproduce top-k "
-         "truncation (the engine's processed log-probs are renormalised over the kept tokens)"),
+        (0 < top_p <= 1, f"{prefix}top_p", top_p, "a number in (0, 1] (1.0 = off)"),
+        (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0 and top_k != 1, f"{prefix}top_k",
+         top_k, "0 (off) or an integer >= 2 (1 is greedy decoding: every sample of a prompt would be the same)"),
+        (0 <= min_p < 1, f"{prefix}min_p", min_p, "a number in [0, 1) (0.0 = off)"),
     ]
 
 
@@ -113,9 +106,7 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
     r = cfg.rollout
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "an integer >= 1")
     need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0 (greedy decoding has no log-probs to learn from)")
-    need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a number in (0, 1]")
-    need(r.top_k >= 0, "rollout.top_k", r.top_k, "an integer >= 0 (0 = off)")
-    for rule in untruncated_sampling(r.top_p, r.top_k):
+    for rule in sampling_rules(r.top_p, r.top_k, r.min_p):
         need(*rule)
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
     need(r.kv_cache_memory_bytes >= 16 * 1024**2, "rollout.kv_cache_memory_bytes", r.kv_cache_memory_bytes, "at least 16 MiB")

@@ -69,9 +69,10 @@ Progress = Optional[Callable[[str], None]]
 
 def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len: int, seed: int,
                   kv_cache_bytes: Optional[int], work_dir, topk: int = 0, precision: str = DEFAULT_RECIPE,
-                  return_routes: bool = False, adapter: Optional[dict] = None):
+                  return_routes: bool = False, adapter: Optional[dict] = None, truncated: bool = False):
     """``model``: the scoring model, which an "hf" engine runs itself (None: one of its own, loaded from
-    ``model_dir``); ``adapter``: the adapter_config of a LoRA the engine is to serve (None: none)."""
+    ``model_dir``); ``adapter``: the adapter_config of a LoRA the engine is to serve (None: none); ``truncated``:
+    the sampling is (the engine returns its kept sets)."""
     if kind == "hf":
         if model is None:
             return HFEngine(model_dir, dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu",
@@ -82,7 +83,7 @@ def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len
     return start_vllm(model_dir, precision=precision, dtype=dtype, max_model_len=max_model_len, seed=seed,
                       work_dir=work_dir, max_logprobs=max(20, topk), kv_cache_memory_bytes=kv_cache_bytes,
                       enforce_eager=None, return_routes=return_routes,
-                      max_lora_rank=None if adapter is None else int(adapter["r"]),
+                      sampling_supports=truncated, max_lora_rank=None if adapter is None else int(adapter["r"]),
                       lora_target_modules=None if adapter is None else adapter["target_modules"])
 
 
@@ -99,7 +100,7 @@ def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_le
     say(f"starting the {engine} engine (max_model_len {max_model_len})")
     owned = _start_engine(engine, model_dir, model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                           kv_cache_bytes=kv_cache_bytes, work_dir=work_dir, topk=spec.logprobs_topk,
-                          precision=precision, return_routes=return_routes)
+                          precision=precision, return_routes=return_routes, truncated=spec.truncated)
     try:
         return owned.generate(prompt_ids, spec)
     finally:
@@ -164,6 +165,7 @@ def run_compare(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     max_new_tokens: int = 64,
     n: int = 1,
     seed: int = 0,
@@ -196,7 +198,8 @@ def run_compare(
             model itself) to start one here and close it after; or an already started engine
             object (e.g. a test session's), used as is and left open. It must hold ``model``'s weights.
         temperature: sampling temperature; the trainer scores with the same one.
-        top_p, top_k: refused unless off (1.0 / 0): the trainer cannot reproduce truncation.
+        top_p, top_k, min_p: truncated sampling (1.0 / 0 / 0.0: off): the engine reports the set it kept at each
+            sampled position, and the trainer scores over exactly that set (``parity.fused_logprobs``'s ``support``).
         n: samples per prompt (sample i answers prompt i // n).
         dtype: trainer (and started engine) dtype, one of ``trainer.models.policy.DTYPES``.
         use_chat_template: None = use the tokenizer's chat template if it has one.
@@ -224,7 +227,8 @@ def run_compare(
         ImportError: matplotlib / openpyxl (the ``reports`` extra) missing.
     """
     say = progress or (lambda _msg: None)
-    check_settings(engine=engine, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+    check_settings(engine=engine, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                   max_new_tokens=max_new_tokens,
                     n=n, dtype=dtype, batch_size=batch_size, num_prompts=num_prompts, max_model_len=max_model_len,
                     max_prompt_tokens=max_prompt_tokens, topk=topk, precision=precision)
     require_report_deps()
@@ -245,8 +249,8 @@ def run_compare(
                            getattr(hf.config, "max_position_embeddings", None))
     out = prepare_out_dir(out_dir, overwrite)
 
-    spec = SamplingSpec(n=n, temperature=float(temperature), max_new_tokens=max_new_tokens, seed=seed,
-                        logprobs_topk=topk)
+    spec = SamplingSpec(n=n, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p),
+                        max_new_tokens=max_new_tokens, seed=seed, logprobs_topk=topk)
     engine_name = kind if isinstance(kind, str) else type(kind).__name__
     say(f"generating: {len(prompts)} prompts x {n} with {engine_name}, up to {max_new_tokens} new tokens")
     t0 = time.monotonic()
@@ -260,7 +264,7 @@ def run_compare(
         def start(config: Optional[dict]):
             return _start_engine(kind, model_dir, None, dtype=dtype, max_model_len=context, seed=seed,
                                  kv_cache_bytes=kv_cache_bytes, work_dir=out, topk=topk, precision=precision,
-                                 return_routes=moe, adapter=config)
+                                 return_routes=moe, adapter=config, truncated=spec.truncated)
 
         say(f"generating with the adapter {'served and ' if served_mode == 'adapter' else ''}merged")
         both = generate_both(kind, hf, prompt_ids, spec, dtype=getattr(torch, dtype), start=start,
@@ -312,7 +316,7 @@ def run_compare(
                                          batch_size=batch_size, dtype=getattr(torch, dtype))}}
            if adapter_dir is not None else {}),
         "settings": {
-            "engine": engine_name, "temperature": spec.temperature, "top_p": top_p, "top_k": top_k,
+            "engine": engine_name, "temperature": spec.temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
             "max_new_tokens": max_new_tokens, "n": n, "seed": seed, "dtype": dtype, "device": device,
             "max_model_len": context, "kv_cache_bytes": kv_cache_bytes, "max_prompt_tokens": max_prompt_tokens,
             "prompt_column": prompt_column, "batch_size": batch_size, "chunk_size": chunk_size, "topk": topk,

@@ -13,7 +13,7 @@ from typing import Optional
 import datasets
 
 from trainer.builtin.resolve import resolve_model_path
-from trainer.config.validate import topk_range, untruncated_sampling
+from trainer.config.validate import sampling_rules, topk_range
 from trainer.data.datasets import encode_prompts, load_prompt_dataset
 from trainer.models.policy import DTYPES
 from trainer.precision import DEFAULT_RECIPE
@@ -27,14 +27,14 @@ class CompareError(ValueError):
     """Bad input to a comparison (file, column, setting); the message names it and what was expected."""
 
 
-def check_settings(*, engine, temperature, top_p, top_k, max_new_tokens, n, dtype, batch_size, num_prompts,
+def check_settings(*, engine, temperature, top_p, top_k, min_p=0.0, max_new_tokens, n, dtype, batch_size, num_prompts,
                     max_model_len, max_prompt_tokens, topk, precision=DEFAULT_RECIPE) -> None:
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
     checks = [
         (engine is None or engine in ENGINES or hasattr(engine, "generate"), "engine", engine,
          f"one of {ENGINES} or a started engine object with .generate()"),
         (isinstance(temperature, (int, float)) and temperature > 0, "temperature", temperature, "a number > 0"),
-        *untruncated_sampling(top_p, top_k, top_p_key="top_p", top_k_key="top_k"),
+        *sampling_rules(top_p, top_k, min_p, prefix=""),
         (is_int(max_new_tokens) and max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "an integer >= 1"),
         (is_int(n) and n >= 1, "n", n, "an integer >= 1"),
         topk_range(topk, key="topk"),

@@ -84,9 +84,10 @@ class Probe:
         if not self.prompt_ids:
             return {}
         if self.fixed is None:
-            # the generation's routes are not kept: every probe replays its own scoring pass's
+            # the generation's routes are not kept: every probe replays its own scoring pass's; nor its kept sets:
+            # the probe compares full distributions on both sides (the engine's prompt log-probs are untruncated)
             self.fixed = _fit(replace(engine.generate(self.prompt_ids, replace(probe_spec(self.cfg), logprobs_topk=0)),
-                                      routes=[]), getattr(engine, "max_model_len", None))
+                                      routes=[], support=[]), getattr(engine, "max_model_len", None))
         return self._compare(model, self._engine_scores(engine, replay=attached_replay(model) is not None))
 
     def state_dict(self) -> dict:

@@ -32,7 +32,9 @@ class Scores:
 
     ``topk`` [S, C, k]: the trainer's log-probs of the engine's top-k ids (when the batch has them);
     ``values``: PPO's critic; ``ref_logprobs``: the reference policy (the base model, adapter off);
-    ``routing``: an MoE batch's routing parity sums (``RoutingReplay.last_stats``, summed over micro-batches).
+    ``routing``: an MoE batch's routing parity sums (``RoutingReplay.last_stats``, summed over micro-batches);
+    ``kept`` [S, C]: with truncated sampling, log of the trainer's full-softmax mass inside the engine's kept set
+    at each position (``sampling/kept_mass``); None without.
     """
 
     logprobs: torch.Tensor
@@ -41,6 +43,7 @@ class Scores:
     values: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     routing: Optional[dict] = None
+    kept: Optional[torch.Tensor] = None
 
     @classmethod
     def zeros(cls, batch: TokenBatch, *, entropy: bool = True, values: bool = False,
@@ -50,9 +53,10 @@ class Scores:
 
         return cls(logprobs=zero(), entropy=zero() if entropy else None,
                    topk=None if batch.topk_ids is None else torch.zeros_like(batch.topk_logprobs),
-                   values=zero() if values else None, ref_logprobs=zero() if reference else None)
+                   values=zero() if values else None, ref_logprobs=zero() if reference else None,
+                   kept=None if batch.support is None else zero())
 
-    def put(self, rows, lp, ent, top, values=None, routing=None) -> None:
+    def put(self, rows, lp, ent, top, values=None, routing=None, kept=None) -> None:
         """Write one micro-batch's outputs (its first ``lp.shape[1]`` columns) into ``rows``."""
         c = lp.shape[1]
         if routing is not None:
@@ -64,6 +68,8 @@ class Scores:
             self.topk[rows, :c] = top
         if self.values is not None:
             self.values[rows, :c] = values.detach()
+        if self.kept is not None:
+            self.kept[rows, :c] = kept
 
     def rows(self, idx, cols: Optional[int] = None) -> "Scores":
         """The scores of rows ``idx`` (and their first ``cols`` columns)."""
@@ -73,7 +79,7 @@ class Scores:
             return None if x is None else x[idx, cut]
 
         return replace(self, logprobs=take(self.logprobs), entropy=take(self.entropy), topk=take(self.topk),
-                       values=take(self.values), ref_logprobs=take(self.ref_logprobs))
+                       values=take(self.values), ref_logprobs=take(self.ref_logprobs), kept=take(self.kept))
 
 
 def check_engine_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor, dp) -> None:
@@ -88,8 +94,8 @@ def check_engine_logprobs(rollout_lp: torch.Tensor, mask: torch.Tensor, dp) -> N
 
 def forward(model, micro: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None, value_head=None,
             exact=None, entropy: bool = True, entropy_grad: bool = False, pack_sequences: bool = False):
-    """(log-probs, entropy or None, top-k log-probs or None, values or None, routing parity sums or None) of one
-    micro-batch from one forward.
+    """(log-probs, entropy or None, top-k log-probs or None, values or None, routing parity sums or None, log of the
+    kept mass [S, C] (0 without truncated sampling)) of one micro-batch from one forward.
 
     Entropy comes from the same kernel pass: it feeds the breakdown of the mismatch by trainer
     entropy and PPO's entropy bonus. Gradients flow when grad is enabled -- to the entropy only
@@ -100,12 +106,13 @@ def forward(model, micro: TokenBatch, *, temperature: float, chunk_size: Optiona
     # read now: a reference pass or a checkpoint's recompute calls the routers again
     replay = None if micro.routes is None else attached_replay(model)
     routing = None if replay is None else replay.last_stats()
-    lp, ent, *top = logprobs_from_hidden(hidden, lm_head, micro, temperature=temperature, chunk_size=chunk_size,
-                                         return_entropy=entropy, entropy_grad=entropy_grad, topk_ids=micro.topk_ids)
+    lp, ent, *top, kept = logprobs_from_hidden(hidden, lm_head, micro, temperature=temperature, chunk_size=chunk_size,
+                                               return_entropy=entropy, entropy_grad=entropy_grad,
+                                               topk_ids=micro.topk_ids, return_kept=True)
     top = top[0] if top else None
     if exact is not None:
         lp, ent, top = exact(micro, lp, ent, top, temperature)
-    return lp, ent, top, values, routing
+    return lp, ent, top, values, routing, kept.detach()
 
 
 @torch.no_grad()

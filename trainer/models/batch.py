@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.support import Support
 from rollout.types import Rollouts
 from trainer.models.routing_replay import PAD
 
@@ -31,6 +32,8 @@ class TokenBatch:
     routes: [S, P+C, MoE layers, top_k] int16 expert ids aligned with input_ids (``Rollouts.routes``):
         ``rollout.routes.NO_ROUTE`` where the engine returned none, ``routing_replay.PAD`` on padding and
         after each row's last sampled token (no route matters there); None without routes.
+    support: [S] each row's kept sets of a truncated sampler (``Rollouts.support``), one per completion position,
+        or None when sampling was not truncated; ``kernel_support`` lays them out for ``parity.fused_logprobs``.
     """
 
     input_ids: torch.Tensor
@@ -43,6 +46,7 @@ class TokenBatch:
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
     routes: torch.Tensor | None = None
+    support: list[Support] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -65,7 +69,20 @@ class TokenBatch:
             topk_ids=None if self.topk_ids is None else self.topk_ids[idx, :c],
             topk_logprobs=None if self.topk_logprobs is None else self.topk_logprobs[idx, :c],
             routes=None if self.routes is None else self.routes[idx, cols],
+            support=None if self.support is None else _pick(self.support, idx),
         )
+
+    def kernel_support(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kept sets as ``parity.fused_logprobs``'s ``support``: (offsets [S * C + 1], ids) over the [S, C]
+        completion grid, row by row, empty sets past each row's completion (None without truncation)."""
+        if self.support is None:
+            return None
+        s, c = self.targets.shape
+        parts = [sup.positions(0, min(c, len(sup))) for sup in self.support]
+        parts = [Support.concat([p, Support.empty(c - len(p))]) for p in parts]
+        whole = Support.concat(parts)
+        device = self.targets.device
+        return whole.offsets.to(device), whole.ids.to(device)
 
 
 def batch_from_rollouts(rollouts: Rollouts, pad_id: int, device: torch.device | str = "cpu") -> TokenBatch:
@@ -83,7 +100,16 @@ def batch_from_rollouts(rollouts: Rollouts, pad_id: int, device: torch.device | 
         batch.topk_ids, batch.topk_logprobs = ids.to(device), lps.to(device)
     if rollouts.routes:
         batch.routes = aligned_routes(rollouts.routes, batch).to(device)
+    if rollouts.support:
+        batch.support = list(rollouts.support)
     return batch
+
+
+def _pick(values: list, idx) -> list:
+    """``values[idx]`` for a list, with ``idx`` a slice or a tensor / list of row indices."""
+    if isinstance(idx, slice):
+        return values[idx]
+    return [values[int(i)] for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
 
 
 def aligned_routes(routes: list[torch.Tensor], batch: TokenBatch) -> torch.Tensor:

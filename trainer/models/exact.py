@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from rollout.engine_forward import EngineForward
+from rollout.support import Support
 from rollout.weight_export import effective_state
 from trainer.models.batch import TokenBatch
 
@@ -80,8 +81,8 @@ class ExactLogprobs:
             self._base = EngineForward(self._engine, _hf_config(self.model))
             with self.model.disable_adapter():
                 self._base.set_weights(effective_state(self.model, dtype=self.dtype))
-        seqs, starts, _ = sequences_of(micro)
-        return _pad(self._base.logprobs(seqs, starts, temperature), lp)
+        seqs, starts, counts = sequences_of(micro)
+        return _pad(self._base.logprobs(seqs, starts, temperature, supports=_support_rows(micro, counts)), lp)
 
     def __call__(self, micro: TokenBatch, lp: torch.Tensor, ent: torch.Tensor | None, top: torch.Tensor | None,
                  temperature: float):
@@ -89,7 +90,8 @@ class ExactLogprobs:
         self._refresh()
         seqs, starts, counts = sequences_of(micro)
         out = self.forward.logprobs(seqs, starts, temperature,
-                                    topk_ids=None if top is None and ent is None else _topk_rows(micro, counts))
+                                    topk_ids=None if top is None and ent is None else _topk_rows(micro, counts),
+                                    supports=_support_rows(micro, counts))
         if ent is None and top is None:
             lps, ents, tops = out, None, None
         else:
@@ -117,6 +119,14 @@ def sequences_of(micro: TokenBatch) -> tuple[list[list[int]], list[int], list[in
         starts.append(len(prompt))
         counts.append(n)
     return seqs, starts, counts
+
+
+def _support_rows(micro: TokenBatch, counts: list[int]):
+    """Each row's kept sets over its ``counts`` completion positions (a truncated sampler's), or None."""
+    if micro.support is None:
+        return None
+    return [Support.concat([s.positions(0, min(n, len(s))), Support.empty(max(0, n - len(s)))])
+            for s, n in zip(micro.support, counts)]
 
 
 def _topk_rows(micro: TokenBatch, counts: list[int]) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ the loss and the parity metrics.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -175,6 +176,21 @@ class LogitHead:
         self.transform = logit_transform(config)
 
 
+def in_sets(ids: torch.Tensor, support: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """bool like ``ids`` [S, C, k]: whether each id is in its position's kept set (``support``: offsets over the
+    [S, C] grid, each position's ids ascending, as every engine reports them)."""
+    offsets, kept = support
+    positions = ids.shape[0] * ids.shape[1]
+    sizes = offsets[1:] - offsets[:-1]
+    vocab = int(max(int(ids.max()) if ids.numel() else 0, int(kept.max()) if kept.numel() else 0)) + 1
+    pos = torch.repeat_interleave(torch.arange(positions, device=kept.device), sizes)
+    keys = pos * vocab + kept.long()  # ascending: positions in order, ids ascending within one
+    query = torch.arange(positions, device=ids.device).repeat_interleave(ids.shape[2]) * vocab + ids.reshape(-1)
+    at = torch.searchsorted(keys, query).clamp(max=max(keys.numel() - 1, 0))
+    hit = keys[at] == query if keys.numel() else torch.zeros_like(query, dtype=torch.bool)
+    return hit.reshape(ids.shape)
+
+
 def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
                         return_entropy: bool = False, entropy_grad: bool = True,
                         topk_ids: Optional[torch.Tensor] = None, pack_sequences: bool = False):
@@ -192,13 +208,25 @@ def completion_logprobs(model, batch: TokenBatch, *, temperature: float, chunk_s
 
 def logprobs_from_hidden(hidden, lm_head, batch: TokenBatch, *, temperature: float, chunk_size: Optional[int] = None,
                          return_entropy: bool = False, entropy_grad: bool = True,
-                         topk_ids: Optional[torch.Tensor] = None):
-    """``completion_logprobs`` from already computed ``completion_hidden`` (same returns)."""
+                         topk_ids: Optional[torch.Tensor] = None, return_kept: bool = False):
+    """``completion_logprobs`` from already computed ``completion_hidden`` (same returns; with ``return_kept`` also,
+    last, the log of the full softmax's mass inside each position's kept set, 0 without truncation).
+
+    With a truncated sampler's kept sets on the batch (``TokenBatch.support``) every log-prob is normalised over the
+    set the engine sampled from (``parity.fused_logprobs``'s ``support``), the entropy is the truncated
+    distribution's, and the top-k ids' log-probs are too (-inf for an id outside the set, as the engine reports it).
+    """
     xf = getattr(lm_head, "transform", {})  # a bare Linear: no transform
-    lp, ent = fused_logprobs(hidden, lm_head.weight, batch.targets, bias=lm_head.bias, temperature=temperature,
-                             return_entropy=return_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size, **xf)
-    if topk_ids is None:
-        return lp, ent
-    top = fused_gather_logprobs(hidden.detach(), lm_head.weight.detach(), topk_ids, temperature=temperature,
-                                bias=None if lm_head.bias is None else lm_head.bias.detach(), chunk_size=chunk_size, **xf)
-    return lp, ent, top
+    support = batch.kernel_support()
+    lp, ent, kept = fused_logprobs(hidden, lm_head.weight, batch.targets, bias=lm_head.bias, temperature=temperature,
+                                   return_entropy=return_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size,
+                                   support=support, return_kept_logmass=True, **xf)
+    out = (lp, ent)
+    if topk_ids is not None:
+        top = fused_gather_logprobs(hidden.detach(), lm_head.weight.detach(), topk_ids, temperature=temperature,
+                                    bias=None if lm_head.bias is None else lm_head.bias.detach(), chunk_size=chunk_size,
+                                    **xf)
+        if support is not None:
+            top = (top - kept.unsqueeze(-1)).masked_fill(~in_sets(topk_ids, support), -math.inf)
+        out += (top,)
+    return out + (kept,) if return_kept else out

@@ -70,6 +70,7 @@ from trainer.measurement.routing_parity import (
     replay_paused,
     with_routes,
 )
+from trainer.measurement.sampled_support import kept_metrics
 from trainer.measurement.scoring import Scores, check_engine_logprobs
 from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.exact import ExactLogprobs
@@ -381,6 +382,8 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict
     if scored.routing is not None:
         m.update(pooled_routing_metrics(scored.routing, run.dp))
         unreplayed_phase(run, step, batch, m)
+    if scored.kept is not None:  # truncated sampling: the trainer's mass inside the engine's kept sets
+        m.update(kept_metrics(scored.kept, batch, run.dp))
     if run.environment is not None:  # episodes: the same measures per assistant turn, pooled over ranks
         turns = int(run.dp.max_metrics({"t": float(turn_index(batch.mask).max()) if batch.mask.numel() else 0.0})["t"])
         m.update(compare_by_turn(scored.logprobs, batch.rollout_logprobs, batch.mask, turns,

@@ -72,7 +72,7 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
     for rows in micro_batch_rows(batch, cfg.train.micro_batch_size):
         micro = batch.select(rows)
         c = micro.targets.shape[1]
-        lp, ent, top, values, routing = forward(model, micro, temperature=temperature, chunk_size=chunk_size,
+        lp, ent, top, values, routing, kept = forward(model, micro, temperature=temperature, chunk_size=chunk_size,
                                        value_head=learner.value_head, exact=exact, entropy_grad=entropy_grad,
                                        pack_sequences=pack)
         old_lp = lp.detach() if old is None else old.logprobs[rows, :c]
@@ -96,7 +96,7 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
         # (global normaliser), so the sum over micro-batches is the batch value.
         for k, v in out.metrics.items():
             totals[k] = totals.get(k, 0.0) + v
-        scores.put(rows, lp, ent, top, values, routing)
+        scores.put(rows, lp, ent, top, values, routing, kept)
     dp.all_reduce_grads(p for group in learner.param_groups() for p in group)
     # Loss terms are contributions under the global normaliser: they sum over ranks.
     metrics = dp.sum_metrics({**totals, "train/loss": loss_total})

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from rollout.routes import decode_routes, encode_routes
+from rollout.support import decode_supports, encode_supports
 from rollout.types import Rollouts
 from trainer.sampling.drawn import Drawn
 
@@ -120,7 +121,9 @@ class Prefetch:
         if self.step is None or self._error is not None:
             return None  # a failed generation is drawn again on resume (from the prompts after it)
         d = self._drawn
-        rollouts = {**asdict(replace(d.rollouts, routes=[])), "routes": [encode_routes(r) for r in d.rollouts.routes]}
+        rollouts = {**asdict(replace(d.rollouts, routes=[], support=[])),
+                    "routes": [encode_routes(r) for r in d.rollouts.routes],
+                    "support": encode_supports(d.rollouts.support)}
         return {"step": self.step,
                 "drawn": {"rows": d.rows, "rollouts": rollouts, "rewards": d.rewards, "per_fn": d.per_fn},
                 "behaviour": {n: _encode(t) for n, t in self.behaviour.items()}}
@@ -131,7 +134,8 @@ class Prefetch:
         d = state["drawn"]
         self.step = int(state["step"])
         rollouts = {**d["rollouts"], "routes": [decode_routes(r, "the checkpoint's pending batch")
-                                                for r in d["rollouts"].get("routes", [])]}
+                                                for r in d["rollouts"].get("routes", [])],
+                    "support": decode_supports(d["rollouts"].get("support", []))}
         self._drawn = Drawn(rows=d["rows"], rollouts=Rollouts(**rollouts), rewards=d["rewards"],
                             per_fn=d["per_fn"])
         self.behaviour = {n: _decode(v) for n, v in state["behaviour"].items()}

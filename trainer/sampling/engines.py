@@ -106,7 +106,8 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
                       enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, return_routes=return_routes,
                       enable_sleep_mode=r.sleep_mode, max_lora_rank=cfg.model.lora.r if adapter else None,
-                      lora_target_modules=lora_targets if adapter else None)
+                      lora_target_modules=lora_targets if adapter else None,
+                      sampling_supports=sampling_spec(cfg, 0).truncated)
 
 
 def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:

@@ -31,7 +31,7 @@ from trainer.environments.episode_environment import EpisodeEnvironment
 from trainer.lifecycle.stops import EngineFailed, EnvironmentFailed, stop_together
 from trainer.sampling.drawn import Drawn
 from trainer.sampling.episodes import EnvironmentTimeout, run_episodes
-from trainer.sampling.sampler import Sampler, rewards_of
+from trainer.sampling.sampler import Sampler, missing_supports, rewards_of
 from trainer.sampling.turn_tokens import TemplateNotAppendOnly, retokenize_drift
 
 # The per-episode records of ``Drawn.episodes`` (each a list with one float per sample).
@@ -64,6 +64,7 @@ class EpisodeSampler(Sampler):
             error.__cause__ = e
         except Exception as e:  # noqa: BLE001 - every rank stops with it (stop_together)
             error = _classify(step, e)
+        error = error or missing_supports(spec, rollouts, self.engine, step)
         stop_together(dp, error)
         generate_s = time.perf_counter() - t
         t = time.perf_counter()

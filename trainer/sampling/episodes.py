@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from rollout.routes import NO_ROUTE, extend_routes
+from rollout.support import Support
 from rollout.types import Rollouts, SamplingSpec
 from trainer.environments.contract import check_reset_result, check_step_result
 from trainer.environments.episode_environment import EpisodeLimits
@@ -65,6 +66,8 @@ class Episode:
     live: bool = True
     index: int = 0  # global index: turn t's sample index is index_offset + t * episode_stride + index
     routes: Optional[torch.Tensor] = None  # an MoE engine's routes of the positions its turns computed
+    # a truncated sampler's kept sets: each turn's from the engine, an empty set at every reply position
+    support: list[Support] = field(default_factory=list)
 
     def full_routes(self, like: torch.Tensor) -> torch.Tensor:
         """``routes`` over every position of the episode (the replies after its last turn have none; an episode
@@ -73,7 +76,11 @@ class Episode:
         pad = torch.full((self.length - known.shape[0], *like.shape[1:]), NO_ROUTE, dtype=like.dtype)
         return torch.cat([known, pad])
 
-    def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None) -> None:
+    def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
+               support: Optional[Support] = None) -> None:
+        """A sampled turn (with its log-probs, and its kept sets when the sampling was truncated) or a reply."""
+        if support is not None or (self.support and not sampled):
+            self.support.append(support if sampled else Support.empty(len(ids)))
         self.ids.extend(int(i) for i in ids)
         self.mask.extend([1 if sampled else 0] * len(ids))
         if sampled:
@@ -123,8 +130,15 @@ def run_episodes(engine, tokenizer, prompts: Sequence[list[dict]], rows: Sequenc
     rollouts = Rollouts(prompt_ids=[e.prompt_ids for e in episodes], completion_ids=[e.ids for e in episodes],
                         rollout_logprobs=[e.logprobs for e in episodes], finish_reasons=[e.finish for e in episodes],
                         group_size=spec.n, completion_mask=[e.mask for e in episodes],
-                        routes=[e.full_routes(routed[0]) for e in episodes] if routed else [])
+                        routes=[e.full_routes(routed[0]) for e in episodes] if routed else [],
+                        support=[_full_support(e) for e in episodes] if any(e.support for e in episodes) else [])
     return rollouts, episodes
+
+
+def _full_support(e: Episode) -> Support:
+    """The episode's kept sets over its whole completion stream (an episode that sampled nothing: empty sets)."""
+    got = Support.concat(e.support)
+    return Support.concat([got, Support.empty(len(e.ids) - len(got))])
 
 
 def _start(env, prompt: list[dict], row: dict, tokenizer, tools, template_kwargs, limits: EpisodeLimits) -> Episode:
@@ -153,7 +167,7 @@ def _sample_turn(engine, live: list[Episode], spec: SamplingSpec, limits: Episod
                                                       out.finish_reasons)):
             if out.routes:  # each position keeps the route of the turn that computed it first (rollout.routes)
                 e.routes = extend_routes(e.routes, out.routes[k])
-            e.append(ids, True, lps)
+            e.append(ids, True, lps, out.support[k] if out.support else None)
             e.turns += 1
             if finish == "length":  # cut by the cap: the turn never ended, so neither does a reply follow it
                 e.live, e.finish = False, "length"

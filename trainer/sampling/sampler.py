@@ -65,6 +65,7 @@ class Sampler:
             error = e if isinstance(e, EngineUnavailable) else EngineFailed(
                 f"step {step}: the rollout engine failed to generate: {type(e).__name__}: {' '.join(str(e).split())}")
             error.__cause__ = e if error is not e else None
+        error = error or missing_supports(spec, rollouts, self.engine, step)
         stop_together(dp, error)
         generate_s = time.perf_counter() - t
         t = time.perf_counter()
@@ -76,6 +77,15 @@ class Sampler:
         stop_together(dp, error)
         return Drawn(rows=rows, rollouts=rollouts, rewards=total_reward, per_fn=per_fn, generate_s=generate_s,
                      reward_s=time.perf_counter() - t)
+
+
+def missing_supports(spec: SamplingSpec, rollouts, engine, step: int):
+    """``EngineFailed`` for truncated rollouts that came without the sets the engine kept (``Rollouts.support``),
+    over which the trainer must normalise its log-probs; None when they are there or not needed."""
+    if not spec.truncated or rollouts.support or not rollouts.num_sampled_tokens:
+        return None
+    return EngineFailed(f"step {step}: the engine ({type(engine).__name__}) sampled with top-k / top-p / min-p but "
+                        "returned no kept sets (it was not started for truncated sampling: trainer.sampling.engines)")
 
 
 def rewards_of(reward_fns: dict, weights: dict, prompts: list[str], completions: list[str], columns: dict,

@@ -73,3 +73,22 @@ def test_select_keeps_columns_up_to_the_last_sampled_token():
     m = b.select(slice(0, 1))
     assert m.targets.tolist() == [[1, 2, IGNORE, IGNORE, 3]]
     assert m.input_ids.tolist() == [[5, 1, 2, 7, 7, 3]]
+
+
+def test_kept_sets_follow_rows_and_columns_into_the_kernels_layout():
+    from rollout.support import Support
+    from rollout.types import Rollouts
+    from trainer.models.batch import batch_from_rollouts
+
+    r = Rollouts(prompt_ids=[[1, 2], [3]], completion_ids=[[5, 0, 4], [7]],
+                 rollout_logprobs=[[-0.1, -0.2, -0.3], [-0.4]], finish_reasons=["length", "stop"], group_size=1,
+                 support=[Support.from_lists([[5, 6], [0], [4, 8, 9]]), Support.from_lists([[7, 1]])])
+    batch = batch_from_rollouts(r, 0)
+    offsets, ids = batch.kernel_support()
+    assert offsets.tolist() == [0, 2, 3, 6, 8, 8, 8]  # [2 rows x 3 columns]; row 1 past its one token: empty
+    assert ids.tolist() == [5, 6, 0, 4, 8, 9, 7, 1]
+    micro = batch.select(torch.tensor([1]))
+    assert micro.targets.shape == (1, 1) and [s.to_lists() for s in micro.support] == [[[7, 1]]]
+    assert micro.kernel_support()[1].tolist() == [7, 1]
+    assert batch_from_rollouts(Rollouts(prompt_ids=[[1]], completion_ids=[[5]], rollout_logprobs=[[-0.1]],
+                                        finish_reasons=["stop"], group_size=1), 0).kernel_support() is None

@@ -41,6 +41,10 @@ def _run(tmp_path, name, *sets):
     # forwards, and every turn's tokens are identical (parity/turn_<k>/*)
     ("float32", ("train.steps=2", "rollout.prompts_per_step=4", "algorithm.group_size=4", "train.micro_batch_size=16",
                  f"env.class={ENVS}:FollowUp", "env.max_turns=2", "env.max_tokens=128")),
+    # truncated sampling (top-p and top-k): both sides normalise over the sets the engine's sampler kept, the
+    # trainer's rerun masking them as vLLM's sampler does; the top-k log-probs too
+    ("bfloat16", ("train.steps=2", "rollout.prompts_per_step=4", "algorithm.group_size=4", "rollout.top_p=0.8",
+                  "rollout.top_k=6", "rollout.temperature=1.4", "parity.topk=4", "train.micro_batch_size=16")),
 ])
 def test_engine_and_trainer_logprobs_are_identical_at_every_step(tmp_path, dtype, sets):
     rows = _run(tmp_path, f"exact-{dtype}", f"model.dtype={dtype}", *sets)

@@ -175,3 +175,23 @@ def test_a_shard_samples_with_the_indices_one_process_would_give_it(tok):
                  spec, EpisodeLimits(max_turns=3, max_tokens=200, max_observation_tokens=20), first_episode=2,
                  episode_stride=4)
     assert [s.sample_indices for _, s in engine.calls] == [(102, 103), (107,), (111,)]
+
+
+def test_a_truncated_episode_carries_each_turns_kept_sets_and_empty_sets_on_the_replies(tok):
+    from rollout.support import Support
+
+    answer = words(tok, "7") + [EOS]
+
+    class Truncating(ScriptedEngine):
+        def generate(self, prompt_ids, spec):
+            r = super().generate(prompt_ids, spec)
+            r.support = [Support.from_lists([[t, t + 1] for t in c]) for c in r.completion_ids]
+            return r
+
+    engine = Truncating(lambda call, prompt: (answer, "stop"))
+    spec = SamplingSpec(n=1, max_new_tokens=8, seed=3, top_k=2)
+    r, eps = run_episodes(engine, tok, [[{"role": "user", "content": "1+2"}]], [{}], Counter, spec,
+                          EpisodeLimits(max_turns=5, max_tokens=200, max_observation_tokens=20))
+    sets = r.support[0].to_lists()
+    reply = len(eps[0].ids) - 2 * len(answer)
+    assert sets == [[t, t + 1] for t in answer] + [[]] * reply + [[t, t + 1] for t in answer]
