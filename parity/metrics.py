@@ -407,10 +407,15 @@ def topk_kl_stats(
     lr = rollout_topk_logprobs.detach().double()
     lt = train_topk_logprobs.detach().double()
     # The engine may report -inf for a top-k entry it gives zero probability; that bucket
-    # then contributes 0. The trainer side must be finite: a zero train probability under
-    # a positive rollout one makes the KL infinite, which is a bug to surface, not log.
+    # then contributes 0. So may the trainer where the engine does too (truncated sampling: both sides normalise
+    # over the engine's kept set, outside which both give probability 0). A zero train probability under a
+    # positive rollout one makes the KL infinite, which is a bug to surface, not log.
     _check_finite(lr, tok_mask, "rollout_topk_logprobs", allow_neg_inf=True)
-    _check_finite(lt, tok_mask, "train_topk_logprobs")
+    _check_finite(lt, tok_mask, "train_topk_logprobs", allow_neg_inf=True)
+    lost = tok_mask & torch.isneginf(lt) & torch.isfinite(lr)
+    if bool(lost.any()):
+        raise ValueError(f"train_topk_logprobs: {int(lost.sum())} top-k entries have probability 0 on the trainer's "
+                         "side and a positive one on the engine's (an infinite KL)")
     zero = torch.zeros((), dtype=torch.float64, device=lr.device)
     lr = torch.where(tok_mask, lr, zero)
     lt = torch.where(tok_mask, lt, zero)

@@ -203,8 +203,11 @@ def test_topk_kl_rest_floor_and_rollout_zero_prob():
     roll = torch.tensor([[[0.0, float("-inf")]]], dtype=torch.float64)
     train = torch.log(torch.tensor([[[0.5, 0.25]]], dtype=torch.float64))
     assert topk_kl(train, roll, torch.ones(1, 1)) == pytest.approx(math.log(2), abs=1e-9)
-    with pytest.raises(ValueError, match="train_topk_logprobs: 1 of"):
-        topk_kl(roll, train, torch.ones(1, 1))  # -inf on the train side is an error
+    with pytest.raises(ValueError, match="train_topk_logprobs: 1 top-k entries have probability 0 on the trainer"):
+        topk_kl(roll, train, torch.ones(1, 1))  # -inf on the train side where the engine's is positive: an error
+    # -inf on both sides (outside a truncated sampler's kept set): that bucket contributes 0
+    both = torch.tensor([[[0.0, float("-inf")]]], dtype=torch.float64)
+    assert topk_kl(both, both, torch.ones(1, 1)) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_topk_kl_is_a_lower_bound_of_full_kl():
