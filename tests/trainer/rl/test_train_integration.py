@@ -68,8 +68,11 @@ def test_parity_before_and_after_synced_updates(tmp_path, tiny_model_dir, vllm_e
     assert {r["step"] for r in samples} == {1} and len(samples) == 8
     assert all(r["completion"] and "reward/exact_answer" in r and r["parity_mean_abs"] < 0.1 for r in samples)
     # full-distribution parity on the engine's top-5 (+ rest): a lower bound on the KL, small when in sync
-    # (measured ~1e-5 to 1e-4 nats; 1e-3 is where a stale engine starts, see the next test)
-    assert all(0 <= h["parity/topk_kl"] < 1e-3 for h in res.history), [h["parity/topk_kl"] for h in res.history]
+    # (measured ~1e-5 to 1e-4 nats over steps 1-3; a stale engine gives 0.25 and more, see the next test). At this
+    # learning rate step 4 depends on the trajectory, as the MAE above: measured 9.7e-4 with the merged sync and
+    # 2.4e-3 with the adapter served (CPU, 2026-11-27; the adapter run's MAE was the lower, 1.05e-2 vs 1.24e-2).
+    topk = [h["parity/topk_kl"] for h in res.history]
+    assert all(0 <= x < 1e-3 for x in topk[:3]) and topk[3] < 5e-3, topk
     assert all(0 <= h["probe/topk_kl"] < 1e-3 for h in res.history)
     # the updates were real (otherwise (b) says nothing)
     b_norm = sum(v.float().norm() for k, v in lora_params(res.run_dir).items() if "lora_B" in k)
