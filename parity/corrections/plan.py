@@ -115,10 +115,10 @@ class CorrectionPlan:
         return bool(self.rules)
 
     def describe(self) -> str:
-        """``token_tis(cap=2.0) x seq_mean_k3(max_kl=0.01), batch-normalised``: the plan in one line."""
+        """``token_tis(cap=2) x seq_mean_k3(max_kl=0.01), batch-normalised``: the plan in one line (6 digits)."""
         if not self.rules:
             return "none"
-        parts = [f"{n}({', '.join(f'{k}={v!r}' for k, v in vars(self.options[n]).items())})" for n in self.rules]
+        parts = [f"{n}({', '.join(f'{k}={v:.6g}' for k, v in vars(self.options[n]).items())})" for n in self.rules]
         return " x ".join(parts) + (", batch-normalised" if self.batch_normalize else "")
 
     def apply(self, inputs: CorrectionInputs,

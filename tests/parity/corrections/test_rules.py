@@ -294,7 +294,7 @@ def test_plan_properties():
     plan = CorrectionPlan(("seq_tis", "opsm"), batch_normalize=True)
     assert plan.level == "sequence" and plan.needs_advantages and plan.batch_level
     assert plan.weight_rule.name == "seq_tis"
-    assert plan.describe() == "seq_tis(cap=2.0) x opsm(delta=0.1), batch-normalised"
+    assert plan.describe() == "seq_tis(cap=2) x opsm(delta=0.1), batch-normalised"
     assert CorrectionPlan(("seq_mean_k3", "token_k2")).level == "token"
     assert not CorrectionPlan() and CorrectionPlan().describe() == "none"
     assert_weights(CorrectionPlan().apply(inputs()), ALL)

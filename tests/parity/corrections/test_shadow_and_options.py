@@ -30,7 +30,7 @@ def test_one_row_per_rule_and_the_in_use_row_is_the_live_metrics():
     rows = shadow_rows(inputs(), live)
     assert [r["rule"] for r in rows] == rule_names()
     in_use = [r for r in rows if r["in_use"]]
-    assert [r["rule"] for r in in_use] == ["token_mis"] and in_use[0]["options"] == "token_mis(low=0.4, high=2.0)"
+    assert [r["rule"] for r in in_use] == ["token_mis"] and in_use[0]["options"] == "token_mis(low=0.4, high=2)"
     metrics, _ = correction_metrics(inputs(), live)
     for c in COLUMNS:
         assert in_use[0][c] == metrics[f"correction/{c}"], c
@@ -38,7 +38,7 @@ def test_one_row_per_rule_and_the_in_use_row_is_the_live_metrics():
     assert in_use[0]["frac_masked"] == pytest.approx(0.4)
     # every other row runs its rule on its defaults: token_tis at cap 2 clips 1 of 5
     tis = next(r for r in rows if r["rule"] == "token_tis")
-    assert not tis["in_use"] and tis["frac_clipped"] == pytest.approx(0.2) and tis["options"] == "token_tis(cap=2.0)"
+    assert not tis["in_use"] and tis["frac_clipped"] == pytest.approx(0.2) and tis["options"] == "token_tis(cap=2)"
 
 
 def test_a_combination_gets_its_own_row():
