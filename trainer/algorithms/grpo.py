@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainer.algorithms.aggregation import aggregate
-from trainer.algorithms.kl import kl_k3
+from trainer.algorithms.kl import behaviour_ratio, kl_k3
 from trainer.algorithms.record import Algorithm, check_options, clip_rules, group_scale_rules, loss_agg_rule
 from trainer.algorithms.registry import AdvantageInputs, LossInputs, LossOutput, register_algorithm
 from trainer.algorithms.sequence import broadcast_to_tokens, constant_groups, grouped_rewards
@@ -104,23 +104,27 @@ def clipped_surrogate(
 
 def add_kl_and_is_weights(pg: torch.Tensor, lp: torch.Tensor, batch: LossInputs, cfg: Any, valid: torch.Tensor,
                           clean, metrics: dict, who: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token tail shared by the clipped losses: + kl_coef * k3(ref, lp), then * is_weights.
+    """The per-token tail shared by the clipped losses: pg * is_weights + kl_coef * k3(ref, lp) * (its weight).
 
-    Returns (per_token loss, is-weighted pg); logs ``train/kl_ref`` (unweighted token mean of
-    k3) into ``metrics`` when a reference is given. ``clean`` zeroes padding and detaches.
-    A configured penalty without a reference is an error, never silently skipped.
+    The KL term's weight is ``is_weights`` (as the policy term's), or with ``batch.behaviour_logprobs`` the ratio
+    pi_theta / pi_behaviour of its unbiased form (``kl.behaviour_ratio``). Returns (per_token loss, is-weighted pg);
+    logs ``train/kl_ref`` (unweighted token mean of k3) into ``metrics`` when a reference is given. ``clean``
+    zeroes padding and detaches. A configured penalty without a reference is an error, never silently skipped.
     """
+    w = clean(batch.is_weights) if batch.is_weights is not None else None
+    pg = pg * w if w is not None else pg
     per_token = pg
     if batch.ref_logprobs is not None:
         kl = kl_k3(lp, clean(batch.ref_logprobs))
         metrics["train/kl_ref"] = aggregate(kl.detach(), valid, "token_mean", batch.normalizer).item()
         if cfg.kl_coef > 0:
+            if batch.behaviour_logprobs is not None:
+                kl = kl * behaviour_ratio(lp, clean(batch.behaviour_logprobs))
+            elif w is not None:
+                kl = kl * w
             per_token = per_token + cfg.kl_coef * kl
     elif cfg.kl_coef > 0:
         raise ValueError(f"{who}: cfg.kl_coef={cfg.kl_coef} > 0 but LossInputs.ref_logprobs is None")
-    if batch.is_weights is not None:
-        w = clean(batch.is_weights)
-        per_token, pg = per_token * w, pg * w
     return per_token, pg
 
 
@@ -128,13 +132,14 @@ def grpo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     """GRPO policy loss on one micro-batch (DeepSeekMath Eq. 3 with DAPO/Dr. GRPO options).
 
     Per valid token, with rho = exp(logprobs - old_logprobs):
-        l = -min(rho*A, clip(rho, 1-clip_eps_low, 1+clip_eps_high)*A) + kl_coef * k3(ref, logprobs)
-        l = l * is_weights                          (if given)
+        l = -min(rho*A, clip(rho, 1-clip_eps_low, 1+clip_eps_high)*A) * w + kl_coef * k3(ref, logprobs) * w_kl
+    w = is_weights (1 if None); w_kl = w, or pi_theta / pi_behaviour with ``behaviour_logprobs`` (the
+    penalty's unbiased form, ``add_kl_and_is_weights``).
     loss = aggregate(l, mask, cfg.loss_agg, batch.normalizer) -- a scalar whose sum over
     the micro-batches of the step is the full-batch loss (see ``aggregation``).
 
     Reads cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef, cfg.loss_agg.
-    ``old_logprobs``, ``advantages``, ``ref_logprobs`` and ``is_weights`` are detached here;
+    ``old_logprobs``, ``advantages``, ``ref_logprobs``, ``is_weights`` and ``behaviour_logprobs`` are detached here;
     padding is ignored even if it holds NaN/inf. ``kl_coef > 0`` without ``ref_logprobs`` is an
     error (a configured penalty is never silently skipped). Computed in float32 at least.
 

@@ -45,3 +45,24 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """
     logr = _log_ratio(logprobs, ref_logprobs)
     return torch.expm1(logr) - logr  # expm1: exact near logr = 0, where k3 ~ logr**2 / 2
+
+
+# exp(20) ~ 4.9e8: keeps the weight finite in float32 (the clipped surrogate clamps its log-ratio the same way).
+_LOG_RATIO_CLAMP = 20.0
+
+
+def behaviour_ratio(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor) -> torch.Tensor:
+    """r = pi_theta / pi_behaviour = exp(logprobs - behaviour_logprobs), [S, T], with gradient through ``logprobs``.
+
+    The weight of the KL penalty's unbiased form (DeepSeek-AI, "DeepSeek-V3.2", arXiv 2512.02556, Sec. 3.1, Eq. 8:
+    "unbiased KL estimate"; TRL's ``use_bias_correction_kl``): tokens are sampled from pi_behaviour (the engine), so
+    E_behaviour[r * k3] = E_theta[k3] = KL(pi_theta || pi_ref), and since r carries the gradient,
+    grad E_behaviour[r * k3] = grad KL(pi_theta || pi_ref) -- which k3 alone in the loss does not give. The
+    log-ratio is clamped to +-20 (a token so far off is a broken batch).
+    """
+    if logprobs.shape != behaviour_logprobs.shape:
+        raise ValueError(f"behaviour_logprobs has shape {tuple(behaviour_logprobs.shape)}, expected "
+                         f"{tuple(logprobs.shape)} (logprobs')")
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    log_r = logprobs.to(dtype) - behaviour_logprobs.detach().to(dtype)
+    return torch.exp(log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))

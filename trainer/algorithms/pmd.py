@@ -142,6 +142,6 @@ def pmd_loss(batch: LossInputs, cfg: Any) -> LossOutput:
 
 _PMD_PAPER = "PMD (arXiv 2602.05933); tau's default is OpenKimi's 0.01 (the authors use 0.01-0.1)"
 register_algorithm(Algorithm(name="pmd_mean", options=PMDConfig, advantage=rloo_advantages, loss=pmd_loss,
-                             paper=_PMD_PAPER))
+                             token_weights=False, paper=_PMD_PAPER))
 register_algorithm(Algorithm(name="pmd_part", options=PMDConfig, advantage=pmd_part_advantages, loss=pmd_loss,
-                             paper=_PMD_PAPER))
+                             token_weights=False, paper=_PMD_PAPER))

@@ -143,8 +143,11 @@ class LossInputs:
     normalizer: the GLOBAL denominators of the whole rollout batch (see
         ``aggregation.LossNormalizer``), so micro-batch losses sum to the full-batch loss.
     ref_logprobs: [S, T] optional reference policy log-probs for a KL penalty (constants).
-    is_weights: [S, T] optional rollout->trainer importance weights (TIS/MIS; constants)
+    is_weights: [S, T] optional rollout->trainer correction weights (parity.corrections; constants)
         multiplying the per-token loss.
+    behaviour_logprobs: [S, T] optional log-probs of the policy that sampled the tokens (the engine's; constants).
+        When given, the KL penalty takes its unbiased form: its per-token k3 weighted by
+        pi_theta / pi_behaviour (``kl.behaviour_ratio``, with gradient) instead of by ``is_weights``.
     values: [S, T] optional current critic values V (requires grad; PPO's value loss).
     old_values: [S, T] optional critic values when the data was collected (constants; the
         centre of PPO's value clip).
@@ -160,6 +163,7 @@ class LossInputs:
     normalizer: LossNormalizer
     ref_logprobs: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
@@ -169,7 +173,7 @@ class LossInputs:
         if self.logprobs.dim() != 2:
             raise ValueError(f"LossInputs.logprobs must be 2-D [S, T], got shape {tuple(self.logprobs.shape)}")
         shape = self.logprobs.shape
-        for name in ("old_logprobs", "advantages", "mask", "ref_logprobs", "is_weights",
+        for name in ("old_logprobs", "advantages", "mask", "ref_logprobs", "is_weights", "behaviour_logprobs",
                      "values", "old_values", "returns", "entropy"):
             _check_2d("LossInputs", name, getattr(self, name), shape)
         if not isinstance(self.normalizer, LossNormalizer):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trainer.algorithms.grpo import clipped_surrogate
-from trainer.algorithms.kl import kl_k3
+from trainer.algorithms.kl import behaviour_ratio, kl_k3
 from trainer.algorithms.record import Algorithm, check_options, clip_rules
 from trainer.algorithms.registry import AdvantageInputs, LossInputs, LossOutput, register_algorithm
 from trainer.algorithms.sequence import (
@@ -72,9 +72,11 @@ def rloo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     With Delta_i = sum_t (logprobs - old_logprobs) over sequence i's valid tokens, rho_i = exp(Delta_i),
     A_i the sequence's advantage (read at its first valid token, see ``sequence.per_sequence``),
     w_i its importance weight (``is_weights``, constant per sequence) and G = normalizer.num_seqs:
-        l_i  = -min(rho_i * A_i, clip(rho_i, 1 - clip_eps_low, 1 + clip_eps_high) * A_i)
-               + kl_coef * sum_t k3(ref, logprobs)_{i,t}
-        loss = sum_i w_i * l_i / G
+        l_i  = -min(rho_i * A_i, clip(rho_i, 1 - clip_eps_low, 1 + clip_eps_high) * A_i) * w_i
+               + kl_coef * sum_t k3(ref, logprobs)_{i,t} * w_kl
+        loss = sum_i l_i / G
+    with w_kl = w_i, or the token's pi_theta / pi_behaviour with ``behaviour_logprobs`` (the unbiased form,
+    ``kl.behaviour_ratio``).
     At rho = 1 the gradient is -A_i * grad(sum_t log pi(y_i,t)) / G: REINFORCE with the LOO baseline.
 
     Reads cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef. Raises if advantages or is_weights
@@ -92,6 +94,10 @@ def rloo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
     g = batch.normalizer.num_seqs
     # one action per sequence: PPO's clipped surrogate on the sequence log-ratio (vs 0 = log 1)
     pg, ratio = clipped_surrogate(seq_lr, torch.zeros_like(seq_lr), adv, cfg.clip_eps_low, cfg.clip_eps_high)
+    w = None
+    if batch.is_weights is not None:
+        w = per_sequence(who, "is_weights", batch.is_weights, batch.mask).to(dtype)
+        pg = pg * w
     per_seq = pg
     metrics: dict[str, float] = {}
     if batch.ref_logprobs is not None:
@@ -99,12 +105,14 @@ def rloo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
         kl = torch.where(valid, kl_k3(lp, torch.where(valid, batch.ref_logprobs.detach().to(dtype), zero)), zero)
         metrics["train/kl_ref"] = (kl.detach().sum() / batch.normalizer.num_tokens).item()
         if cfg.kl_coef > 0:
-            per_seq = per_seq + cfg.kl_coef * kl.sum(dim=-1)
+            if batch.behaviour_logprobs is not None:  # the unbiased form: each token's k3 times pi_theta / pi_b
+                behaviour = torch.where(valid, batch.behaviour_logprobs.detach().to(dtype), zero)
+                seq_kl = torch.where(valid, kl * behaviour_ratio(lp, behaviour), zero).sum(dim=-1)
+            else:
+                seq_kl = kl.sum(dim=-1) * (w if w is not None else 1.0)
+            per_seq = per_seq + cfg.kl_coef * seq_kl
     elif cfg.kl_coef > 0:
         raise ValueError(f"{who}: cfg.kl_coef={cfg.kl_coef} > 0 but LossInputs.ref_logprobs is None")
-    if batch.is_weights is not None:
-        w = per_sequence(who, "is_weights", batch.is_weights, batch.mask).to(dtype)
-        per_seq, pg = per_seq * w, pg * w
     loss = per_seq.sum() / g
 
     with torch.no_grad():
@@ -118,5 +126,6 @@ def rloo_loss(batch: LossInputs, cfg: Any) -> LossOutput:
 
 
 register_algorithm(Algorithm(name="rloo", options=RLOOConfig, advantage=rloo_advantages, loss=rloo_loss,
+                             token_weights=False,
                              paper="Ahmadian et al., Back to Basics: REINFORCE-style optimization, arXiv 2402.14740, "
                                    "Sec. 3.2; clip range as TRL's RLOOConfig"))

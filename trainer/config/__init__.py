@@ -26,11 +26,11 @@ from trainer.config.schema import (
     TrainConfig,
     WandbConfig,
 )
-from trainer.config.validate import correction_config, to_dict, validate
+from trainer.config.validate import to_dict, validate
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "CorrectionSection", "DataConfig", "LoggingConfig", "LoraConfig",
     "ModelConfig", "ParityConfig", "PrecisionConfig", "RecipeError", "RewardConfig", "RewardModelEntry",
-    "RolloutConfig", "RunConfig", "TrainConfig", "WandbConfig", "build_config", "correction_config",
+    "RolloutConfig", "RunConfig", "TrainConfig", "WandbConfig", "build_config",
     "load_recipe_dict", "parse_override", "read_recipe", "read_recipe_leniently", "to_dict", "validate",
 ]

@@ -13,8 +13,18 @@ from typing import Any, Callable, Iterable, Literal, Optional
 
 import yaml
 
+from parity.corrections import (
+    CorrectionPlan,
+    OptionError as RuleOptionError,
+    PlanError,
+    get_preset,
+    get_rule,
+    is_rule,
+    rule_names,
+    rules as correction_rules,
+)
 from trainer.algorithms import ALGORITHMS, OptionError
-from trainer.config.schema import AlgorithmConfig, RecipeError, RunConfig, recipe_key
+from trainer.config.schema import AlgorithmConfig, CorrectionSection, RecipeError, RunConfig, recipe_key
 from trainer.config.strict_yaml import DuplicateKey, load_unique
 from trainer.config.utf8 import decode_utf8
 from trainer.config.validate import Check, validate
@@ -155,6 +165,8 @@ class _Salvage:
 def _build(cls: type, data: dict, prefix: str, where: str, salvage: Optional[_Salvage] = None):
     if cls is AlgorithmConfig:
         return _build_algorithm(data, prefix, where, salvage)
+    if cls is CorrectionSection:
+        return _build_correction(data, prefix, where, salvage)
     return _build_plain(cls, data, prefix, where, salvage)
 
 
@@ -249,6 +261,117 @@ def _salvage_algorithm(data: dict, shared: list[str], own: list[str], record, pr
             else:  # a rule across options: none of the given ones can be kept
                 salvage.keys.extend(f"{prefix}.{k}" for k in given)
                 given = {}
+
+
+def _build_correction(data: dict, prefix: str, where: str, salvage: Optional[_Salvage] = None) -> CorrectionSection:
+    """The ``parity.correction:`` section: its shared keys, a preset expanded, each chosen rule's options (under the
+    rule's name) into its record's options type, and the combination checked (``parity.corrections.CorrectionPlan``).
+
+    Every problem is collected: an unknown rule, options of a rule not chosen, an option of another rule (named with
+    the rules that have it), a threshold out of range, two importance weights. A lenient build (``salvage``) with
+    problems leaves the whole section at its defaults."""
+    shared = [f.name for f in dataclasses.fields(CorrectionSection) if f.name != "options"]
+    errors: list[RecipeError] = []
+
+    def refuse(key: str, value: Any, expected: str) -> None:
+        errors.append(RecipeError(f"{where}: {prefix}.{key} = {value!r}: expected {expected}"))
+
+    try:
+        section = _build_plain(CorrectionSection, {k: v for k, v in data.items() if k in shared}, prefix, where)
+    except RecipeError as e:
+        errors.append(e)
+        section = CorrectionSection()
+    options: dict[str, Any] = {}
+    names = list(section.rules)
+    if section.preset is not None:
+        try:
+            preset = get_preset(section.preset)
+        except ValueError as e:
+            refuse("preset", section.preset, str(e).split("; ", 1)[1].replace("valid names", "one of"))
+        else:
+            if names:
+                refuse("rule", section.rule, "none with parity.correction.preset set (the preset names its rules)")
+            if "bypass" in data and section.bypass != preset.bypass:
+                refuse("bypass", section.bypass,
+                       f"{str(preset.bypass).lower()} or unset with preset {section.preset} (the preset sets it)")
+            names, options = list(preset.rules), dict(preset.options)
+            section.bypass = preset.bypass
+    for name in names:
+        if not is_rule(name):
+            refuse("rule", section.rule, f"none, a correction rule or a list of them: {', '.join(rule_names())} "
+                   f"({name!r} is none of them)")
+    for key, value in data.items():
+        if key in shared:
+            continue
+        if is_rule(key):
+            rule_options = _build_rule_options(key, value, key in names, names, options.get(key), prefix, where, errors)
+            if rule_options is not None:
+                options[key] = rule_options
+            continue
+        owners = [r.name for r in correction_rules() if key in r.option_names()]
+        if owners:
+            errors.append(RecipeError(f"{where}: {prefix}.{key} = {value!r}: a rule's option goes under the rule's "
+                                      f"name ({prefix}.<rule>.{key}); {key} is an option of {', '.join(owners)}"))
+        else:
+            keys = shared + rule_names()
+            errors.append(RecipeError(f"{where}: unknown key '{prefix}.{key}'{_did_you_mean(key, keys, prefix)}; "
+                                      f"valid keys here: {', '.join(shared)}, or a chosen rule's name"))
+    if not errors:
+        try:
+            plan = CorrectionPlan(tuple(names), options, batch_normalize=section.batch_normalize)
+        except PlanError as e:
+            refuse(e.key, section.rule if e.key == "rule" else e.value, e.expected)
+        else:
+            section.options = plan.options
+            if section.preset is not None:  # recorded expanded (recipe.yaml reads back without the preset)
+                section.rule, section.preset = list(names) or "none", None
+    if errors:
+        if salvage is not None:
+            salvage.keys.append(prefix)
+            return CorrectionSection()
+        raise RecipeError.several(errors)
+    return section
+
+
+def _build_rule_options(name: str, value: Any, chosen: bool, names: list[str], base: Any, prefix: str, where: str,
+                        errors: list[RecipeError]) -> Any:
+    """``parity.correction.<name>: {...}`` into the rule's options (over ``base``, a preset's), or None (an error)."""
+    key = f"{prefix}.{name}"
+    rule = get_rule(name)
+    own = rule.option_names()
+    if not chosen:  # named per option, so that a --set of one is named back
+        why = (f"options of {name}, which is not a chosen rule ({prefix}.rule: {', '.join(names) or 'none'}); choose "
+               "it or remove its options")
+        given = value.items() if isinstance(value, dict) and value else [(None, value)]
+        errors.extend(RecipeError(f"{where}: {key if k is None else f'{key}.{k}'} = {v!r}: {why}") for k, v in given)
+        return None
+    if not isinstance(value, dict):
+        errors.append(RecipeError(f"{where}: {key} = {value!r}: expected a mapping of {name}'s options "
+                                  f"({', '.join(own)})"))
+        return None
+    bad = False
+    for k, v in value.items():
+        if k in own:
+            continue
+        bad = True
+        owners = [r.name for r in correction_rules() if k in r.option_names()]
+        if owners:
+            errors.append(RecipeError(f"{where}: {key}.{k} = {v!r}: not an option of {name}; it belongs to "
+                                      f"{', '.join(owners)} (options of {name}: {', '.join(own)})"))
+        else:
+            errors.append(RecipeError(f"{where}: unknown key '{key}.{k}'{_did_you_mean(k, own, key)}; valid keys "
+                                      f"here: {', '.join(own)}"))
+    if bad:
+        return None
+    merged = {**(dataclasses.asdict(base) if base is not None else {}), **value}
+    try:
+        return _build_plain(rule.options, merged, key, where)
+    except RuleOptionError as e:
+        errors.append(RecipeError(f"{where}: {key}.{e.key} = {e.value!r}: expected {e.expected} ({name}: "
+                                  f"{rule.formula})"))
+    except RecipeError as e:
+        errors.append(e)
+    return None
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any, where: str) -> None:

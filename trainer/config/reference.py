@@ -2,7 +2,7 @@
 
     python -m trainer.config.reference [train|sft|train-rm]   # keys, type, default; undocumented ones marked
 
-The schema (``trainer/config/schema.py``, the algorithms' option dataclasses) is the one source of
+The schema (``trainer/config/schema.py``, the algorithms' and correction rules' option dataclasses) is the one source of
 keys; ``tests/trainer/config/test_reference.py`` fails when a key is missing from docs/recipe-keys.md's table of
 its command ("parityrl train", "parityrl sft", "parityrl train-rm").
 """
@@ -14,8 +14,9 @@ import sys
 import typing
 from pathlib import Path
 
+from parity.corrections import rules as correction_rules
 from trainer.algorithms.registry import ALGORITHMS
-from trainer.config.schema import AlgorithmConfig, RunConfig, recipe_key
+from trainer.config.schema import AlgorithmConfig, CorrectionSection, RunConfig, recipe_key
 from trainer.config.supervised import RMConfig, SFTConfig
 
 KEYS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "recipe-keys.md"
@@ -32,7 +33,7 @@ TABLES = {
 
 def recipe_keys(command: str = "train") -> dict[str, tuple[str, object]]:
     """{dotted key: (type, default)} of every key of ``command``'s recipe: the sections' fields (and, for
-    ``train``, every algorithm's options)."""
+    ``train``, every algorithm's options and every correction rule's)."""
     root = TABLES[command][1]
     out: dict[str, tuple[str, object]] = {}
 
@@ -41,7 +42,7 @@ def recipe_keys(command: str = "train") -> dict[str, tuple[str, object]]:
         for f in dataclasses.fields(cls):
             tp = hints.get(f.name, f.type)
             key = f"{prefix}{recipe_key(f.name)}"
-            if cls is AlgorithmConfig and f.name == "options":
+            if cls in (AlgorithmConfig, CorrectionSection) and f.name == "options":
                 continue
             if dataclasses.is_dataclass(tp):
                 walk(tp, key + ".")
@@ -59,6 +60,9 @@ def recipe_keys(command: str = "train") -> dict[str, tuple[str, object]]:
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             out.setdefault(f"algorithm.{f.name}", (str(f.type), default))
+    for rule in correction_rules():
+        for f in dataclasses.fields(rule.options):
+            out[f"parity.correction.{rule.name}.{f.name}"] = (str(f.type), f.default)
     return out
 
 

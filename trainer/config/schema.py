@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from parity.corrections import CorrectionPlan
 from trainer.algorithms import ALGORITHMS
 
 
@@ -294,12 +295,49 @@ class TrainConfig(StageTrainConfig):
 
 @dataclass
 class CorrectionSection:
-    # Importance weights between trainer and rollout policy, multiplied into the
-    # per-token loss (parity.correction): none | tis | mis | seq_mis.
-    mode: Literal["none", "tis", "mis", "seq_mis"] = "none"
-    tis_cap: float = 2.0  # tis: w = min(rho, tis_cap)
-    low: float = 0.5  # mis / seq_mis: keep tokens (sequences) with rho in [low, high]
-    high: float = 2.0
+    """The recipe's ``parity.correction:`` section: how the loss corrects for the engine/trainer mismatch
+    (parity/corrections, docs/corrections.md).
+
+    Written with each chosen rule's options under the rule's name::
+
+        parity:
+          correction:
+            rule: [token_tis, seq_mean_k3]   # none, one rule, or a list (at most one importance weight)
+            token_tis: {cap: 3.0}            # options of a chosen rule (defaults: the rule's source)
+            shadow: true
+
+    The loader (``trainer.config.load``) parses ``<rule>:`` into ``options`` (rule -> its options object, every
+    chosen rule present); a preset is expanded there into ``rule``, its options and ``bypass``.
+    """
+
+    # none, a rule name or a list of them: at most one importance weight (token_tis, token_mis, seq_tis, seq_mis)
+    # and any rejections (token_k1..k3, seq_sum_k*, seq_mean_k*, seq_max_k2/k3, opsm), multiplied as verl does.
+    rule: Union[str, list[str]] = "none"
+    # verl's presets by name (parity/corrections/presets.py), instead of rule: expanded when the recipe is read.
+    preset: Optional[str] = None
+    # Divide the importance weights by their batch mean (verl's rollout_is_batch_normalize); pi_old is then scored
+    # before the update (one gradient-free forward more per step with a single on-policy update).
+    batch_normalize: bool = False
+    # pi_old := the engine's log-probs (verl's bypass mode): PPO's ratio pi_theta / pi_rollout is the importance
+    # weight, so only rejection rules may join it; one on-policy update per batch, without a critic.
+    bypass: bool = False
+    # The KL penalty's unbiased form (DeepSeek-V3.2 Sec. 3.1): its per-token k3 weighted by pi_theta / pi_rollout.
+    unbiased_kl: bool = False
+    # Every logging.breakdown_every steps, every rule's weights on the step's batch side by side (no extra forward):
+    # parity_breakdown.jsonl's correction_shadow and the wandb table parity_tables/correction_shadow.
+    shadow: bool = False
+    options: Any = None  # rule -> its options object (parity.correction.<rule>: in a recipe); None = no rule
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        if isinstance(self.rule, str):
+            return () if self.rule == "none" else (self.rule,)
+        return tuple(self.rule)
+
+    @property
+    def plan(self) -> CorrectionPlan:
+        """The run's ``parity.corrections.CorrectionPlan`` (empty without a rule)."""
+        return CorrectionPlan(self.rules, dict(self.options or {}), batch_normalize=self.batch_normalize)
 
 
 @dataclass

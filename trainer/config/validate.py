@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterable
 
-from parity.correction import CorrectionConfig
+from parity.corrections import rules as correction_rules
 from rollout.server_engine import parse_server_url
 from trainer.config.schema import RecipeError, RunConfig, recipe_key
 
@@ -49,12 +49,6 @@ def validate(cfg: RunConfig, where: str = "<recipe>", checks: Iterable[Check] = 
         if not ok:
             raise RecipeError(f"{where}: {key} = {value!r}: expected {expected}")
 
-    def correction(cfg: RunConfig, need: Need) -> None:
-        try:
-            correction_config(cfg)
-        except ValueError as e:
-            raise RecipeError(f"{where}: parity.correction.{e}") from None
-
     def server_url(cfg: RunConfig, need: Need) -> None:
         if cfg.rollout.mode == "server":  # the same parser the engine and `parityrl serve` use
             try:
@@ -64,7 +58,8 @@ def validate(cfg: RunConfig, where: str = "<recipe>", checks: Iterable[Check] = 
 
     errors: list[RecipeError] = []
     for check in (_check_name, _check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
-                  _check_env, _check_eval, _check_parity, _check_checkpoint_and_logging, correction, server_url, *checks):
+                  _check_env, _check_eval, _check_parity, _check_correction, _check_checkpoint_and_logging, server_url,
+                  *checks):
         try:
             check(cfg, need)
         except RecipeError as e:
@@ -286,6 +281,30 @@ def _check_parity(cfg: RunConfig, need: Need) -> None:
     need(p.unreplayed_every >= 0, "parity.unreplayed_every", p.unreplayed_every, "an integer >= 0 (0 = never)")
 
 
+def _check_correction(cfg: RunConfig, need: Need) -> None:
+    """The correction against the algorithm's record and the loop: what each rule's weights need from the loss, what
+    bypass needs from the updates (the rules and their options checked themselves when the section was read)."""
+    c, a = cfg.parity.correction, cfg.algorithm
+    record, plan = a.record, c.plan
+    sequence_rules = ", ".join(r.name for r in correction_rules() if r.level == "sequence")
+    need(plan.level == "sequence" or record.token_weights, "parity.correction.rule", c.rule,
+         f"rules with one weight per sequence for {a.name}, whose loss weighs whole sequences: {sequence_rules}")
+    if c.bypass:
+        updates = a.epochs * a.mini_batches
+        need(updates == 1, "parity.correction.bypass", True,
+             f"false with algorithm.epochs x mini_batches = {updates} updates per batch: each takes its ratio "
+             "against the trainer's pi_old, scored before the first (bypass would replace it by the engine's)")
+        need(not record.critic, "parity.correction.bypass", True,
+             f"false for {a.name}: its critic's values and pi_old come from the trainer's pass before the update")
+        need(not cfg.rollout.max_staleness, "parity.correction.bypass", True,
+             "false with rollout.max_staleness 1: pi_old is the behaviour adapter's pass, which parity/* measures")
+        need(plan.weight_rule is None, "parity.correction.rule", c.rule,
+             "rejection rules only with parity.correction.bypass: PPO's ratio pi_theta / pi_rollout is then the "
+             "importance weight (verl's bypass_ppo_clip)")
+    need(not c.unbiased_kl or record.uses_reference(a.options), "parity.correction.unbiased_kl", True,
+         f"false with algorithm.kl_coef 0 ({a.name}): there is no KL term to weight")
+
+
 def _check_checkpoint_and_logging(cfg: RunConfig, need: Need) -> None:
     need(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "an integer >= 0")
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "an integer >= 1")
@@ -300,19 +319,18 @@ def _check_checkpoint_and_logging(cfg: RunConfig, need: Need) -> None:
         need(False, "logging.run_dir", cfg.logging.run_dir, "a path; the only placeholder is {name}")
 
 
-def correction_config(cfg: RunConfig):
-    """The recipe's correction section as parity.correction's own (validating) config."""
-    c = cfg.parity.correction
-    return CorrectionConfig(mode=c.mode, tis_cap=c.tis_cap, low=c.low, high=c.high)
-
-
 def to_dict(cfg) -> dict:
-    """The config as plain data, the ``algorithm`` section flat as a recipe writes it (options inlined)."""
+    """The config as plain data, as a recipe writes it: the ``algorithm`` section flat (options inlined), each
+    correction rule's options under ``parity.correction.<rule>``."""
     out = _recipe_keys(cfg, dataclasses.asdict(cfg))
     alg = out.get("algorithm")
     if isinstance(alg, dict) and "options" in alg:
         options = alg.pop("options") or {}
         out["algorithm"] = {**alg, **options}
+    correction = out.get("parity", {}).get("correction")
+    if isinstance(correction, dict) and "options" in correction:  # each rule's options under its name
+        options = correction.pop("options") or {}
+        out["parity"]["correction"] = {**correction, **options}
     return out
 
 

@@ -141,6 +141,26 @@ class DataParallel:
                 stats[key] = self._all_reduce(stats[key].double().clone(), op)
         return stats
 
+    def pool(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Statistics summed over the ranks, those whose key ends in ``_max`` maxed (``parity.corrections.reduction``,
+        the rule of ``parity.metrics.reduction`` too): one all-reduce per operation for the whole dict. Collective:
+        every rank passes the same keys and shapes."""
+        if not self.active:
+            return dict(stats)
+        out = {}
+        for op in ("sum", "max"):
+            keys = sorted(k for k in stats if reduction(k) == op)
+            if not keys:
+                continue
+            flat = torch.cat([stats[k].double().reshape(-1) for k in keys])
+            self._all_reduce(flat, torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
+            i = 0
+            for k in keys:
+                n = stats[k].numel()
+                out[k] = flat[i:i + n].view(stats[k].shape)
+                i += n
+        return out
+
     def pooled_parity(self, train_logprobs, rollout_logprobs, mask, *, train_topk_logprobs=None,
                       rollout_topk_logprobs=None, prefix: str = "parity/") -> dict[str, float]:
         """``parity.metrics.compare`` over the union of every rank's tokens (exact pooling)."""

@@ -58,6 +58,7 @@ from trainer.lifecycle.stops import (
     stop_together,
 )
 from trainer.lifecycle.summary import print_summary
+from trainer.measurement.correction_report import correction_report
 from trainer.measurement.evaluation import BestCheckpoint, Evaluator
 from trainer.measurement.merge_cost import MergeCost
 from trainer.measurement.parity_breakdown import append_breakdown, routing_by_layer, step_breakdown, wandb_tables
@@ -84,7 +85,7 @@ from trainer.rewards.sources import build_reward_sources
 from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.learner import load_policy, prepare_policy
 from trainer.rl.run import Run, TrainResult
-from trainer.rl.update import policy_gradient_pass, score_pass, several_updates, updates_per_batch
+from trainer.rl.update import policy_gradient_pass, score_pass, scores_first, several_updates, updates_per_batch
 from trainer.rl.value_head import ValueHead
 from trainer.sampling.async_prefetch import behaviour_weights, snapshot
 from trainer.sampling.drawn import Drawn
@@ -123,7 +124,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)
             t = time.perf_counter()
             scored, advantages, returns = score_phase(run, step, batch, rewards, m)
-            parity_phase(run, step, batch, scored, m)
+            tables = correction_phase(run, step, batch, scored, advantages, m)
+            parity_phase(run, step, batch, scored, m, tables)
             samples_phase(run, step, drawn, batch, scored)
             update_phase(run, step, batch, scored, advantages, returns, m)
             run.tokens_seen += m["parity/num_tokens"]  # the batch's completion tokens, pooled over ranks
@@ -359,7 +361,7 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
             current = score_pass(learner, batch)
             m.update(run.dp.pooled_parity(current.logprobs, scored.logprobs, batch.mask, prefix="staleness/"))
         return scored, advantages, None
-    if updates_per_batch(cfg) == 1:
+    if not scores_first(cfg):
         scored, metrics = policy_gradient_pass(learner, batch, advantages)
         m.update(metrics)
     else:
@@ -369,8 +371,28 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
     return scored, advantages, None
 
 
-def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict) -> None:
-    """pi_old vs the engine on the sampled tokens: ``parity/*``, the limits, the breakdown tables.
+def breakdown_step(cfg: RunConfig, step: int) -> bool:
+    """Whether this step's tables go to wandb (and the shadow table is computed): every ``breakdown_every``, the last."""
+    return step % cfg.logging.breakdown_every == 0 or step == cfg.train.steps
+
+
+def correction_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, advantages: torch.Tensor,
+                     m: dict) -> dict:
+    """``correction/*``: the raw pi_old / engine ratios and what the recipe's correction did to them (the weights the
+    update used), its per-bucket tables and, on breakdown steps with ``parity.correction.shadow``, every rule's
+    weights on the same batch (trainer/measurement/correction_report.py). Returns the tables for the breakdown."""
+    correction = run.cfg.parity.correction
+    metrics, tables = correction_report(correction, batch, scored, advantages, run.dp,
+                                        shadow=correction.shadow and breakdown_step(run.cfg, step),
+                                        by_turn=run.environment is not None)
+    m.update(metrics)
+    return tables
+
+
+def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict,
+                 tables: Optional[dict] = None) -> None:
+    """pi_old vs the engine on the sampled tokens: ``parity/*``, the limits, the breakdown tables (with ``tables``,
+    the correction's).
 
     The train log-probs are from the pre-update policy, the one that generated the rollouts
     (if the previous sync worked): this is what the metrics measure.
@@ -399,9 +421,10 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict
                                    run.tokenizer, entropy=scored.entropy, by_turn=run.environment is not None)
         if scored.routing is not None:
             breakdown["routing_by_layer"] = routing_by_layer(m)
+        breakdown.update(tables or {})
         with run.records.writing(cfg.run_dir / "parity_breakdown.jsonl", step):
             append_breakdown(cfg.run_dir, step, breakdown)
-        if run.logger.wandb_run is not None and (step % cfg.logging.breakdown_every == 0 or step == cfg.train.steps):
+        if run.logger.wandb_run is not None and breakdown_step(cfg, step):
             run.logger.wandb_run.log(wandb_tables(breakdown), step=step)
 
 
@@ -439,7 +462,7 @@ def update_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, advanta
     """The optimizer step(s) of this batch, then the LR schedule."""
     m["train/lr"] = run.scheduler.get_last_lr()[0]
     one_update = updates_per_batch(run.cfg) == 1
-    if one_update and run.value_head is None and run.behaviour is None:
+    if not scores_first(run.cfg) and run.value_head is None and run.behaviour is None:
         m["train/grad_norm"] = run.update()  # the gradient is already there (score_phase)
     else:
         metrics, last = several_updates(run.learner, batch, advantages, scored, step, returns=returns)

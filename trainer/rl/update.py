@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from parity.correction import importance_weights
+from parity.corrections import CorrectionInputs
 from trainer.algorithms import LossInputs, kl_k3
-from trainer.config import RunConfig, correction_config
+from trainer.config import RunConfig
 from trainer.measurement.micro_batches import micro_batch_rows
 from trainer.measurement.scoring import Scores, forward, reference_logprobs, score_batch
 from trainer.models.batch import TokenBatch
@@ -29,6 +29,29 @@ from trainer.rl.learner import Learner
 def updates_per_batch(cfg: RunConfig) -> int:
     """Optimizer steps on one rollout batch: ``epochs`` x ``mini_batches``."""
     return cfg.algorithm.epochs * cfg.algorithm.mini_batches
+
+
+def scores_first(cfg: RunConfig) -> bool:
+    """Whether pi_old is scored in a pass of its own before the update (``score_pass``): with several updates per
+    batch, or a correction whose weights need the whole batch before any is used (``batch_normalize``). Otherwise
+    the single on-policy update's own forward gives pi_old (its log-probs, detached)."""
+    return updates_per_batch(cfg) > 1 or cfg.parity.correction.plan.batch_level
+
+
+def correction_weights(cfg: RunConfig, old_logprobs: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor,
+                       all_sum=None) -> Optional[torch.Tensor]:
+    """The recipe's correction weights [S, C] (float32, constants) of ``batch`` from pi_old's log-probs
+    ([S, C], C <= the batch's columns), or None without a rule (``parity.corrections.CorrectionPlan.apply``).
+
+    Between pi_old (the trainer's view of the behaviour policy) and the engine that sampled. Every rule is local to
+    a sequence, so one micro-batch's rows get the weights the whole batch gives them; ``all_sum`` pools a
+    batch-normalised plan's mean over the ranks (then call it once, on the whole batch)."""
+    plan = cfg.parity.correction.plan
+    if not plan:
+        return None
+    c = old_logprobs.shape[1]
+    inputs = CorrectionInputs.of(old_logprobs, batch.rollout_logprobs[:, :c], batch.mask[:, :c], advantages[:, :c])
+    return plan.apply(inputs, all_sum=all_sum).weights.float()
 
 
 def score_pass(learner: Learner, batch: TokenBatch, *, reference: bool = False) -> Scores:
@@ -47,15 +70,19 @@ def score_pass(learner: Learner, batch: TokenBatch, *, reference: bool = False) 
 
 
 def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.Tensor,
-                         old: Optional[Scores] = None,
-                         returns: Optional[torch.Tensor] = None) -> tuple[Scores, dict[str, float]]:
+                         old: Optional[Scores] = None, returns: Optional[torch.Tensor] = None,
+                         weights: Optional[torch.Tensor] = None) -> tuple[Scores, dict[str, float]]:
     """Forward, loss and backward over micro-batches of ``batch``: (this pass's scores, its metrics).
 
     ``old``: pi_old's scores (``score_pass``; its values with a critic) when this is one of
     several updates on the batch; None = the single on-policy update, where pi_old is the policy
     being differentiated (ratio 1, its log-probs detached) and this pass's detached log-probs
     serve the parity metrics: no extra forward. ``returns`` [S, C]: PPO's value targets
-    (``trainer.rl.critic.ppo_targets``). Gradients are left summed over the ranks on return.
+    (``trainer.rl.critic.ppo_targets``). ``weights`` [S, C]: the correction weights of these rows
+    (``correction_weights`` of the whole batch, from ``old``); None = computed here per micro-batch
+    from pi_old (a batch-level correction needs them given). With ``parity.correction.bypass`` the
+    loss's pi_old is the engine's log-probs; with ``unbiased_kl`` its KL term is weighted by
+    pi_theta / pi_rollout. Gradients are left summed over the ranks on return.
     """
     cfg, model, dp, exact = learner.cfg, learner.model, learner.dp, learner.exact
     a = cfg.algorithm
@@ -64,7 +91,10 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
     entropy_grad = a.record.entropy_in_loss(options)
     temperature, chunk_size = cfg.rollout.temperature, cfg.parity.chunk_size
     norm = dp.global_normalizer(batch.mask, max_len=cfg.rollout.max_new_tokens)
-    correction = correction_config(cfg)
+    correction = cfg.parity.correction
+    if weights is None and correction.plan.batch_level:
+        raise ValueError("policy_gradient_pass: a batch-level correction needs its weights computed on the whole "
+                         "batch first (correction_weights)")
     pack = cfg.train.pack_sequences
     scores = Scores.zeros(batch, values=learner.value_head is not None)
     totals: dict[str, float] = {}
@@ -80,16 +110,14 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
         if use_ref:
             ref_lp = reference_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size, exact=exact,
                                         pack_sequences=pack)
-        # Rollout/trainer mismatch correction between pi_old (the trainer's view of the
-        # behaviour policy) and the engine that sampled: weights are local to a token (tis,
-        # mis) or a row (seq_mis), so computing them per micro-batch equals doing it once.
-        is_w = None
-        if correction.mode != "none":
-            is_w, _ = importance_weights(old_lp, micro.rollout_logprobs, micro.mask, correction)
+        adv = advantages[rows, :c]
+        is_w = weights[rows, :c] if weights is not None else correction_weights(cfg, old_lp, micro, adv)
         critic = {} if learner.value_head is None else {"values": values, "old_values": old.values[rows, :c],
                                                          "returns": returns[rows, :c], "entropy": ent}
-        out = loss_fn(LossInputs(logprobs=lp, old_logprobs=old_lp, advantages=advantages[rows, :c], mask=micro.mask,
-                                 ref_logprobs=ref_lp, is_weights=is_w, normalizer=norm, **critic), options)
+        out = loss_fn(LossInputs(logprobs=lp, old_logprobs=micro.rollout_logprobs if correction.bypass else old_lp,
+                                 advantages=adv, mask=micro.mask, ref_logprobs=ref_lp, is_weights=is_w,
+                                 behaviour_logprobs=micro.rollout_logprobs if correction.unbiased_kl else None,
+                                 normalizer=norm, **critic), options)
         learner.backward(out.loss)
         loss_total += out.loss.item()
         # Each metric, like the loss, is this micro-batch's share of the whole-batch value
@@ -100,9 +128,6 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
     dp.all_reduce_grads(p for group in learner.param_groups() for p in group)
     # Loss terms are contributions under the global normaliser: they sum over ranks.
     metrics = dp.sum_metrics({**totals, "train/loss": loss_total})
-    if correction.mode != "none":  # the fractions and ESS of the batch (averaged over ranks)
-        old_all = scores.logprobs if old is None else old.logprobs
-        metrics.update(dp.mean_metrics(importance_weights(old_all, batch.rollout_logprobs, batch.mask, correction)[1]))
     return scores, metrics
 
 
@@ -126,6 +151,8 @@ def several_updates(learner: Learner, batch: TokenBatch, advantages: torch.Tenso
     scores (with one update: pi_theta before its step, on every row).
     """
     cfg = learner.cfg
+    # pi_old is fixed for the batch: the correction weights are computed once, on the whole batch
+    weights = correction_weights(cfg, old.logprobs, batch, advantages, all_sum=learner.dp.all_sum)
     sums: dict[str, float] = {}
     for epoch in range(cfg.algorithm.epochs):
         for idx in mini_batch_rows(len(batch), cfg, step, epoch):
@@ -133,7 +160,8 @@ def several_updates(learner: Learner, batch: TokenBatch, advantages: torch.Tenso
             sub = batch.select(idx)
             c = sub.targets.shape[1]
             last, metrics = policy_gradient_pass(learner, sub, advantages[idx, :c], old=old.rows(idx, c),
-                                                 returns=None if returns is None else returns[idx, :c])
+                                                 returns=None if returns is None else returns[idx, :c],
+                                                 weights=None if weights is None else weights[idx, :c])
             metrics["train/grad_norm"] = learner.step()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v

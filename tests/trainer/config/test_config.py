@@ -55,10 +55,11 @@ def test_defaults_and_overrides(tmp_path):
     ("reward: {weights: {nope: 1.0}}\n", ["reward.weights.nope", "exact_answer"]),
     ("model: {lora: {target_modules: [q_proj, lm_head]}}\n", ["model.lora.target_modules", "lm_head"]),
     ("[1, 2]\n", ["expected a mapping"]),
-    ("parity: {correction: {mode: tis, tis_cap: -1}}\n", ["parity.correction.tis_cap", "> 0", "-1"]),
+    ("parity: {correction: {rule: token_tis, token_tis: {cap: -1}}}\n",
+     ["parity.correction.token_tis.cap = -1.0", ">= 1"]),
     ("parity: {max_mae: 0}\n", ["parity.max_mae = 0.0", "> 0"]),
     ("parity: {on_violation: abort}\n", ["parity.on_violation = 'abort'", "'stop'"]),
-    ("parity: {correction: {mode: icepop}}\n", ["parity.correction.mode = 'icepop'", "seq_mis"]),
+    ("parity: {correction: {rule: icepop}}\n", ["parity.correction.rule = 'icepop'", "token_mis, token_tis"]),
     ("rollout: {top_k: 20}\n", ["rollout.top_k = 20", "top-k truncation"]),
     # Sampling options the trainer cannot reproduce: refused with the reason, not as unknown keys.
     ("rollout: {repetition_penalty: 1.1}\n", ["rollout.repetition_penalty = 1.1", "not supported",

@@ -12,7 +12,8 @@ RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
 
 @pytest.mark.parametrize("override", ["train.learning_rate=.inf", "rollout.temperature=.inf", "train.learning_rate=.nan",
                                       "train.max_grad_norm=-.inf", "parity.max_mae=.nan", "train.weight_decay=nan",
-                                      "train.adam_betas=[0.9, .inf]", "parity.correction.tis_cap=inf"])
+                                      "train.adam_betas=[0.9, .inf]",
+                                      "parity.correction={rule: token_tis, token_tis: {cap: .inf}}"])
 def test_every_number_must_be_finite(override):
     key = override.split("=")[0]
     with pytest.raises(RecipeError, match="expected a finite number") as e:

@@ -3,7 +3,9 @@
 - broadcast_object and raise_together (rank 1 fails alone);
 - batch-level statistics pooled with ``all_sum``: whitening, REINFORCE++'s advantages and
   PPO's targets (whitened rewards and advantages, the adaptive KL controller's beta) on each
-  rank's half of a batch, against one process computing them on the whole batch.
+  rank's half of a batch, against one process computing them on the whole batch;
+- the correction's report pooled with ``pool`` (correction/*, the per-bucket tables, the shadow table) and a
+  batch-normalised plan's weights, against the whole batch.
 
 Each rank writes its outcome as JSON to its own file (argv[1]/rank_N.json): two ranks
 printing to one pipe can interleave their lines (seen in CI: "RANK 1 ...RANK 0 ..." on one line).
@@ -56,7 +58,46 @@ def pooled_statistics(dp: DataParallel) -> dict:
     out["kl_ref_seq"] = abs(m_m["train/kl_ref_seq"] - m_w["train/kl_ref_seq"])
     out["beta"] = ctl_mine.value
     out["beta_whole"] = ctl_whole.value
+    out.update(pooled_correction(dp))
     return out
+
+
+def pooled_correction(dp: DataParallel) -> dict:
+    """correction_report on each rank's half against one process's whole batch (batch-normalised, with the shadow)."""
+    from types import SimpleNamespace
+
+    from trainer.config import CorrectionSection
+    from trainer.measurement.correction_report import correction_report
+    from trainer.measurement.scoring import Scores
+    from trainer.rl.update import correction_weights
+
+    lp, mask, _ = _batch(3)
+    lp = -lp.abs()
+    g = torch.Generator().manual_seed(4)
+    rollout = (lp + 0.3 * torch.randn(lp.shape, generator=g)) * mask
+    adv = torch.randn(8, 1, generator=g).expand(8, 6) * mask
+    entropy = torch.rand(8, 6, generator=g) * 3
+    section = CorrectionSection(rule=["token_tis", "seq_max_k3"], batch_normalize=True, shadow=True)
+    half = slice(dp.rank * 4, dp.rank * 4 + 4)
+
+    def report(rows, pool_dp):
+        batch = SimpleNamespace(rollout_logprobs=rollout[rows], mask=mask[rows])
+        return correction_report(section, batch, Scores(logprobs=lp[rows], entropy=entropy[rows]), adv[rows],
+                                 pool_dp, shadow=True)
+
+    (m_whole, t_whole), (m_mine, t_mine) = report(slice(None), DataParallel()), report(half, dp)
+    cfg = SimpleNamespace(parity=SimpleNamespace(correction=section))
+    w_whole = correction_weights(cfg, lp, SimpleNamespace(rollout_logprobs=rollout, mask=mask), adv)
+    w_mine = correction_weights(cfg, lp[half], SimpleNamespace(rollout_logprobs=rollout[half], mask=mask[half]),
+                                adv[half], all_sum=dp.all_sum)
+    shadow_diff = max(abs(a[c] - b[c]) for a, b in zip(t_mine["correction_shadow"], t_whole["correction_shadow"])
+                      for c in a if isinstance(a[c], float))
+    return {"correction_keys_equal": float(m_mine.keys() == m_whole.keys() and m_whole["correction/frac_masked"] > 0),
+            "correction_metrics": max(abs(m_mine[k] - m_whole[k]) / max(1.0, abs(m_whole[k])) for k in m_whole),
+            "correction_shadow": shadow_diff,
+            "correction_tables_equal": float({k: v for k, v in t_mine.items() if k != "correction_shadow"}
+                                             == {k: v for k, v in t_whole.items() if k != "correction_shadow"}),
+            "correction_weights": float((w_mine - w_whole[half]).abs().max())}
 
 
 def stops(dp: DataParallel) -> dict:

@@ -28,6 +28,8 @@ def test_single_process_helpers_are_the_identity():
     dp = DataParallel()
     assert not dp.active and dp.shard([1, 2, 3]) == [1, 2, 3] and dp.offset(5) == 0
     assert dp.sum_metrics({"a": 1.0}) == {"a": 1.0}
+    stats = {"n": torch.tensor(2.0), "d_max": torch.tensor(1.0)}
+    assert dp.pool(stats) == stats
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
     n = dp.global_normalizer(mask, max_len=4)
     assert (n.num_tokens, n.num_seqs, n.max_len) == (3.0, 2.0, 4)
@@ -43,8 +45,8 @@ def test_single_process_raise_together_and_broadcast():
 
 def test_two_ranks_raise_together_broadcast_and_pool_batch_statistics(tmp_path):
     """Rank 1 fails alone: rank 0 stops too, naming it, instead of waiting in the next collective.
-    Batch-level statistics (whitening, REINFORCE++, PPO's targets and KL controller) pooled with
-    DataParallel.all_sum give each rank its rows of the whole-batch result."""
+    Batch-level statistics (whitening, REINFORCE++, PPO's targets and KL controller, the correction's
+    report and batch normaliser) pooled with DataParallel.all_sum / pool give each rank the whole-batch result."""
     proc = subprocess.run([*TORCHRUN, str(Path(__file__).parent / "dp_collectives_worker.py"), str(tmp_path)],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,6 +62,10 @@ def test_two_ranks_raise_together_broadcast_and_pool_batch_statistics(tmp_path):
             assert pooled[key] < 1e-5, (key, pooled)
         # every rank's adaptive beta is the one process's (each rank's own KL would move it elsewhere)
         assert pooled["beta"] == pytest.approx(pooled["beta_whole"], rel=1e-12) and pooled["beta"] != 0.1
+        # the correction's report, tables and shadow table, and a batch-normalised plan's weights: the whole batch's
+        assert pooled["correction_keys_equal"] == 1.0 and pooled["correction_tables_equal"] == 1.0, pooled
+        for key in ("correction_metrics", "correction_shadow", "correction_weights"):
+            assert pooled[key] < 1e-9, (key, pooled)
 
 
 def test_collectives_keep_the_device_rule_of_a_gpu_launch(tmp_path):

@@ -52,7 +52,7 @@ def setup():
 
 def _cfg(*overrides):
     return load_recipe("recipes/grpo_tiny.yaml", ["algorithm.group_size=4", "train.micro_batch_size=4",
-                                                  "parity.correction.mode=tis", *overrides], check_paths=False)
+                                                  "parity.correction.rule=token_tis", *overrides], check_paths=False)
 
 
 def _advantages(cfg, batch, rewards):

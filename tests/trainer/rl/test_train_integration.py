@@ -137,23 +137,36 @@ def test_short_run_raises_reward(tmp_path, tiny_model_dir, vllm_engine):
     assert max(h["parity/mae"] for h in res.history) < PARITY_MAE_BOUND
 
 
-def test_tis_correction_in_the_loop(tmp_path, tiny_model_dir, vllm_engine):
-    # With the engine in sync, rho ~ 1 on almost every token: TIS at cap 2 clips nothing
-    # and the effective sample size stays ~1; the weights reach the loss (grad flows).
-    res = train(cfg_for(tmp_path, "tis", "train.steps=2", "parity.correction.mode=tis"), engine=vllm_engine)
+def test_correction_and_its_shadow_in_the_loop(tmp_path, tiny_model_dir, vllm_engine):
+    # With the engine in sync, rho ~ 1 on almost every token: TIS at cap 2 clips nothing and the effective sample
+    # size stays ~1; the weights reach the loss (grad flows). The shadow table runs every rule on the last step's
+    # batch (a breakdown step: the last), its row in use equal to that step's correction/* values.
+    res = train(cfg_for(tmp_path, "tis", "train.steps=2", "parity.correction.rule=[token_tis, seq_max_k2]",
+                        "parity.correction.token_tis.cap=1.5", "parity.correction.shadow=true"), engine=vllm_engine)
     for h in res.history:
         assert h["correction/frac_clipped"] < 0.01
         assert h["correction/ess"] > 0.99
         assert h["correction/num_tokens"] == h["parity/num_tokens"]
+        assert h["correction/raw/ratio_max"] == pytest.approx(h["parity/rho_max"], rel=1e-9)
         assert h["train/grad_norm"] > 0
     # the per-step breakdown file: one line per step, each table present, token text attached
-    import json
-
     lines = [json.loads(x) for x in (res.run_dir / "parity_breakdown.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
-    assert {"by_position", "by_rollout_prob", "by_entropy", "worst_tokens"} <= lines[0].keys()
+    assert {"by_position", "by_rollout_prob", "by_entropy", "worst_tokens", "correction_by_position",
+            "correction_by_rollout_prob", "correction_by_entropy"} <= lines[0].keys()
     assert sum(r["num_tokens"] for r in lines[0]["by_position"]) == res.history[0]["parity/num_tokens"]
+    assert sum(r["num_tokens"] for r in lines[0]["correction_by_position"]) == res.history[0]["parity/num_tokens"]
     assert all(isinstance(w["token"], str) for w in lines[0]["worst_tokens"])
+    # the shadow: on the breakdown step only (breakdown_every 10: the last step), every rule and the combination
+    assert "correction_shadow" not in lines[0]
+    shadow = lines[1]["correction_shadow"]
+    from parity.corrections import rule_names
+
+    assert [r["rule"] for r in shadow] == [*rule_names(), "token_tis x seq_max_k2"]
+    (in_use,) = [r for r in shadow if r["in_use"]]
+    for c in ("frac_masked", "frac_clipped", "frac_seqs_masked", "ess", "weight_mean", "loss_change", "signal_kept"):
+        assert in_use[c] == res.history[1][f"correction/{c}"], c
+    assert next(r for r in shadow if r["rule"] == "token_tis")["options"] == "token_tis(cap=1.5)"
 
 
 def test_probe_limit_stops_right_after_a_bad_sync(tmp_path, tiny_model_dir, vllm_engine):
