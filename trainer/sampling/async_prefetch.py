@@ -18,7 +18,7 @@ it is a copy of the trainable tensors (``snapshot``), restored around a no-grad 
 ``parity/*`` = engine vs the trainer under the behaviour adapter (same weights: numerics only),
 ``staleness/*`` = behaviour vs current adapter in the trainer (policy lag only). The loss's ratio is
 pi_theta / pi_behaviour (the trainer's; clipped as PPO's), so the update is the standard
-off-policy surrogate; TIS/MIS corrections act on engine vs behaviour (numerics), as in the
+off-policy surrogate; the corrections (``parity.correction``) act on engine vs behaviour (numerics), as in the
 synchronous loop.
 
 A checkpoint after step k holds the pending batch k+1 and its behaviour adapter (``state_dict``),
