@@ -60,7 +60,7 @@ CASES = [
     Case("group_size_1", sets=("algorithm.group_size=1",), contains=("algorithm.group_size = 1", ">= 2")),
     Case("negative_lr", sets=("train.learning_rate=-1",), contains=("train.learning_rate = -1", "> 0")),
     Case("zero_steps", sets=("train.steps=0",), contains=("train.steps = 0",)),
-    Case("top_p", sets=("rollout.top_p=0.9",), contains=("rollout.top_p = 0.9", "cannot reproduce top-p")),
+    Case("top_k_greedy", sets=("rollout.top_k=1",), contains=("rollout.top_k = 1", "greedy decoding")),
     Case("repetition_penalty", sets=("rollout.repetition_penalty=1.1",),
          contains=("rollout.repetition_penalty", "not supported")),
     Case("tau_on_grpo", sets=("algorithm.tau=0.1",), contains=("algorithm.tau", "not an option of grpo", "pmd_mean")),

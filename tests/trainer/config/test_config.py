@@ -43,7 +43,7 @@ def test_defaults_and_overrides(tmp_path):
     ("algorithm: {group_size: 1}\n", ["algorithm.group_size = 1", ">= 2"]),
     ("train: {learning_rate: -0.001}\n", ["train.learning_rate = -0.001", "> 0"]),
     ("rollout: {temperature: 0}\n", ["rollout.temperature = 0", "> 0"]),
-    ("rollout: {top_p: 0.9}\n", ["rollout.top_p = 0.9", "top-p"]),
+    ("rollout: {top_p: 0.0}\n", ["rollout.top_p = 0.0", "(0, 1]"]),
     ("algorithm: {name: ppo2}\n", ["algorithm.name = 'ppo2'", "grpo"]),
     ("algorithm: {name: pmd_mean, kl_coef: 0.01}\n", ["algorithm.kl_coef = 0.01", "PMD has no KL"]),
     ("algorithm: {name: pmd_part, tau: 0}\n", ["algorithm.tau = 0.0", "> 0"]),
@@ -60,7 +60,7 @@ def test_defaults_and_overrides(tmp_path):
     ("parity: {max_mae: 0}\n", ["parity.max_mae = 0.0", "> 0"]),
     ("parity: {on_violation: abort}\n", ["parity.on_violation = 'abort'", "'stop'"]),
     ("parity: {correction: {rule: icepop}}\n", ["parity.correction.rule = 'icepop'", "token_mis, token_tis"]),
-    ("rollout: {top_k: 20}\n", ["rollout.top_k = 20", "top-k truncation"]),
+    ("rollout: {top_k: 1}\n", ["rollout.top_k = 1", "greedy decoding"]),
     # Sampling options the trainer cannot reproduce: refused with the reason, not as unknown keys.
     ("rollout: {repetition_penalty: 1.1}\n", ["rollout.repetition_penalty = 1.1", "not supported",
                                               "sequence so far", "parity metrics"]),
@@ -187,13 +187,12 @@ def test_every_problem_of_a_recipe_at_once(tmp_path, capsys):
 
 def test_rules_shared_with_compare_take_the_callers_key_names():
     """The rules `parityrl compare` shares with a recipe's validation name the caller's own keys."""
-    from trainer.config.validate import topk_range, untruncated_sampling
+    from trainer.config.validate import sampling_rules, topk_range
     from trainer.precision import recipe_for
     from trainer.precision.checks import dtype_rule, hf_engine_rule
 
-    assert [key for ok, key, *_ in untruncated_sampling(0.9, 5, top_p_key="top_p", top_k_key="top_k") if not ok] \
-        == ["top_p", "top_k"]
-    assert all(ok for ok, *_ in untruncated_sampling(1.0, 0))
+    assert [key for ok, key, *_ in sampling_rules(0.0, 1, 1.0, prefix="") if not ok] == ["top_p", "top_k", "min_p"]
+    assert all(ok for ok, *_ in sampling_rules(1.0, 0)) and all(ok for ok, *_ in sampling_rules(0.9, 20, 0.05))
     assert topk_range(257, key="topk")[:3] == (False, "topk", 257) and topk_range(0)[0]
     broken = [(key, expected) for ok, key, _, expected in [dtype_rule(recipe_for("fp8_unified"), "float32",
                                                                       recipe_key="precision", dtype_key="dtype")] if not ok]

@@ -68,10 +68,10 @@ def test_the_cli_refuses_a_non_utf8_recipe_with_one_line(tmp_path, capsys):
 
 
 def test_an_unknown_key_does_not_hide_the_other_problems():
-    got = problems(["train.bogus=1", "train.steps=0", "rollout.top_p=0.5"])
+    got = problems(["train.bogus=1", "train.steps=0", "rollout.top_p=1.5"])
     assert len(got) == 3, got
     assert "unknown key 'train.bogus'" in got[0]
-    assert any("train.steps = 0" in p for p in got) and any("rollout.top_p = 0.5" in p for p in got)
+    assert any("train.steps = 0" in p for p in got) and any("rollout.top_p = 1.5" in p for p in got)
 
 
 def test_an_unknown_algorithm_key_and_a_range_problem_are_both_reported():

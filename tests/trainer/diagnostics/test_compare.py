@@ -111,8 +111,8 @@ def test_cli_refuses_a_non_empty_out_dir(tmp_path, tiny_model_dir, prompt_file, 
     assert (out / "summary.json").read_text() == "{\"earlier\": true}" and len(list(out.iterdir())) == 1
 
 
-def test_top_p_top_k_and_bad_model_refused(tmp_path, prompt_file, tiny_model_dir):
-    for kwargs, expected in (({"top_p": 0.9}, "top_p = 0.9"), ({"top_k": 5}, "top_k = 5"),
+def test_bad_sampling_settings_and_a_bad_model_are_refused(tmp_path, prompt_file, tiny_model_dir):
+    for kwargs, expected in (({"top_p": 1.5}, "top_p = 1.5"), ({"top_k": 1}, "top_k = 1"), ({"min_p": -0.1}, "min_p"),
                              ({"temperature": 0.0}, "temperature = 0.0"), ({"engine": "sglang"}, "engine = 'sglang'")):
         with pytest.raises(CompareError, match=expected):
             run_compare(tiny_model_dir, prompt_file, tmp_path / "r", **kwargs)

@@ -32,7 +32,7 @@ def _policy():
 def _grads(model, entropy_grad):
     model.zero_grad()
     batch = build_token_batch([[5, 6, 7], [8, 9]], [[1, 2, 3], [4, 10]], pad_id=0)
-    lp, ent, _, _, _ = forward(model, batch, temperature=0.7, entropy_grad=entropy_grad)
+    lp, ent, _, _, _, _ = forward(model, batch, temperature=0.7, entropy_grad=entropy_grad)
     (lp * batch.mask).sum().backward()
     return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -49,6 +49,6 @@ def test_logged_entropy_has_no_gradient_and_changes_nothing_else():
     # with entropy_grad the entropy's own gradient reaches the adapter
     model.zero_grad()
     batch = build_token_batch([[5, 6, 7]], [[1, 2, 3]], pad_id=0)
-    _, ent, _, _, _ = forward(model, batch, temperature=0.7, entropy_grad=True)
+    _, ent, _, _, _, _ = forward(model, batch, temperature=0.7, entropy_grad=True)
     (ent * batch.mask).sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)

@@ -167,12 +167,12 @@ def test_the_scoring_forward_replays_the_same_way_padded_packed_and_in_micro_bat
     own, other = routed_batch(model, 0), routed_batch(model, 1)
     plain = forward(model, replace(own, routes=None), temperature=1.0)[0]  # no replay installed
     RoutingReplay(model)
-    lp, _, _, _, stats = forward(model, own, temperature=1.0)
+    lp, _, _, _, stats, _ = forward(model, own, temperature=1.0)
     assert torch.equal(lp, plain)  # replaying the model's own choice is the model
     assert float(stats["agree_by_layer"].sum()) == 2 * float(stats["tokens"]) and stats["unrouted"] == 0
 
-    padded, _, _, _, s_padded = forward(model, other, temperature=1.0)
-    packed, _, _, _, s_packed = forward(model, other, temperature=1.0, pack_sequences=True)
+    padded, _, _, _, s_padded, _ = forward(model, other, temperature=1.0)
+    packed, _, _, _, s_packed, _ = forward(model, other, temperature=1.0, pack_sequences=True)
     micro = score_batch(model, other, micro_batch_size=1, temperature=1.0, entropy=False)
     assert not torch.allclose(padded, plain, atol=1e-3)  # the engine's selection was used
     torch.testing.assert_close(packed, padded, atol=2e-5, rtol=0)
