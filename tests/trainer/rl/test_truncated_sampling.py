@@ -26,7 +26,7 @@ def test_truncated_rollouts_are_scored_over_the_engines_kept_sets(tmp_path, vllm
     h = train(cfg_for(tmp_path, "kept"), engine=vllm_engine).history
     assert all(s["parity/mae"] < PARITY_MAE_BOUND for s in h), [s["parity/mae"] for s in h]
     assert all(0 < s["sampling/kept_mass"] <= 1 and s["sampling/kept_mass_p1"] <= s["sampling/kept_mass"] for s in h)
-    assert all(1 <= s["sampling/kept_tokens"] <= 4 for s in h)
+    assert all(1 <= s["sampling/kept_tokens"] <= 4.5 for s in h)  # top-k 4 (vLLM keeps ties with the 4th: a little over)
     # the same run scored over the whole vocabulary: the bias the kept sets remove
     monkeypatch.setattr(TokenBatch, "kernel_support", lambda self: None)
     biased = train(cfg_for(tmp_path, "full"), engine=vllm_engine).history
