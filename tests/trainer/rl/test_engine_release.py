@@ -32,6 +32,10 @@ def test_each_step_releases_the_engine_after_its_rollout_and_syncs_after_the_upd
             log.append("sync")
             super().load_weight_chunks(chunks)
 
+        def load_adapter(self, adapter):  # rollout.lora_sync auto: the HF engine runs the adapter itself
+            log.append("sync")
+            super().load_adapter(adapter)
+
     step = torch.optim.AdamW.step
 
     def recorded_step(self, *a, **k):
