@@ -48,6 +48,12 @@ started without LoRA support (or for a smaller rank, or other LoRA targets) is r
 connect when the recipe asks for ``adapter``; with ``auto`` the run takes merged weights
 and says why (``adapter_unavailable``; ``trainer.precision.lora_sync``).
 
+Truncated sampling (top-k, top-p, min-p; ``return_supports``): the server's worker extension records the set of
+tokens its sampler kept at every sampled position of every truncated request
+(``rollout.vllm_plugins.support_capture.serve_supports``, the V1 runner of vLLM's CPU build), and the client takes
+its requests' sets by id after each batch (``parityrl_take_supports`` over ``/collective_rpc``), as it takes routes.
+A CUDA server runs Model Runner V2, whose own sampling masks vLLM's HTTP answers do not carry: refused at connect.
+
 Weight sync (``load_weights``) uses vLLM's weight-transfer lifecycle over its RL HTTP
 routes (``vllm/entrypoints/rl/online/api_router.py``, enabled by
 ``VLLM_SERVER_DEV_MODE=1``) with the backend the server was started with:
@@ -91,6 +97,7 @@ from rollout.model_files import checkpoint_shapes, eos_token_ids
 from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import sample_seed, validate_request, validate_score_request
 from rollout.routes import NO_ROUTE, decode_routes
+from rollout.support import Support, decode_supports
 from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.weight_export import payload_bytes
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors
@@ -125,6 +132,14 @@ def _check_adapter(resp: dict, adapter: str | None, bad) -> None:
 class ServerEngineError(RuntimeError):
     """The vLLM server answered, but with an error or an unusable response. One that cannot be reached
     (not started, died, or not answering in time) raises ``rollout.base.EngineUnavailable`` instead."""
+
+
+# Why a CUDA server cannot return the kept sets of truncated sampling, and what to do.
+SERVER_SUPPORTS_ON_CUDA = (
+    "the sets of tokens top-p / top-k / min-p kept come from a server on CPU only: on CUDA vLLM runs Model Runner V2, "
+    "which the project's capture (rollout/vllm_plugins/support_capture.py) cannot hook, and vLLM's own sampling "
+    "masks (return_sampling_mask) are not in its HTTP answers; train with rollout.mode: colocate (the masks from "
+    "vLLM itself) or without truncation (rollout.top_p 1, top_k 0, min_p 0)")
 
 
 class MalformedAnswer(ServerEngineError, EngineUnavailable):
@@ -345,6 +360,9 @@ class ServerEngine:
         ``adapter_targets`` (the policy's LoRA leaf names), with its runtime adapter routes; if it does,
         ``adapter_dtype`` is the dtype its LoRA runs in, else None and ``adapter_unavailable`` says why.
     adapter_required: the recipe asked for ``adapter`` explicitly: a server that cannot serve it is refused here.
+    return_supports: with truncated sampling, the set of tokens the server kept at every sampled position
+        (``Rollouts.support``), read from its workers after each batch (``parityrl_take_supports``); a server on CUDA
+        is refused (see the module docstring).
     """
 
     # A push may come as chunks of whole layers, all under one weight version (load_weight_chunks).
@@ -357,7 +375,8 @@ class ServerEngine:
                  transfer_root: str | Path | None = None, max_concurrency: int = 256, pushes_weights: bool = True,
                  version_tag: str | None = None, connect_timeout_s: float | None = None,
                  return_routes: bool = False, adapter_rank: int | None = None,
-                 adapter_targets: Sequence[str] | None = None, adapter_required: bool = False) -> None:
+                 adapter_targets: Sequence[str] | None = None, adapter_required: bool = False,
+                 return_supports: bool = False) -> None:
         self.host, self.port = parse_server_url(url)
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"rollout.server_timeout_s = {timeout_s!r}: expected a number of seconds > 0")
@@ -378,6 +397,7 @@ class ServerEngine:
         self.pushes_weights = bool(pushes_weights)
         self.return_routes = bool(return_routes)
         self.route_shape = None
+        self.return_supports = bool(return_supports)
         self.adapter_dtype: torch.dtype | None = None  # None: merged weights only (RolloutEngine.adapter_dtype)
         self.adapter_unavailable: str | None = None  # why not, when an adapter was asked for
         self._lora: dict[str, Any] | None = None  # the server's LoRA settings (None: started without LoRA)
@@ -406,6 +426,8 @@ class ServerEngine:
                     "from the same parityrl as the trainer") from None
             if self.return_routes:
                 self.route_shape = self._start_routes(info)
+            if self.return_supports:
+                self._start_supports(info)
             # A version of our own: responses generated with anything else are refused.
             self._version_tag, self._version_n = version_tag or secrets.token_hex(4), 0
             if self.pushes_weights:
@@ -489,6 +511,33 @@ class ServerEngine:
         if not isinstance(results, list) or not results or not isinstance(results[0], dict):
             raise ServerEngineError(f"vLLM server at {self.url}: parityrl_install_route_capture returned {out!r:.300}")
         return results[0]
+
+    def _start_supports(self, info: dict[str, Any]) -> None:
+        """Have the server's workers record the kept sets of truncated requests (``parityrl_serve_supports``)."""
+        if info.get("device") != "cpu":
+            raise ServerEngineError(f"vLLM server at {self.url} runs on {info.get('device')!r}: {SERVER_SUPPORTS_ON_CUDA}")
+        out = self.http.call("POST", "/collective_rpc", "sampling supports",
+                             # the weight-pushing rank connects first: it alone forgets what others left
+                             json={"method": "parityrl_serve_supports", "args": ["1" if self.pushes_weights else "0"]})
+        if not (isinstance(out, dict) and out.get("results")
+                and all(r == {"recording": True} for r in out["results"])):
+            raise ServerEngineError(f"vLLM server at {self.url}: parityrl_serve_supports returned {out!r:.300}")
+
+    def _supports(self, requests: list[tuple[str, int]]) -> list[Support]:
+        """The kept sets of each (request id, completion length) from the server's workers (rank 0's: every rank
+        of a tensor-parallel group samples the same tokens); a missing or malformed answer is an error."""
+        out = self.http.call("POST", "/collective_rpc", "sampling supports of samples",
+                             json={"method": "parityrl_take_supports", "args": [json.dumps(requests)]})
+        try:
+            supports = decode_supports(out["results"][0])
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ServerEngineError(f"vLLM server at {self.url}: asked for the kept sets of {len(requests)} samples, "
+                                    f"it answered {out!r:.300} ({type(e).__name__}: {e})") from None
+        if [s.offsets.numel() - 1 for s in supports] != [n for _, n in requests]:
+            raise ServerEngineError(f"vLLM server at {self.url}: kept sets for {len(supports)} samples of lengths "
+                                    f"{[s.offsets.numel() - 1 for s in supports][:8]}, expected {len(requests)} of "
+                                    f"{[n for _, n in requests][:8]}")
+        return supports
 
     def _routes(self, requests: list[tuple[str, int]], what: str) -> list[torch.Tensor]:
         """The routes of each (request id, sequence length) from the server's workers (rank 0's: every rank of a
@@ -600,6 +649,7 @@ class ServerEngine:
                     **self._model_field(adapter),
                     "sampling_params": {
                         "n": 1, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
+                        "min_p": spec.min_p,
                         "max_tokens": spec.max_new_tokens, "seed": sample_seed(spec.seed, spec.sample_index(s)),
                         "stop_token_ids": list(self.eos_ids), "detokenize": False,
                         # k + 1: see the module docstring (the route cuts [sampled, top...] to this many).
@@ -616,9 +666,11 @@ class ServerEngine:
         prompts = [list(prompt_ids[s // spec.n]) for s in range(len(bodies))]
         routes = (self._routes([(b["request_id"], len(p) + len(c)) for b, p, c in zip(bodies, prompts, completion_ids)],
                                "samples") if self.return_routes else [])
+        support = (self._supports([(b["request_id"], len(c)) for b, c in zip(bodies, completion_ids)])
+                   if spec.truncated and self.return_supports else [])
         return Rollouts(prompt_ids=prompts, completion_ids=completion_ids, rollout_logprobs=logprobs,
                         finish_reasons=finish, group_size=spec.n, topk_ids=top_ids if k else [],
-                        topk_logprobs=top_lps if k else [], routes=routes)
+                        topk_logprobs=top_lps if k else [], routes=routes, support=support)
 
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (``VLLMEngine.score``)."""

@@ -72,7 +72,9 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from rollout.routes import encode_routes
+from rollout.support import encode_supports
 from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
+from rollout.vllm_plugins.support_capture import serve_supports, take_supports
 from rollout.vllm_plugins.server_adapters import drop_adapters, lora_info, mark_base_changed, put_adapter
 from rollout.weight_updates import quiet_partial_reload
 
@@ -313,7 +315,8 @@ class ParityrlWorkerExtension:
 
     Importing this module registered the backend; ``parityrl_server_info`` reports the
     settings the trainer relies on, the two route methods serve rollout routing replay
-    (``rollout.vllm_plugins.route_capture``) and the three adapter methods the adapter sync
+    (``rollout.vllm_plugins.route_capture``), the two support methods truncated sampling
+    (``rollout.vllm_plugins.support_capture``) and the three adapter methods the adapter sync
     (``rollout.vllm_plugins.server_adapters``). Names carry a ``parityrl_`` prefix because vLLM
     refuses an extension attribute that the worker class already has.
     """
@@ -352,6 +355,19 @@ class ParityrlWorkerExtension:
         strings only), encoded for the wire (``rollout.routes.encode_routes``)."""
         requests = [(str(rid), int(n)) for rid, n in json.loads(requests_json)]
         return [encode_routes(r) for r in take_routes(self, requests)]
+
+    def parityrl_serve_supports(self, reset: str = "1") -> dict:
+        """Record the kept sets of every truncated request from now on (``support_capture.serve_supports``; ``reset``
+        "1" or "0", as ``collective_rpc`` passes strings only); a ``ValueError`` on Model Runner V2, whose own
+        sampling masks vLLM's HTTP answers do not carry."""
+        serve_supports(self, reset == "1")
+        return {"recording": True}
+
+    def parityrl_take_supports(self, requests_json: str) -> list[dict]:
+        """The kept sets of each ``[request id, completion length]`` of the JSON list, encoded for the wire
+        (``rollout.support.encode_supports``)."""
+        requests = [(str(rid), int(n)) for rid, n in json.loads(requests_json)]
+        return encode_supports(take_supports(self, requests))
 
     def parityrl_put_adapter(self, name: str, config_json: str, weights_b64: str) -> dict:
         """Write adapter ``name``'s PEFT files on this server (``server_adapters.put_adapter``): its path."""

@@ -14,17 +14,25 @@ Rows: with chunked prefill off (``rollout.vllm_engine``), every request of a ste
 the batch's requests is refused rather than guessed. ``take_supports`` assembles each request's rows in order, one
 set per completion token. Request ids as ``route_capture``: the caller's ids, matched through the engine's suffix
 and the server route's prefix (``request_names``).
+
+Two ways to record. Colocated, the engine brackets each truncated ``generate`` with ``begin_supports`` /
+``take_supports``: every row in between is one of its requests. A server (``parityrl serve``; the worker extension
+in ``server_transfer``) serves whatever arrives, truncated or not, and nobody brackets its batches: it records from
+the moment a trainer connects (``serve_supports``), and only the rows of requests whose own sampling parameters
+truncate (``truncates``); an untruncated request keeps the whole vocabulary, which would be a full-vocabulary set
+per token for nothing. A trainer takes its requests' sets by id after each batch (``take_supports``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from rollout.support import Support
 from rollout.vllm_plugins.route_capture import request_names
 
-__all__ = ["SupportRecorder", "begin_supports", "install_support_capture", "take_supports"]
+__all__ = ["SupportRecorder", "begin_supports", "install_support_capture", "serve_supports", "take_supports",
+           "truncates"]
 
 ATTR = "_parityrl_supports"
 
@@ -34,15 +42,25 @@ class SupportRecorder:
 
     def __init__(self) -> None:
         self.active = False  # recording: between ``begin_supports`` and ``take_supports`` (a truncated generate)
+        self.select: Callable[[str], bool] | None = None  # a server: which requests' rows to record (None: all)
         self.reset()
 
     def reset(self) -> None:
         self.index: dict[str, int] = {}  # the engine's request id -> its number in the records
         self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (request numbers, counts, ids)
 
-    def capture(self, req_ids: Sequence[str], logprobs: torch.Tensor) -> None:
+    def capture(self, req_ids: Sequence[str], logprobs: torch.Tensor | None) -> None:
         if not self.active:  # a call without truncation (the probe's scoring): nothing to record
             return
+        if self.select is not None:
+            rows = [i for i, r in enumerate(req_ids) if self.select(r)]
+            if not rows:
+                return
+            if logprobs is not None and logprobs.shape[0] == len(req_ids) and len(rows) < len(req_ids):
+                logprobs, req_ids = logprobs[rows], [req_ids[i] for i in rows]
+        if logprobs is None:
+            raise RuntimeError("sampling supports: the sampler returned no processed log-probs (a request without "
+                               "logprobs, or logprobs_mode other than processed_logprobs)")
         if logprobs.shape[0] != len(req_ids):
             raise RuntimeError(f"sampling supports: the sampler returned {logprobs.shape[0]} rows for a step of "
                                f"{len(req_ids)} requests; the capture maps one row to each request (chunked prefill "
@@ -110,15 +128,37 @@ def install_support_capture(worker) -> None:
 
     def recorded_sample(logits, sampling_metadata, *args, **kwargs):
         sampled, processed = sample(logits, sampling_metadata, *args, **kwargs)
-        if processed is None:
-            raise RuntimeError("sampling supports: the sampler returned no processed log-probs (a request without "
-                               "logprobs, or logprobs_mode other than processed_logprobs)")
         n = runner.input_batch.num_reqs
         recorder.capture(list(runner.input_batch.req_ids[:n]), processed)
         return sampled, processed
 
     sampler.sample = recorded_sample
     setattr(runner, ATTR, recorder)
+
+
+def truncates(params, vocab_size: int) -> bool:
+    """Whether vLLM samples a request with these ``SamplingParams`` from a truncated set: top-p below 1, top-k
+    between 1 and the vocabulary (``gpu_input_batch.add_request``'s rule), or min-p."""
+    return params is not None and (params.top_p < 1 or 0 < params.top_k < vocab_size or params.min_p > 0)
+
+
+def serve_supports(worker, reset: bool = True) -> None:
+    """A server's capture: record the kept sets of every truncated request from now on, whoever sent it; a trainer
+    takes its own by request id. ``reset``: forget what earlier trainers left untaken (the first rank of a run
+    connecting; the other ranks connect later and must not drop its requests)."""
+    install_support_capture(worker)
+    runner = _runner(worker)
+    recorder = getattr(runner, ATTR)
+    vocab = int(runner.input_batch.vocab_size)
+
+    def select(req_id: str) -> bool:
+        state = runner.requests.get(req_id)
+        return state is not None and truncates(state.sampling_params, vocab)
+
+    if reset or recorder.select is None:
+        recorder.reset()
+    recorder.select = select
+    recorder.active = True
 
 
 def begin_supports(worker) -> None:
@@ -134,5 +174,5 @@ def take_supports(worker, requests: Sequence[tuple[str, int]]) -> list[Support]:
     recorder = getattr(_runner(worker), ATTR, None)
     if recorder is None:
         raise RuntimeError("sampling supports: the capture is not installed (begin_supports)")
-    recorder.active = False
+    recorder.active = recorder.select is not None  # a server keeps recording for the next batch
     return recorder.take(requests)

@@ -238,9 +238,9 @@ def test_cli_serve_dry_run(tiny_model_dir, capsys):
     assert main(["serve", str(RECIPE), "--set", "rollout.server_url=nope", "--dry-run"]) == 2
 
 
-def test_routes_from_a_server_on_cuda_are_refused_before_it_starts(tiny_model_dir, capsys):
-    """A CUDA server runs Model Runner V2, which the project's route capture cannot hook, and vLLM's own routes
-    are not in its HTTP answers: refused by `parityrl serve` before anything starts, and by the trainer's
+def test_routes_and_kept_sets_from_a_server_on_cuda_are_refused_before_it_starts(tiny_model_dir, capsys):
+    """A CUDA server runs Model Runner V2, which the project's route and kept-set captures cannot hook, and vLLM's
+    own routes and sampling masks are not in its HTTP answers: refused by `parityrl serve` before anything starts, and by the trainer's
     connection to a server that says it runs on CUDA."""
     from trainer.builtin.zoo import ensure_arch_model
     from trainer.commands.serve import GPU_SHARE_NOTE, run_serve, serve_command
@@ -261,6 +261,15 @@ def test_routes_from_a_server_on_cuda_are_refused_before_it_starts(tiny_model_di
     client.url = "http://127.0.0.1:9"
     with pytest.raises(ServerEngineError, match=r"runs on 'cuda': routes .* come from a server on CPU only"):
         client._start_routes({"device": "cuda", "prefix_caching": False})
+
+    # truncated sampling likewise: the kept sets come from the CPU server's capture only
+    trunc = load_recipe(RECIPE, ["rollout.top_p=0.9", "rollout.top_k=20"], check_paths=False)
+    assert "--no-enable-chunked-prefill" in serve_command(trunc, cuda=False, model_dir=tiny_model_dir)[0]
+    with pytest.raises(RecipeError, match=r"rollout.top_p = 0.9, top_k = 20, min_p = 0.0: a server on CUDA cannot "
+                                          r"return the kept sets: .*Model Runner V2.*rollout.mode: colocate"):
+        serve_command(trunc, cuda=True, model_dir=tiny_model_dir)
+    with pytest.raises(ServerEngineError, match=r"runs on 'cuda': the sets of tokens .* from a server on CPU only"):
+        client._start_supports({"device": "cuda"})
 
     # and a CUDA server's GPU share is said when it starts (dry run: nothing starts)
     dense = load_recipe(RECIPE, ["rollout.server_url=http://127.0.0.1:8556"], check_paths=False)
@@ -1179,6 +1188,57 @@ def test_episodes_against_the_server(server, tmp_path):
     for h in res:
         assert h["parity/mae"] < PARITY_MAE_BOUND and h["parity/turn_1/mae"] < PARITY_MAE_BOUND
         assert 1.0 <= h["episode/turns"] <= 2.0 and "reward/env" in h
+
+
+# ---- truncated sampling: the kept sets over the wire -------------------------------------------------------
+@pytest.mark.slow
+def test_kept_sets_come_over_the_wire_as_the_colocated_engine_records_them(server, tiny_model_dir, restored_engine,
+                                                                          hf_reference, prompts):
+    """With top-k and top-p the server's workers record the set each token was sampled from; the client takes its
+    requests' sets by id. Same seeds: the colocated engine samples the same tokens from the same sets, and the
+    engine's log-prob of each sampled token is the trainer's log-softmax over that set alone."""
+    from rollout.weight_export import full_weights
+
+    engine = ServerEngine(server.url, model_dir=tiny_model_dir, timeout_s=120, max_model_len=88, return_supports=True)
+    try:
+        engine.load_weights(full_weights(hf_reference, dtype=torch.bfloat16))
+        spec = SamplingSpec(n=2, temperature=1.2, top_p=0.8, top_k=6, max_new_tokens=16, seed=3)
+        r = engine.generate(prompts[:4], spec)
+        plain = engine.generate(prompts[:2], SamplingSpec(n=1, temperature=1.0, max_new_tokens=8, seed=1))
+        assert plain.support == []  # an untruncated request: nothing recorded, nothing taken
+        again = engine.generate(prompts[:4], spec)  # nothing left over from the batches before
+    finally:
+        engine.close()
+    assert [s.offsets.numel() - 1 for s in r.support] == [len(c) for c in r.completion_ids]
+    assert again.completion_ids == r.completion_ids
+    assert all(torch.equal(a.ids, b.ids) and torch.equal(a.offsets, b.offsets) for a, b in zip(r.support, again.support))
+    colocated = restored_engine.generate(prompts[:4], spec)
+    same = [c == d for c, d in zip(r.completion_ids, colocated.completion_ids)]
+    assert sum(same) >= 6, same  # bf16 in another batch can move a boundary; most samples are identical
+    gaps = []
+    for s, c, lps, p, d, twin in zip(r.support, r.completion_ids, r.rollout_logprobs, r.prompt_ids,
+                                     colocated.support, same):
+        logits = hf_reference(torch.tensor([p + c])).logits[0, len(p) - 1:-1].float() / spec.temperature
+        for t, tok in enumerate(c):
+            kept = s.ids[s.offsets[t]:s.offsets[t + 1]].long()
+            assert 1 <= kept.numel() <= 6 and tok in kept.tolist()
+            gaps.append(abs(lps[t] - float(logits[t, tok] - torch.logsumexp(logits[t, kept], 0))))
+        if twin:
+            assert torch.equal(s.offsets, d.offsets) and torch.equal(s.ids, d.ids)
+    print(f"server kept sets: {len(gaps)} tokens, engine vs HF log-softmax over the set: MAE {sum(gaps) / len(gaps):.3g}")
+    assert sum(gaps) / len(gaps) < PARITY_MAE_BOUND
+
+
+@pytest.mark.slow
+def test_truncated_training_against_the_server(server, tmp_path):
+    """Two GRPO steps with top-p and top-k in server mode: parity over the kept sets at the colocated level."""
+    from trainer.rl.loop import train
+
+    res = train(cfg_for(tmp_path, "truncated", server.url, "train.steps=2", "checkpoint.every=0",
+                        "rollout.top_p=0.9", "rollout.top_k=20")).history
+    for h in res:
+        assert h["parity/mae"] < PARITY_MAE_BOUND
+        assert 0.0 < h["sampling/kept_mass"] < 1.0 and 1.0 <= h["sampling/kept_tokens"] <= 20.0
 
 
 # ---- routes over the wire (rollout routing replay against a server) ------------------------------------

@@ -18,6 +18,8 @@ The server gets exactly the settings the trainer's checks rely on
   (said when it starts, ``GPU_SHARE_NOTE``);
 - routes (an MoE recipe whose ``parity.routing_replay`` is on or measure): on CPU prefix caching off, for the
   project's capture in the workers; on CUDA refused before anything starts (``SERVER_ROUTES_ON_CUDA``);
+- truncated sampling (top-p, top-k, min-p): the workers record the kept sets (chunked prefill off, as always, so that
+  every request samples one token per step); on CUDA refused before anything starts (``SERVER_SUPPORTS_ON_CUDA``);
 - the LoRA adapter (a recipe whose ``rollout.lora_sync`` resolves to ``adapter``,
   ``trainer.precision.lora_sync``): ``--enable-lora`` with the options the colocated engine
   starts with (``rollout.vllm_adapters.lora_options``): the smallest ``--max-lora-rank`` vLLM
@@ -54,7 +56,7 @@ import sys
 import torch
 from transformers import AutoConfig
 
-from rollout.server_engine import SERVER_ROUTES_ON_CUDA, parse_server_url
+from rollout.server_engine import SERVER_ROUTES_ON_CUDA, SERVER_SUPPORTS_ON_CUDA, parse_server_url
 from rollout.vllm_adapters import lora_options
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig
@@ -148,6 +150,9 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
             raise RecipeError(f"{where}: parity.routing_replay = {setting!r} with a "
                               f"mixture-of-experts model: a server on CUDA cannot return routes: {SERVER_ROUTES_ON_CUDA}")
         argv.append("--no-enable-prefix-caching")  # a cached token is never computed, so it would have no route
+    if cuda and (r.top_p < 1 or r.top_k > 1 or r.min_p > 0):
+        raise RecipeError(f"{where}: rollout.top_p = {r.top_p}, top_k = {r.top_k}, min_p = {r.min_p}: a server on CUDA "
+                          f"cannot return the kept sets: {SERVER_SUPPORTS_ON_CUDA}")
     if not cuda:
         argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_bytes)]
     lora = lora_flags(cfg, model_dir, where, cuda=cuda)

@@ -103,12 +103,6 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
     need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0 (greedy decoding has no log-probs to learn from)")
     for rule in sampling_rules(r.top_p, r.top_k, r.min_p):
         need(*rule)
-    truncated = r.top_p < 1 or r.top_k > 1 or r.min_p > 0
-    # The trainer must normalise over the set the engine kept at every sampled position; a `parityrl serve` server
-    # does not return those sets (vLLM's HTTP answers carry no sampling mask; docs/server-mode.md).
-    need(not (truncated and r.mode == "server"), "rollout.mode", r.mode,
-         "'colocate' with rollout.top_p / top_k / min_p: a server does not return the sets of tokens it kept, over "
-         "which the trainer normalises its log-probs")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
     need(r.kv_cache_memory_bytes >= 16 * 1024**2, "rollout.kv_cache_memory_bytes", r.kv_cache_memory_bytes, "at least 16 MiB")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a number in (0, 1)")

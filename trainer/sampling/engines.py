@@ -95,7 +95,8 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
     if r.mode == "server":
         # A separate vLLM server (`parityrl serve`); weights pushed through vLLM's weight transfer, an adapter
         # through vLLM's adapter loading (rollout.server_engine).
-        return _server_engine(cfg, model_dir, max_model_len, dp, return_routes, lora_targets if adapter else None)
+        return _server_engine(cfg, model_dir, max_model_len, dp, return_routes, lora_targets if adapter else None,
+                              return_supports=sampling_spec(cfg, 0).truncated)
     if r.engine == "hf":
         return HFEngine(model_dir, dtype=cfg.model.dtype, device="cuda" if torch.cuda.is_available() else "cpu",
                         return_routes=return_routes, serve_adapters=adapter)
@@ -119,7 +120,7 @@ def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
 
 
 def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, return_routes: bool = False,
-                   lora_targets: Optional[Sequence[str]] = None):
+                   lora_targets: Optional[Sequence[str]] = None, return_supports: bool = False):
     """One server shared by every data-parallel rank: rank 0 owns the weight transfer and pushes.
 
     Every rank sends its own shard's generate requests (the server batches them). Rank 0
@@ -129,6 +130,7 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, retur
     every rank (``DataParallel.raise_together``) instead of leaving them waiting.
     ``lora_targets``: the run serves its adapter on these (``rollout.lora_sync`` resolved to ``adapter``): the
     server must run LoRA for them (refused at connect for an explicit ``adapter``, else merged weights).
+    ``return_supports``: the recipe truncates its sampling; the server returns the kept sets (a CUDA server cannot).
     """
     dp = dp or DataParallel()
     r = cfg.rollout
@@ -139,7 +141,8 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, retur
                             max_model_len=max_model_len, pushes_weights=pushes, version_tag=tag,
                             connect_timeout_s=r.server_connect_timeout_s, return_routes=return_routes,
                             adapter_rank=None if lora_targets is None else cfg.model.lora.r,
-                            adapter_targets=lora_targets, adapter_required=r.lora_sync == ADAPTER)
+                            adapter_targets=lora_targets, adapter_required=r.lora_sync == ADAPTER,
+                            return_supports=return_supports)
 
     engine, error = None, None
     if dp.rank == 0:

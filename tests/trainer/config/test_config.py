@@ -202,7 +202,7 @@ def test_rules_shared_with_compare_take_the_callers_key_names():
     assert hf_engine_rule(recipe_for("bf16"), "hf")[0]
 
 
-def test_truncated_sampling_is_accepted_colocated_and_refused_where_its_kept_sets_are_not_returned():
+def test_truncated_sampling_is_accepted_and_its_bad_values_refused():
     from trainer.config import RecipeError
     from trainer.lifecycle.preflight import load_recipe
 
@@ -210,8 +210,7 @@ def test_truncated_sampling_is_accepted_colocated_and_refused_where_its_kept_set
                       check_paths=False)
     assert (cfg.rollout.top_p, cfg.rollout.top_k, cfg.rollout.min_p) == (0.9, 20, 0.05)
     for sets, key in ((["rollout.top_k=1"], "rollout.top_k = 1: expected 0 (off) or an integer >= 2"),
-                      (["rollout.min_p=1.0"], "rollout.min_p = 1.0"),
-                      (["rollout.top_p=0.9", "rollout.mode=server"], "rollout.mode = 'server': expected 'colocate'")):
+                      (["rollout.min_p=1.0"], "rollout.min_p = 1.0")):
         with pytest.raises(RecipeError, match=key.replace("(", r"\(").replace(")", r"\)")):
             load_recipe("recipes/grpo_tiny.yaml", sets, check_paths=False)
     with pytest.raises(RecipeError, match="rollout.repetition_penalty = 1.1: not supported"):
