@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "rollout", "parity")
 ENTRY_POINTS = {"trainer/__init__.py", "trainer/__main__.py", "trainer/cli.py", "trainer/train.py"}
 # The rooms of trainer/, highest first; a room imports only rooms after it (docs/architecture.md draws them).
-# commands: thin entry points, one per subcommand; diagnostics: `parityrl compare`, its inputs and report (the
-# room `doctor` shares); rl: one RL step -- the loop and its phases, the run record, the update passes, the
+# commands: thin entry points, one per subcommand; doctor: `parityrl doctor`'s battery, one file per check (a room of
+# its own beside `diagnostics`: the two together would be over the rooms' size); diagnostics: `parityrl compare`, its
+# inputs and report; rl: one RL step -- the loop and its phases, the run record, the update passes, the
 # learner, the critic; measurement: how a batch is measured -- the trainer's scoring and micro-batches, the probe,
 # the parity limits and breakdowns, routing parity, held-out evaluation; sampling: how a batch is drawn -- the
 # sampling round, episodes and their turn tokens, dynamic sampling, the one-step-off prefetch, the recipe's
@@ -40,7 +41,7 @@ ENTRY_POINTS = {"trainer/__init__.py", "trainer/__main__.py", "trainer/cli.py", 
 # a policy; io: run directories, checkpoints, logs; data: prompt datasets and tasks; distributed: process groups,
 # DDP, DeepSpeed, the launch line; config: the recipes' schema (it reads the algorithms' option types); algorithms:
 # pure tensor functions and their records.
-TRAINER_ORDER = ("commands", "diagnostics", "rl", "measurement", "sampling", "lifecycle", "builtin", "supervised",
+TRAINER_ORDER = ("commands", "doctor", "diagnostics", "rl", "measurement", "sampling", "lifecycle", "builtin", "supervised",
                  "environments", "rewards", "precision", "models", "io", "data", "distributed", "config", "algorithms")
 
 

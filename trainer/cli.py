@@ -1,4 +1,4 @@
-"""`parityrl` command line: train, sft, train-rm, merge, compare, serve.
+"""`parityrl` command line: train, sft, train-rm, merge, compare, doctor, serve.
 
     parityrl train recipes/grpo_tiny.yaml [--set train.steps=5 ...] [--resume]
     parityrl sft recipes/sft_tiny.yaml [--set ...] [--resume] [--overwrite]
@@ -92,11 +92,28 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="engine vs trainer log-probs of the same sampled tokens: a report directory",
         description="Generate with the engine, score the same tokens with the trainer (HF), and write "
                     "summary.json, tokens.jsonl, samples.jsonl, report.xlsx and plots to --out."))
+    _add_doctor_args(sub.add_parser(
+        "doctor", help="where engine and trainer diverge: a battery of checks with PASS / WARN / FAIL (docs/doctor.md)",
+        description="Start the recipe's engine and trainer on its model, precision and data, run the checks on the "
+                    "same token ids and print one table; doctor.json and plots go to --out. Exit status 0: every "
+                    "check passed or warned; 2: the input was refused; 4: the engine cannot load the model; 8: a "
+                    "check failed."))
     _add_serve_args(sub.add_parser(
         "serve", help="start the vLLM server that rollout.mode: server trains against (trainer/commands/serve.py)",
         description="Start a vLLM server for the recipe's model on rollout.server_url, with processed log-probs, "
                     "token-in/token-out generation and the weight-transfer backend enabled."))
     return parser
+
+
+def _add_doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", nargs="?", help="a YAML recipe (default with --model: recipes/grpo_tiny.yaml's settings)")
+    p.add_argument("--model", help="examine this model (a local HF directory or builtin:...) instead of the recipe's")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key (repeatable)")
+    p.add_argument("--only", action="append", metavar="CHECK",
+                   help="run only this check (repeatable); the names are the table's first column")
+    p.add_argument("--out", default="doctor-report", help="the report folder (new or empty; default doctor-report)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -273,6 +290,17 @@ def _serve(args) -> int:
         return 2
 
 
+def _doctor(args) -> int:
+    # late: as _train
+    from trainer.commands.doctor import run_doctor
+
+    if args.recipe is None and args.model is None:
+        print("parityrl doctor: expected a recipe, or --model PATH", file=sys.stderr)
+        return 2
+    return run_doctor(args.recipe, args.overrides, model=args.model, out=args.out, only=args.only,
+                      overwrite=args.overwrite)
+
+
 def _compare(args) -> int:
     # late: as _train
     from trainer.diagnostics.compare import run_compare
@@ -361,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         return _merge(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "doctor":
+        return _doctor(args)
     return _sft(args)
 
 

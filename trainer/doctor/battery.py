@@ -1,0 +1,57 @@
+"""Run the checks, in order, each to the end whatever the others did, and turn the findings into an exit status.
+
+A check that cannot run here (``CheckCannotRun``, or an engine that cannot start: ``EngineCannotStart``) is a SKIP
+with its reason; a check that raises anything else is a FAIL naming the error, never a traceback (the battery is
+what a CI gates on: a broken check must not read as a pass).
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional, Sequence
+
+from trainer.doctor.check import Check, CheckCannotRun
+from trainer.doctor.checks import CHECKS
+from trainer.doctor.context import Doctor, EngineCannotStart, engine_reason
+from trainer.doctor.finding import FAIL, Finding, skipped
+
+# Exit statuses (docs/doctor.md; docs/runs-and-checkpoints.md lists every command's).
+EXIT_PASSED = 0  # every check passed or warned (a SKIP is said, not failed)
+EXIT_ENGINE = 4  # the engine cannot load this model (and nothing failed): the reason is printed
+EXIT_FAILED = 8  # at least one check failed
+
+
+def select(only: Optional[Sequence[str]]) -> list[Check]:
+    """The checks to run: all, or those named by ``--only`` (an unknown name is a ``ValueError`` naming the known)."""
+    if not only:
+        return list(CHECKS)
+    known = {c.name: c for c in CHECKS}
+    unknown = [n for n in only if n not in known]
+    if unknown:
+        raise ValueError(f"--only {unknown[0]!r}: expected one of {', '.join(known)}")
+    return [c for c in CHECKS if c.name in only]
+
+
+def run_checks(doc: Doctor, checks: Iterable[Check]) -> tuple[list[Finding], dict[str, float]]:
+    """Every finding of every check, and each check's seconds."""
+    findings, seconds = [], {}
+    for check in checks:
+        doc.say(f"check {check.name}: {check.question}")
+        t0 = time.monotonic()
+        try:
+            found = check.run(doc)
+        except EngineCannotStart as e:
+            found = [skipped(check.name, "engine", f"the engine cannot load this model: {e}")]
+        except CheckCannotRun as e:
+            found = [skipped(check.name, "-", str(e))]
+        except Exception as e:  # noqa: BLE001 - reported as this check's failure, the others still run
+            found = [Finding(check.name, "-", None, "completes", FAIL, f"the check could not complete: "
+                                                                          f"{engine_reason(e)}")]
+        seconds[check.name] = round(time.monotonic() - t0, 2)
+        findings += found
+    return findings, seconds
+
+
+def exit_status(findings: Sequence[Finding], engine_error: Optional[str]) -> int:
+    if any(f.verdict == FAIL for f in findings):
+        return EXIT_FAILED
+    return EXIT_ENGINE if engine_error else EXIT_PASSED

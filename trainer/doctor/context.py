@@ -1,0 +1,161 @@
+"""What every check of the doctor shares: the recipe's model, tokenizer and prompts, one engine started as training
+starts it, one trainer model in the recipe's precision, one fixed batch of sampled tokens, and the levels a healthy
+setup reaches in this dtype.
+
+Everything is built on first use, once: a check that needs no engine (the tokens check) runs without one, and an
+engine that cannot start is said once (``EngineCannotStart``) and every check that needs it is skipped with that
+reason; the others still run.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from parity.metrics import compare
+from rollout.types import Rollouts, SamplingSpec
+from trainer.builtin.resolve import resolve_model_path
+from trainer.config import RunConfig
+from trainer.config.validate import sequence_length
+from trainer.data.datasets import encode_prompts, load_prompt_dataset
+from trainer.measurement.scoring import score_batch
+from trainer.models.batch import batch_from_rollouts
+from trainer.models.policy import load_base_model, load_tokenizer
+from trainer.precision import recipe_for
+from trainer.sampling.engines import make_engine
+
+# A fixed batch small enough for the whole battery to run in under two minutes on two CPU cores with the tiny model,
+# large enough that a mean over it is steady (8 x 24 tokens).
+NUM_PROMPTS = 8
+MAX_NEW_TOKENS = 24
+# How the BF16/FP16 parity level grows with depth: the probe mae measured 2e-3 at 4 layers and 5e-2 at 30
+# (trainer/precision/record.py, MaeFloor); a power law through both has exponent log(25) / log(7.5) = 1.6.
+DEPTH_EXPONENT = 1.6
+FLOOR_DEPTH = 4  # the floors are the tiny model's (4 layers)
+
+
+class EngineCannotStart(RuntimeError):
+    """The recipe's engine could not be started for this model; the message is the engine's reason."""
+
+
+class Doctor:
+    """The shared state of one ``parityrl doctor`` run (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, out_dir: Path, *, engine=None, say: Callable[[str], None] = print) -> None:
+        self.cfg, self.out_dir, self.say = cfg, Path(out_dir), say
+        self.model_dir = resolve_model_path(cfg.model.path)
+        self.dtype = cfg.model.dtype
+        self.precision = recipe_for(cfg.precision.recipe)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self._engine, self._engine_error, self._owns_engine = engine, None, engine is None
+        self._model = None
+        self._batch: Optional[Rollouts] = None
+        self._prompt_ids: Optional[list[list[int]]] = None
+
+    # ---- inputs ------------------------------------------------------------------------------
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        """The recipe's first ``NUM_PROMPTS`` prompts, encoded as training encodes them."""
+        if self._prompt_ids is None:
+            d = self.cfg.data
+            data = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column,
+                                       answer_column=d.answer_column, num_examples=d.num_examples,
+                                       seed=self.cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
+            rows = [data[i]["prompt"] for i in range(min(NUM_PROMPTS, len(data)))]
+            self._prompt_ids = encode_prompts(self.tokenizer, rows, use_chat_template=d.use_chat_template,
+                                              max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
+        return self._prompt_ids
+
+    def spec(self, **change) -> SamplingSpec:
+        """The recipe's sampling (temperature, truncation), one sample per prompt, a short fixed budget."""
+        r = self.cfg.rollout
+        base = dict(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+                    max_new_tokens=min(MAX_NEW_TOKENS, r.max_new_tokens), seed=self.cfg.train.seed)
+        return SamplingSpec(**{**base, **change})
+
+    # ---- the two sides -----------------------------------------------------------------------
+    @property
+    def engine(self):
+        """The recipe's engine (started on first use, as training starts it); ``EngineCannotStart`` if it cannot."""
+        if self._engine is None:
+            if self._engine_error is not None:
+                raise EngineCannotStart(self._engine_error)
+            self.say(f"starting the {self.cfg.rollout.engine} engine on {self.model_dir}")
+            try:
+                self._engine = make_engine(self.cfg, self.model_dir, max_model_len=sequence_length(self.cfg))
+            except Exception as e:  # noqa: BLE001 - any refusal of the engine is this model's diagnosis
+                self._engine_error = engine_reason(e)
+                raise EngineCannotStart(self._engine_error) from None
+        return self._engine
+
+    @property
+    def model(self):
+        """The trainer's model in the recipe's dtype and precision (the base weights, eval mode)."""
+        if self._model is None:
+            self.say(f"loading the trainer's model ({self.dtype}, precision {self.precision.name})")
+            self._model = self.precision.transform(load_base_model(self.model_dir, self.dtype, self.device)).eval()
+        return self._model
+
+    def batch(self) -> Rollouts:
+        """One fixed batch sampled by the engine (prompts x 1, the recipe's sampling), the same for every check."""
+        if self._batch is None:
+            self._batch = self.engine.generate(self.prompt_ids, self.spec())
+        return self._batch
+
+    def trainer_logprobs(self, rollouts: Rollouts, *, micro_batch_size: int = 16, chunk_size: Optional[int] = None,
+                         temperature: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trainer's log-probs [S, C] of the rollouts' completion tokens (the training step's scoring), and the
+        completion mask."""
+        batch = batch_from_rollouts(rollouts, self.tokenizer.pad_token_id, self.device)
+        t = self.cfg.rollout.temperature if temperature is None else temperature
+        scores = score_batch(self.model, batch, micro_batch_size=micro_batch_size, temperature=t,
+                             chunk_size=chunk_size)
+        mask = (batch.mask > 0).cpu()
+        return scores.logprobs.float().cpu() * mask, mask
+
+    def parity(self, rollouts: Rollouts, **score_kw) -> dict[str, float]:
+        """Every ``parity/*`` metric of the rollouts' engine log-probs against the trainer's."""
+        lp_t, mask = self.trainer_logprobs(rollouts, **score_kw)
+        lp_r = batch_from_rollouts(rollouts, self.tokenizer.pad_token_id, "cpu").rollout_logprobs.float()
+        return compare(lp_t, lp_r * mask, mask)
+
+    # ---- levels ------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return int(getattr(self.model.config, "num_hidden_layers", FLOOR_DEPTH))
+
+    def mae_level(self) -> float:
+        """The parity mae a healthy setup reaches with this precision recipe and dtype on this model: the recipe's
+        floor (``MaeFloor``), grown with depth where the floor says the level does (BF16, FP16, FP8)."""
+        floor = self.precision.mae_floor[self.dtype]
+        if floor.any_depth:
+            return floor.mae
+        return floor.mae * max(1.0, self.num_layers / FLOOR_DEPTH) ** DEPTH_EXPONENT
+
+    @property
+    def engine_error(self) -> Optional[str]:
+        """Why the engine could not start (None: it started, or nothing asked for it)."""
+        return self._engine_error
+
+    def close(self) -> None:
+        if self._owns_engine and self._engine is not None:
+            self._engine.close()
+        self._engine = None
+
+
+def engine_reason(e: BaseException) -> str:
+    """One line: what the engine said when it refused (vLLM's assertion or error message, not its traceback)."""
+    text = str(e).strip().splitlines()
+    last = text[-1] if text else ""
+    return f"{type(e).__name__}: {last}" if last else type(e).__name__
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ over all elements, in float64 (0 for two zero tensors)."""
+    a, b = a.double(), b.double()
+    denom = float(b.norm())
+    num = float((a - b).norm())
+    return num / denom if denom > 0 else (0.0 if num == 0 else math.inf)

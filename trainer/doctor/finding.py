@@ -1,0 +1,50 @@
+"""One line of the doctor's table: a check's figure, the level expected, the verdict and, when it is not a pass, the
+likely cause in one line."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+VERDICTS = (PASS, WARN, FAIL, SKIP)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """``check``: the check's name (``--only``); ``item``: what was measured; ``figure``: the measured value (None:
+    nothing to measure, e.g. a skip); ``expected``: the level it is judged against, in words ("<= 1e-4");
+    ``verdict``: PASS / WARN / FAIL / SKIP; ``cause``: for anything but a pass, the likely cause or why it was
+    skipped; ``details``: what doctor.json keeps beside it (per-layer errors, ids...)."""
+
+    check: str
+    item: str
+    figure: Optional[float]
+    expected: str
+    verdict: str
+    cause: str = ""
+    details: Optional[dict[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"Finding.verdict = {self.verdict!r}: expected one of {VERDICTS}")
+        if self.verdict != PASS and not self.cause:
+            raise ValueError(f"Finding {self.check}/{self.item}: a {self.verdict} must say its cause")
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def at_most(check: str, item: str, figure: float, limit: float, cause: str, *, warn_factor: Optional[float] = None,
+            details: Optional[dict[str, Any]] = None) -> Finding:
+    """PASS when ``figure <= limit``; with ``warn_factor`` a figure up to ``warn_factor * limit`` is a WARN; FAIL
+    beyond (a NaN fails). ``cause``: the likely cause, said when it does not pass."""
+    expected = f"<= {limit:.3g}"
+    if figure == figure and figure <= limit:
+        return Finding(check, item, float(figure), expected, PASS, details=details)
+    if warn_factor is not None and figure == figure and figure <= warn_factor * limit:
+        return Finding(check, item, float(figure), expected, WARN, cause, details)
+    return Finding(check, item, float(figure), expected, FAIL, cause, details)
+
+
+def skipped(check: str, item: str, why: str) -> Finding:
+    return Finding(check, item, None, "-", SKIP, why)
