@@ -19,6 +19,15 @@ class EngineUnavailable(RuntimeError):
     """
 
 
+class EngineCannotLoad(EngineUnavailable):
+    """The engine refused this model (or these settings) at start: an architecture or config variant it does not
+    implement, a quantisation it cannot run. The message is the engine's own reason in one line, not its traceback;
+    `parityrl train`, `compare` and `doctor` exit with status 4 naming it."""
+
+    exit_status = 4
+
+
+
 class RolloutEngine(Protocol):
     """What the trainer uses of an engine (``trainer.sampling`` and ``trainer.measurement``): sampling, scoring, weight sync, release.
 
@@ -99,3 +108,9 @@ class InProcessEngine:
 
     def release_memory(self) -> None:
         """Nothing to free by default (``RolloutEngine.release_memory``)."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the last line of its message (an engine's reason, not its traceback)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1]}" if text else type(e).__name__

@@ -51,7 +51,7 @@ from typing import Iterable, Sequence
 import torch
 
 from rollout.adapters import LoraAdapter
-from rollout.base import InProcessEngine
+from rollout.base import EngineCannotLoad, InProcessEngine, one_line
 from rollout.device_placement import check_engine_device, keep_current_device, placement_options
 from rollout.fp8_weights import check_engine_fp8_layers, engine_fp8_layers
 from rollout.model_files import checkpoint_shapes, eos_token_ids
@@ -275,10 +275,14 @@ class VLLMEngine(InProcessEngine):
         # Without a tokenizer, vLLM's chat-template warm-up fails and logs a traceback: expected here.
         with _preserve_rng(), keep_current_device(self.cuda) as device, \
                 _drop_log("vllm.renderers.base", "Chat template warmup failed", not load_tokenizer):
-            self._llm = LLM(self.model, dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
-                            enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-                            skip_tokenizer_init=not load_tokenizer, logprobs_mode="processed_logprobs",
-                            enable_sleep_mode=enable_sleep_mode and self.cuda, **memory, **llm_kwargs)
+            try:
+                self._llm = LLM(self.model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+                                max_num_seqs=max_num_seqs, skip_tokenizer_init=not load_tokenizer,
+                                logprobs_mode="processed_logprobs", enable_sleep_mode=enable_sleep_mode and self.cuda,
+                                **memory, **llm_kwargs)
+            except Exception as e:  # vLLM's refusals are assertions and errors of every type: one line, its reason
+                raise EngineCannotLoad(f"vLLM cannot load the model {self.model}: {one_line(e)}") from e
         VLLMEngine._live += 1
         if self.cuda:
             check_engine_device(self._llm, device)

@@ -114,6 +114,7 @@ def _add_doctor_args(p: argparse.ArgumentParser) -> None:
                    help="run only this check (repeatable); the names are the table's first column")
     p.add_argument("--out", default="doctor-report", help="the report folder (new or empty; default doctor-report)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP.replace("the run directory's", "the report's"))
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -297,12 +298,15 @@ def _doctor(args) -> int:
     if args.recipe is None and args.model is None:
         print("parityrl doctor: expected a recipe, or --model PATH", file=sys.stderr)
         return 2
+    if args.own_console:  # vLLM's expected warnings go to the report's engine.log, as a run's do
+        third_party_output.install(verbose=args.verbose)
     return run_doctor(args.recipe, args.overrides, model=args.model, out=args.out, only=args.only,
                       overwrite=args.overwrite)
 
 
 def _compare(args) -> int:
     # late: as _train
+    from rollout.base import EngineCannotLoad
     from trainer.diagnostics.compare import run_compare
     from trainer.diagnostics.compare_inputs import CompareError
 
@@ -320,6 +324,9 @@ def _compare(args) -> int:
     except (CompareError, FileExistsError, ImportError) as e:
         print(f"parityrl compare: {e}", file=sys.stderr)
         return 2
+    except EngineCannotLoad as e:
+        print(f"parityrl compare: {e}", file=sys.stderr)
+        return e.exit_status
     print(_compare_digest(summary, args.out))
     check = summary.get("self_check_result")
     if check is not None and not check["passed"]:

@@ -74,8 +74,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from rollout.routes import encode_routes
 from rollout.support import encode_supports
 from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
-from rollout.vllm_plugins.support_capture import serve_supports, take_supports
 from rollout.vllm_plugins.server_adapters import drop_adapters, lora_info, mark_base_changed, put_adapter
+from rollout.vllm_plugins.support_capture import serve_supports, take_supports
 from rollout.weight_updates import quiet_partial_reload
 
 BACKEND = "parityrl_file"

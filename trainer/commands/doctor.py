@@ -12,6 +12,7 @@ from trainer.config import RecipeError
 from trainer.doctor.battery import exit_status, run_checks, select
 from trainer.doctor.context import Doctor
 from trainer.doctor.report import table, write_json
+from trainer.io import third_party_output
 from trainer.lifecycle.preflight import load_recipe
 
 # A bare model (--model without a recipe) is examined with the demo recipe's settings and prompts.
@@ -50,6 +51,7 @@ def run_doctor(recipe: Optional[str], overrides: Sequence[str] = (), *, model: O
         print(f"parityrl doctor: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    third_party_output.attach(out)  # when the console is filtered (the command line): engine.log in the report
     doc = Doctor(cfg, out, engine=engine, say=say)
     try:
         findings, seconds = run_checks(doc, checks)

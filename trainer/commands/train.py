@@ -83,7 +83,7 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
             print("\n".join(lines), file=sys.stderr, flush=True)
         return 2
     # late: the loop imports vLLM (seconds); a refused recipe has answered before that
-    from rollout.base import EngineUnavailable
+    from rollout.base import EngineCannotLoad, EngineUnavailable
     from trainer.io.write_failure import StartNotWritten
     from trainer.lifecycle.stops import RunStopped
     from trainer.rl.loop import train
@@ -105,6 +105,9 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         _say("interrupted while starting up, before this process trained a step; nothing to checkpoint"
              + (f"; its checkpoints are untouched: continue with `{command}`" if resume else ""))
         return 130
+    except EngineCannotLoad as e:  # at start, before any step: nothing to resume
+        _say(f"stopped: {e}; nothing was trained (the engine cannot run this model: docs/doctor.md)")
+        return e.exit_status
     except (RunStopped, EngineUnavailable) as e:  # the message names the cause; the note, the checkpoint
         _say(with_resume_command(f"stopped: {e}; {getattr(e, 'checkpoint_note', '')}", command))
         return getattr(e, "exit_status", 4)  # EngineUnavailable: a dead rollout server

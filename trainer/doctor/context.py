@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from parity.metrics import compare
+from rollout.base import EngineCannotLoad, one_line
 from rollout.types import Rollouts, SamplingSpec
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RunConfig
@@ -147,10 +148,8 @@ class Doctor:
 
 
 def engine_reason(e: BaseException) -> str:
-    """One line: what the engine said when it refused (vLLM's assertion or error message, not its traceback)."""
-    text = str(e).strip().splitlines()
-    last = text[-1] if text else ""
-    return f"{type(e).__name__}: {last}" if last else type(e).__name__
+    """One line: what the engine said when it refused (``EngineCannotLoad`` says it already)."""
+    return str(e) if isinstance(e, EngineCannotLoad) else one_line(e)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

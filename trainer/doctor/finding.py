@@ -31,7 +31,7 @@ class Finding:
             raise ValueError(f"Finding {self.check}/{self.item}: a {self.verdict} must say its cause")
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
 
 
 def at_most(check: str, item: str, figure: float, limit: float, cause: str, *, warn_factor: Optional[float] = None,

@@ -7,8 +7,6 @@ another dtype); a prefill that differs from the trainer at the model itself (the
 """
 from __future__ import annotations
 
-import torch
-
 from parity.metrics import compare
 from rollout.types import Rollouts
 from trainer.doctor.check import Check
