@@ -51,15 +51,14 @@ def run_dir_problem(cfg: RunConfig, *, resume: bool, command: str) -> Optional[s
     claims the directory."""
     from trainer.io import checkpoint as ckpt  # late: as the loop below (torch)
     from trainer.io.run_lock import check_free
-    from trainer.lifecycle.run_state import choose_checkpoint
+    from trainer.lifecycle.run_state import choose_checkpoint, existing_run_message
 
     try:
         check_free(Path(cfg.run_dir))
         if resume:
             choose_checkpoint(Path(cfg.run_dir), verbose=False)
         elif ckpt.step_dirs(Path(cfg.run_dir)):
-            return (f"{cfg.run_dir} already holds checkpoints: continue it with `{command}`, or choose another "
-                    "name / logging.run_dir (nothing was overwritten)")
+            return existing_run_message(cfg, f"continue it with `{command}`")
     except (FileExistsError, FileNotFoundError) as e:
         return str(e)
     return None

@@ -105,9 +105,24 @@ def check_run_dir(cfg: RunConfig, *, resume: bool) -> None:
 def refuse_existing_run(cfg: RunConfig) -> int:
     """A fresh run's directory holds no checkpoint: its start step, 0; else ``FileExistsError`` (nothing written)."""
     if ckpt.step_dirs(cfg.run_dir):
-        raise FileExistsError(f"{cfg.run_dir} already holds checkpoints; pass --resume to continue it, or choose "
-                              "another name / logging.run_dir (nothing was overwritten)")
+        raise FileExistsError(existing_run_message(cfg, "pass --resume to continue it"))
     return 0
+
+
+def existing_run_message(cfg: RunConfig, resume_hint: str) -> str:
+    """Why a fresh run cannot start over the checkpoints in its directory, with the way out that fits: the resume
+    (``resume_hint``) for the same recipe, a name of its own for one that changes what a resume cannot (another
+    model, algorithm, ...: ``REFUSED``)."""
+    was = recorded_recipe(cfg.run_dir) or {}
+    now = _flat(to_dict(cfg))
+    other = [f"{k} {now.get(k)!r} (it ran {was[k]!r})" for k in sorted(was)  # what the recorded recipe says
+             if k not in IGNORED and was[k] != now.get(k) and _refusal(k)]
+    if other:
+        return (f"{cfg.run_dir} already holds the checkpoints of another run: this one changes {'; '.join(other[:3])}, "
+                "which a resume cannot; give it a name of its own (--set name=<new name>) or another "
+                "logging.run_dir (nothing was overwritten)")
+    return f"{cfg.run_dir} already holds checkpoints: {resume_hint}, or choose another name / logging.run_dir " \
+           "(nothing was overwritten)"
 
 
 def claim_run_dir(cfg: RunConfig, *, resume: bool) -> RunLock:

@@ -38,3 +38,16 @@ def test_a_fresh_run_over_checkpoints_is_refused_without_taking_the_lock(tmp_pat
     err = capsys.readouterr().err
     assert "already holds checkpoints: continue it with `parityrl train " in err and " --resume`" in err, err
     assert not (tmp_path / "nonexist" / ".lock").exists()
+
+
+def test_a_new_model_over_another_runs_checkpoints_is_told_to_take_a_name_not_to_resume(tmp_path, nothing_loads,
+                                                                                        capsys):
+    """A resume cannot change model.path, so suggesting --resume for a run on another model leads nowhere."""
+    run = tmp_path / "nonexist"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("model:\n  path: builtin:tiny-base\n")
+    assert start(tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "already holds the checkpoints of another run: this one changes model.path 'builtin:tiny' (it ran " \
+           "'builtin:tiny-base'), which a resume cannot; give it a name of its own (--set name=<new name>)" in err, err
+    assert "--resume" not in err
