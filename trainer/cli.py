@@ -142,6 +142,7 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", help="prompt file: .txt (one prompt per line) or .jsonl/.json/.parquet with a prompt column")
     p.add_argument("--out", required=True, help="report directory (must be new or empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace the report files in an existing --out")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP.replace("the run directory's", "the report's"))
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="generation engine (default vllm)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; the trainer scores with it too")
     p.add_argument("--top-p", type=float, default=1.0,
@@ -310,6 +311,8 @@ def _compare(args) -> int:
     from trainer.diagnostics.compare import run_compare
     from trainer.diagnostics.compare_inputs import CompareError
 
+    if args.own_console:  # before vLLM is imported: its expected lines go to the report's engine.log
+        third_party_output.install(verbose=args.verbose)
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)
     try:
         summary = run_compare(
@@ -348,6 +351,12 @@ def _compare_digest(summary: dict, out: str) -> str:
         f"kl_k3 {fmt('parity/kl_k3')}   pearson {fmt('parity/pearson', '.6f')}   "
         f"prob_mae {fmt('parity/prob_mae')}   rho outside [0.9, 1.1] {fmt('parity/frac_rho_outside_0.9_1.1', '.4f')}",
     ]
+    level = summary.get("expected_level")
+    if level and not summary["self_check"]:
+        s = summary["settings"]
+        lines.append(f"{s['dtype']}, precision {s['precision']}: a healthy setup reaches mae ~{level['parity/mae']:.1e} "
+                     f"on a model of {level['num_layers']} layers (docs/parity-metrics.md); this one is "
+                     f"{m['parity/mae'] / level['parity/mae']:.2g}x that (`parityrl doctor` says where a gap comes from)")
     if "routing" in summary:  # an MoE model: replayed, and the same tokens without replay
         r, u = summary["routing"], summary["routing"]["unreplayed"]
         lines.append(f"routing agree {r['parity/routing_agree']:.4f} (tokens differing in a layer "

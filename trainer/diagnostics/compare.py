@@ -48,6 +48,7 @@ from trainer.diagnostics.compare_report import (
     versions,
 )
 from trainer.distributed.data_parallel import DataParallel
+from trainer.io import third_party_output
 from trainer.measurement.parity_breakdown import step_breakdown
 from trainer.measurement.routing_parity import pooled_routing_metrics, replay_paused
 from trainer.measurement.scoring import score_batch
@@ -55,6 +56,7 @@ from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.policy import load_base_model, load_tokenizer
 from trainer.models.routing_replay import RoutingReplay
 from trainer.precision import DEFAULT_RECIPE, recipe_for
+from trainer.precision.levels import parity_level
 from trainer.sampling.engines import start_vllm
 
 __all__ = ["run_compare"]
@@ -248,6 +250,7 @@ def run_compare(
     context = context_len(prompt_ids, max_new_tokens, max_model_len,
                            getattr(hf.config, "max_position_embeddings", None))
     out = prepare_out_dir(out_dir, overwrite)
+    third_party_output.attach(out)  # when the command line filters the console: the engines' lines to engine.log
 
     spec = SamplingSpec(n=n, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p),
                         max_new_tokens=max_new_tokens, seed=seed, logprobs_topk=topk)
@@ -310,6 +313,9 @@ def run_compare(
         "self_check": bool(self_check),
         **({"self_check_result": self_check_result(metrics)} if self_check else {}),
         "metrics": metrics,
+        # what a healthy setup reaches in this dtype and precision on a model this deep (trainer.precision.levels)
+        "expected_level": {"parity/mae": parity_level(recipe_for(precision), dtype, hf.config.num_hidden_layers),
+                           "num_layers": int(hf.config.num_hidden_layers)},
         **({"routing": routing} if routing is not None else {}),
         **({"lora_sync": {"adapter_dir": str(adapter_dir), "served": served_mode,
                           **side_by_side(hf, both, tokenizer.pad_token_id, device, temperature=spec.temperature,

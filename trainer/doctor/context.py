@@ -25,16 +25,13 @@ from trainer.measurement.scoring import score_batch
 from trainer.models.batch import batch_from_rollouts
 from trainer.models.policy import load_base_model, load_tokenizer
 from trainer.precision import recipe_for
+from trainer.precision.levels import FLOOR_DEPTH, parity_level
 from trainer.sampling.engines import make_engine
 
 # A fixed batch small enough for the whole battery to run in under two minutes on two CPU cores with the tiny model,
 # large enough that a mean over it is steady (8 x 24 tokens).
 NUM_PROMPTS = 8
 MAX_NEW_TOKENS = 24
-# How the BF16/FP16 parity level grows with depth: the probe mae measured 2e-3 at 4 layers and 5e-2 at 30
-# (trainer/precision/record.py, MaeFloor); a power law through both has exponent log(25) / log(7.5) = 1.6.
-DEPTH_EXPONENT = 1.6
-FLOOR_DEPTH = 4  # the floors are the tiny model's (4 layers)
 
 
 class EngineCannotStart(RuntimeError):
@@ -129,12 +126,9 @@ class Doctor:
         return int(getattr(self.model.config, "num_hidden_layers", FLOOR_DEPTH))
 
     def mae_level(self) -> float:
-        """The parity mae a healthy setup reaches with this precision recipe and dtype on this model: the recipe's
-        floor (``MaeFloor``), grown with depth where the floor says the level does (BF16, FP16, FP8)."""
-        floor = self.precision.mae_floor[self.dtype]
-        if floor.any_depth:
-            return floor.mae
-        return floor.mae * max(1.0, self.num_layers / FLOOR_DEPTH) ** DEPTH_EXPONENT
+        """The parity mae a healthy setup reaches with this precision recipe and dtype on this model
+        (``trainer.precision.levels``)."""
+        return parity_level(self.precision, self.dtype, self.num_layers)
 
     @property
     def engine_error(self) -> Optional[str]:
