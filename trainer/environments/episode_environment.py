@@ -8,7 +8,7 @@ hands it to the episode sampler (``trainer.sampling.episode_sampler``), which ru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from trainer.config import RecipeError, RunConfig
 from trainer.config.validate import episode_max_tokens
@@ -81,3 +81,13 @@ class EpisodeEnvironment:
             raise RecipeError(f"{where}: env.tools: the chat template of {cfg.model.path!r} does not offer "
                               f"tools (its rendering names none of {missing}); expected a template with tool support "
                               "(a 'tools' variable), e.g. Qwen2.5's, or an env.class that states its tools in reset()")
+
+
+def reward_sources(cfg: RunConfig) -> Optional[str]:
+    """One line saying what an episode's reward is made of when an environment class brings its own and the recipe
+    also names reward functions (both are summed: docs/episodes.md "Rewards"); None otherwise."""
+    names = list(cfg.reward.functions)
+    if cfg.env.class_ is None or not names:
+        return None
+    return (f"episode reward = the environment's ({cfg.env.class_}: reward/env) + reward.functions {names}, summed; "
+            "set reward.functions: {} for the environment's alone")

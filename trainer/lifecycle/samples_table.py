@@ -125,3 +125,10 @@ def console_text(rows: list[dict], n: int = 2, width: int = 160) -> str:
 def _one_line(text: str, width: int) -> str:
     flat = " ".join(str(text).split())
     return flat if len(flat) <= width else flat[:width - 3] + "..."
+
+
+def rendered_prompt(drawn: SampledRows, tokenizer, indent: str = "  | ") -> str:
+    """The first sample's prompt exactly as the model reads it: its ids decoded with the special tokens, so the chat
+    template's roles and any tools it offers are visible (a tool the model is never offered is never called)."""
+    text = tokenizer.decode(drawn.rollouts.prompt_ids[0], skip_special_tokens=False)
+    return "\n".join(indent + line for line in text.splitlines())

@@ -36,7 +36,7 @@ from trainer.data.datasets import PromptBatcher, apply_prompt_budget, load_promp
 from trainer.distributed.data_parallel import DataParallel
 from trainer.distributed.deepspeed import accelerator_kwargs, deepspeed_stage, make_backward, zero3_gather
 from trainer.distributed.launch_info import launch_lines
-from trainer.environments.episode_environment import EpisodeEnvironment
+from trainer.environments.episode_environment import EpisodeEnvironment, reward_sources
 from trainer.io import checkpoint as ckpt, third_party_output
 from trainer.io.run_logger import RunLogger
 from trainer.lifecycle import samples_table
@@ -144,9 +144,11 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
                 run.logger.log(step, m)
             unlogged = None
             run.records.raise_together(run.dp)
-            warning = run.truncation.check(step, m.get("rollout/frac_truncated"), cfg.rollout.max_new_tokens)
-            if warning and run.is_main:
-                print(warning, flush=True)
+            warnings = (run.truncation.check(step, m.get("rollout/frac_truncated"), cfg.rollout.max_new_tokens),
+                        run.tool_use.check(step, m.get("episode/tool_calls") if cfg.env.tools else None))
+            for warning in warnings if run.is_main else ():
+                if warning:
+                    print(warning, flush=True)
             result.history.append({"step": step, **m})
             # After logging (the step's record keeps the probe values), before the checkpoint.
             enforce_parity_limits(cfg, step, m, prefix="probe/", when=" (probe after the weight sync)",
@@ -195,6 +197,8 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     if cfg.env.enabled:  # resolved and checked against the chat template before the model and the engine load
         environment = EpisodeEnvironment.from_config(cfg, f"recipe {cfg.name!r}")
         environment.check_template(tokenizer, cfg, f"recipe {cfg.name!r}")
+        if accelerator.is_main_process and reward_sources(cfg):
+            print(reward_sources(cfg), flush=True)
     model = load_policy(cfg, accelerator, model_dir)
     if cfg.rollout.max_staleness and dp.world > 1:
         raise RecipeError(f"rollout.max_staleness = {cfg.rollout.max_staleness} with {dp.world} processes: expected "
@@ -453,6 +457,8 @@ def samples_phase(run: Run, step: int, drawn: Drawn, batch: TokenBatch, scored: 
     if run.logger.wandb_run is not None:
         run.logger.wandb_run.log({"samples": samples_table.wandb_table(rows)}, step=step)
     if first:
+        if run.environment is not None:  # was the tool offered? the template's rendering, once
+            print(f"the first prompt as the model reads it:\n{samples_table.rendered_prompt(drawn, run.tokenizer)}")
         print(f"samples of step {step} (all in {run.cfg.run_dir / 'samples.jsonl'}):\n{samples_table.console_text(rows)}",
               flush=True)
 

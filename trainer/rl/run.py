@@ -15,6 +15,7 @@ from trainer.distributed.deepspeed import optimizer_step
 from trainer.environments.episode_environment import EpisodeEnvironment
 from trainer.io.run_logger import RunLogger
 from trainer.lifecycle.stops import RecordWrites
+from trainer.lifecycle.tool_use import ToolUseWatch
 from trainer.lifecycle.truncation import TruncationWatch
 from trainer.measurement.evaluation import BestCheckpoint, Evaluator
 from trainer.measurement.merge_cost import MergeCost
@@ -70,6 +71,7 @@ class Run:
     start_step: int = 0
     tokens_seen: float = 0.0  # completion tokens trained on so far (checkpointed)
     truncation: TruncationWatch = field(default_factory=TruncationWatch)
+    tool_use: ToolUseWatch = field(default_factory=ToolUseWatch)
     # rollout.max_staleness 1 (trainer/sampling/async_prefetch.py): the next step's batch, and the behaviour
     # adapter of the batch this step trains on (None: the current weights generated it)
     prefetch: Prefetch = field(default_factory=Prefetch)

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from trainer.environments.arithmetic_tools import ArithmeticCalculator, calculate
 from trainer.environments.loading import check_environment_class, resolve_environment_class, resolve_tools
 from trainer.environments.tools import Toolbox
+
+REPO = Path(__file__).resolve().parents[3]
 
 ENV_FILE = '''
 class Maze:
@@ -138,3 +141,18 @@ def test_tools_that_are_not_tools_are_refused_naming_the_spec(env_file):
         resolve_tools(f"{env_file}:lookup")
     with pytest.raises(TypeError, match=r"tools spec '.*:BAD_TOOLS': tool 'undocumented' .* no docstring"):
         resolve_tools(f"{env_file}:BAD_TOOLS")
+
+
+def test_an_environment_class_with_recipe_reward_functions_is_said_at_start():
+    from trainer.environments.episode_environment import reward_sources
+    from trainer.lifecycle.preflight import load_recipe
+
+    recipe = REPO / "recipes" / "grpo_tiny.yaml"
+    envs = REPO / "tests" / "trainer" / "rl" / "episode_envs.py"
+    cfg = load_recipe(recipe, [f"env.class={envs}:FollowUp"], check_paths=False)
+    assert reward_sources(cfg) == (f"episode reward = the environment's ({envs}:FollowUp: reward/env) + "
+                                   "reward.functions ['exact_answer'], summed; set reward.functions: {} for the "
+                                   "environment's alone")
+    assert reward_sources(load_recipe(recipe, [f"env.class={envs}:FollowUp", "reward.functions={}", "eval.every=0"],
+                                      check_paths=False)) is None
+    assert reward_sources(load_recipe(recipe, [], check_paths=False)) is None
