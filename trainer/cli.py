@@ -227,7 +227,9 @@ def _train(args) -> int:
             from trainer.lifecycle.preflight import check_before_loading  # late: as above
 
             # what can be checked without the model (its files, layers and memory are checked when training starts)
-            return _printed(lambda: check_before_loading(args.recipe, args.overrides, model=False))
+            return _printed(lambda: check_before_loading(args.recipe, args.overrides, model=False),
+                            "the recipe's checks passed (those that need no model: its files, layers and memory are "
+                            "checked when training starts)")
 
         return run_train_command(args.recipe, args.overrides, resume=args.resume, debug=args.debug, prog=prog)
     finally:
@@ -256,12 +258,15 @@ def _train_rm(args) -> int:
     return run_train_rm_command(args.recipe, args.overrides, resume=args.resume)
 
 
-def _printed(load) -> int:
+def _printed(load, checked: str = "the recipe's checks passed") -> int:
+    """``--print-config``: the resolved recipe on stdout (data: YAML only), what was checked on stderr."""
     try:
-        return print_config(load())
+        status = print_config(load())
     except RecipeError as e:
         print(e.lines("parityrl: invalid recipe: "), file=sys.stderr)
         return 2
+    print(f"parityrl: {checked}", file=sys.stderr)
+    return status
 
 
 def _merge(args) -> int:

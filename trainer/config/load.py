@@ -173,6 +173,7 @@ def _build(cls: type, data: dict, prefix: str, where: str, salvage: Optional[_Sa
 def _build_plain(cls: type, data: dict, prefix: str, where: str, salvage: Optional[_Salvage] = None):
     hints = typing.get_type_hints(cls)
     fields = {recipe_key(f.name): f.name for f in dataclasses.fields(cls)}
+    metadata = {f.name: f.metadata for f in dataclasses.fields(cls)}
     names = list(fields)
     kwargs, errors = {}, []
     for k, v in data.items():  # every key's problem is collected: the user sees them all at once
@@ -185,7 +186,14 @@ def _build_plain(cls: type, data: dict, prefix: str, where: str, salvage: Option
             if k not in names:
                 raise RecipeError(f"{where}: unknown key {key!r}{_did_you_mean(k, names, prefix)}; valid keys here: "
                                   f"{', '.join(names)}")
-            kwargs[fields[k]] = _convert(v, hints[fields[k]], key, where, salvage)
+            try:
+                kwargs[fields[k]] = _convert(v, hints[fields[k]], key, where, salvage)
+            except RecipeError as e:
+                # a field whose type alone would not say the form it wants (a string naming a mapping, not one)
+                form = metadata[fields[k]].get("expected")
+                if form is None or "\n" in str(e):
+                    raise
+                raise RecipeError(f"{where}: {key} = {v!r}: expected {form}") from None
         except RecipeError as e:
             errors.append(e)
             if salvage is not None:

@@ -206,7 +206,10 @@ class EnvConfig:
     # Tools as plain functions: a mapping name -> function (or a list of functions) named by 'module:NAME',
     # 'path/file.py:NAME' or 'builtin:arithmetic_calculator'; offered through the chat template, the model's calls
     # parsed and run (trainer/environments/tools.py). Exactly one of class / tools.
-    tools: Optional[str] = None
+    tools: Optional[str] = field(default=None, metadata={"expected": (
+        "a string 'module:NAME' (or 'path/file.py:NAME', or 'builtin:arithmetic_calculator') naming a mapping "
+        "name -> function or a list of functions in that module, or null; the mapping itself goes in the module, "
+        "not in the recipe")})
     max_turns: int = 4  # assistant turns per episode
     # Token budget of an episode: prompt + every turn and reply (the engine's context is made this long).
     # null: data.max_prompt_tokens + max_turns x (rollout.max_new_tokens + max_observation_tokens).

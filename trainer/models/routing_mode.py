@@ -42,5 +42,6 @@ def routing_mode(setting: Union[str, bool], config: Any, *, where: str) -> str:
             return "off"
         what = (f"a mixture-of-experts family replay does not support (supported: {sorted(MOE_FAMILIES)})"
                 if is_moe(config) else "a dense model: it has no router to replay")
-        raise ValueError(f"{where}: parity.routing_replay = {setting!r}: the model ({kind}) is {what}")
+        raise ValueError(f"{where}: parity.routing_replay = {setting!r}: the model ({kind}) is {what}; set "
+                         "parity.routing_replay: auto (replays where the model routes) or off")
     return "replay" if setting in ("auto", "on") else "measure"

@@ -189,7 +189,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     check_launch(precision, stage=stage, world_size=dp.world)  # before the model loads (and is transformed)
     third_party_output.attach(cfg.run_dir, rank=dp.rank)  # the run directory is claimed: engine.log
     if accelerator.is_main_process:
-        print(launch_lines(cfg, dp.world, accelerator.device), flush=True)
+        print(launch_lines(cfg, dp.world, accelerator.device, precision.dtype_reason), flush=True)
     set_seed(cfg.train.seed)
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)

@@ -116,4 +116,6 @@ def test_print_config_checks_the_reward_functions_too(tmp_path, monkeypatch, cap
     assert "reward.functions.short = 'my_rewards:brevity'" in line and "no attribute 'brevity'" in line, line
     recipe.write_text("reward: {functions: {correct: my_rewards:is_correct}}\n")
     assert main(["train", str(recipe), "--print-config"]) == 0
-    assert "correct: my_rewards:is_correct" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "correct: my_rewards:is_correct" in out.out and "checks passed" not in out.out  # stdout: the YAML alone
+    assert out.err.startswith("parityrl: the recipe's checks passed (those that need no model")

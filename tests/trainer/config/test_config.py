@@ -215,3 +215,12 @@ def test_truncated_sampling_is_accepted_and_its_bad_values_refused():
             load_recipe("recipes/grpo_tiny.yaml", sets, check_paths=False)
     with pytest.raises(RecipeError, match="rollout.repetition_penalty = 1.1: not supported"):
         load_recipe("recipes/grpo_tiny.yaml", ["rollout.repetition_penalty=1.1"], check_paths=False)
+
+
+def test_env_tools_written_as_a_mapping_is_told_the_form_it_wants():
+    from trainer.config import RecipeError
+    from trainer.lifecycle.preflight import load_recipe
+
+    with pytest.raises(RecipeError, match=r"env.tools = \{'calc': 'mymod:calc'\}: expected a string 'module:NAME' .* "
+                                          r"naming a mapping name -> function .* the mapping itself goes in the module"):
+        load_recipe("recipes/grpo_tiny.yaml", ["env.tools={calc: mymod:calc}"], check_paths=False)

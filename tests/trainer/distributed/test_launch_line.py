@@ -46,3 +46,13 @@ def test_no_warning_when_the_launch_got_what_it_asked():
     assert launch_mismatch(1, SIMPLE_2, single) is None
     # MASTER_ADDR exported by a cluster's environment, accelerate not asked for several processes
     assert launch_mismatch(1, SIMPLE_2, ["accelerate", "launch", "-m", "trainer.train", "r.yaml"]) is None
+
+
+def test_the_launch_line_says_the_precision_recipes_account_of_the_dtype():
+    from trainer.distributed.launch_info import launch_lines
+    from trainer.lifecycle.preflight import load_recipe
+    from trainer.precision import recipe_for
+
+    cfg = load_recipe("recipes/grpo_tiny.yaml", ["model.dtype=float32"], check_paths=False)
+    line = launch_lines(cfg, 1, torch.device("cpu"), recipe_for("bf16").dtype_reason)
+    assert "model.dtype float32, precision.recipe bf16 (both phases run in model.dtype)" in line
