@@ -87,3 +87,12 @@ def test_qwen3_rope_theta_read_differently_is_named_at_layer_0_attention(make_do
     assert found[0].verdict == FAIL and found[0].item == "first divergence: layer 0, attention", found[0]
     assert "RoPE" in found[0].cause
     assert found[0].details["points"][0]["rel_error"] == 0.0
+
+
+def test_the_hf_engine_is_skipped_with_its_reason(make_doctor, tiny_model_dir):
+    from rollout.hf_engine import HFEngine
+    from trainer.doctor.check import CheckCannotRun
+
+    doc = make_doctor(engine=HFEngine(tiny_model_dir, dtype="bfloat16"))
+    with pytest.raises(CheckCannotRun, match="compare the trainer with itself"):
+        run(doc)
