@@ -1,0 +1,98 @@
+"""The layers check: engine vs trainer hidden states point by point; the healthy tiny model passes, and a difference
+planted at one known place (on either side, on two architectures) fails naming that place first."""
+import math
+
+import pytest
+import torch
+
+from trainer.doctor.checks.layers import BANDS, CAUSES, first_divergence, points, run
+from trainer.doctor.finding import FAIL, PASS
+
+
+def _print(findings):
+    for r in findings[0].details["points"]:
+        print(f"  {r['point']:<22} rel {r['rel_error']:.3e}  worst position {r['max_position_error']:.3e}")
+
+
+def test_points_are_in_forward_order_and_first_divergence_is_the_first_out_of_band():
+    pts = points(2, transformed=True)
+    assert [p.name for p in pts] == ["embedding", "layer 0, attention", "layer 0, mlp", "layer 0, output",
+                                     "layer 1, attention", "layer 1, mlp", "layer 1, output", "final norm",
+                                     "logits (raw)", "logits"]
+    assert all(a.depth < b.depth for a, b in zip(pts, pts[1:]))
+    assert all(p.kind in CAUSES for p in pts)
+    rows = [{"point": p.name, "rel_error": e} for p, e in zip(pts, [0, 1e-3, 0.5, 0.4, math.nan, 0, 0, 0, 0, 0])]
+    assert first_divergence(rows, 1e-2)["point"] == "layer 0, mlp"
+    assert first_divergence(rows[3:], 1.0)["point"] == "layer 1, attention"  # a NaN leaves any band
+    assert first_divergence(rows[5:], 1e-2) is None
+
+
+@pytest.mark.slow
+def test_healthy_tiny_model_passes_and_a_planted_fault_is_named_on_either_side(tiny_engine, make_doctor):
+    doc = make_doctor(engine=tiny_engine)
+    found = run(doc)
+    print(f"healthy tiny model, {doc.dtype}:")
+    _print(found)
+    assert [f.verdict for f in found] == [PASS, PASS], found
+    rows = found[0].details["points"]
+    assert rows[0]["rel_error"] == 0.0  # the same ids and embedding weights: bit for bit
+    assert all(0 < r["rel_error"] <= BANDS["bfloat16"] for r in rows[1:])  # bf16 rounding, inside the band
+    assert (doc.out_dir / "layers.png").is_file()
+
+    # (1) the trainer's layer 2 MLP: down_proj weights perturbed by 25% of their spread, on the trainer side only
+    w = doc.model.model.layers[2].mlp.down_proj.weight
+    original = w.detach().clone()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        w.add_(0.25 * float(w.float().std()) * torch.randn(w.shape, generator=gen).to(w.dtype))
+    found = run(doc)
+    _print(found)
+    assert found[0].verdict == FAIL and found[0].item == "first divergence: layer 2, mlp", found[0]
+    assert "MLP" in found[0].cause and "down" in found[0].cause
+    with torch.no_grad():
+        w.copy_(original)
+
+    # (2) the engine's layer 1 attention: an o_proj the sync delivered wrong (scaled by 1.1), on the engine only
+    o = doc.model.model.layers[1].self_attn.o_proj.weight.detach()
+    tiny_engine.load_weights([("model.layers.1.self_attn.o_proj.weight", o.float() * 1.1)])
+    found = run(doc)  # the fixture restores the engine's weights afterwards
+    _print(found)
+    assert found[0].verdict == FAIL and found[0].item == "first divergence: layer 1, attention", found[0]
+    assert "attention" in found[0].cause
+    assert found[0].details["points"][3]["rel_error"] <= BANDS["bfloat16"]  # layer 0 still agrees
+
+
+@pytest.mark.slow
+def test_qwen3_rope_theta_read_differently_is_named_at_layer_0_attention(make_doctor):
+    """Qwen3 (per-head q/k norms, std-0.2 weights): healthy first, then the trainer's RoPE computed with theta 1e6
+    where the engine reads 1e4 from config.json (a rope field the two libraries read differently)."""
+    from rollout.vllm_engine import VLLMEngine
+    from trainer.builtin.zoo import ensure_arch_model
+
+    model_dir = ensure_arch_model("qwen3", dtype="float32")
+    with VLLMEngine(str(model_dir), dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 * 1024**2) as eng:
+        doc = make_doctor(f"model.path={model_dir}", engine=eng)
+        found = run(doc)
+        print("healthy qwen3, bfloat16:")
+        _print(found)
+        assert [f.verdict for f in found] == [PASS, PASS], found
+
+        rope = doc.model.model.rotary_emb
+        theta = float(doc.model.config.rope_parameters["rope_theta"])
+        with torch.no_grad():  # inv_freq = theta^(-2i/d): the same frequencies under theta 1e6
+            rope.inv_freq.copy_(rope.inv_freq.double().pow(math.log(1e6) / math.log(theta)).to(rope.inv_freq.dtype))
+        found = run(doc)
+        print("qwen3, the trainer's RoPE theta 1e6:")
+        _print(found)
+    assert found[0].verdict == FAIL and found[0].item == "first divergence: layer 0, attention", found[0]
+    assert "RoPE" in found[0].cause
+    assert found[0].details["points"][0]["rel_error"] == 0.0
+
+
+def test_the_hf_engine_is_skipped_with_its_reason(make_doctor, tiny_model_dir):
+    from rollout.hf_engine import HFEngine
+    from trainer.doctor.check import CheckCannotRun
+
+    doc = make_doctor(engine=HFEngine(tiny_model_dir, dtype="bfloat16"))
+    with pytest.raises(CheckCannotRun, match="compare the trainer with itself"):
+        run(doc)
