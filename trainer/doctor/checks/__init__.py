@@ -4,5 +4,6 @@ recipes side by side."""
 from trainer.doctor.checks.prefill_decode import CHECK as PREFILL_DECODE
 from trainer.doctor.checks.sampling import CHECK as SAMPLING
 from trainer.doctor.checks.tokens import CHECK as TOKENS
+from trainer.doctor.checks.weight_sync import CHECK as WEIGHT_SYNC
 
-CHECKS = (PREFILL_DECODE, TOKENS, SAMPLING)
+CHECKS = (PREFILL_DECODE, WEIGHT_SYNC, TOKENS, SAMPLING)
