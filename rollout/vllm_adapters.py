@@ -69,6 +69,13 @@ class ServedAdapter:
             llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
+    def drop(self, llm) -> None:
+        """Serve nothing again (the base weights alone): the version served is removed from vLLM and its files
+        deleted (``llm``: the ``vllm.LLM``)."""
+        if self.request is not None:
+            llm.llm_engine.remove_lora(self.request.lora_int_id)
+        self.forget()
+
     def forget(self) -> None:
         """vLLM dropped every adapter (its base weights were reloaded): nothing is served until the next load."""
         if self.request is not None:

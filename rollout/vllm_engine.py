@@ -527,6 +527,15 @@ class VLLMEngine(InProcessEngine):
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after an adapter update (requests running?)")
 
+    def drop_adapter(self) -> None:
+        """Serve the base weights alone again, as before the first ``load_adapter`` (a diagnosis that synced an
+        adapter leaves the engine as it found it). The prefix cache is reset."""
+        if self._adapter is None or self._adapter.request is None:
+            return
+        self._adapter.drop(self.llm)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after an adapter update (requests running?)")
+
     @property
     def adapter_version(self) -> int | None:
         """The trainer's version of the adapter served (None: the base weights alone)."""

@@ -1,0 +1,75 @@
+"""The weight-sync check on the session's engine: a healthy adapter and merged sync of the tiny model deliver every
+module bit for bit and leave the engine as found; a sync that leaves one module out, or loads half of a fused group,
+fails naming that module."""
+import pytest
+
+from rollout.weight_updates import engine_named_tensors, quiet_partial_reload
+from trainer.doctor.checks.weight_sync import run
+from trainer.doctor.finding import FAIL, PASS
+
+pytestmark = pytest.mark.slow
+
+
+class FaultySync:
+    """The engine, but its first weight update loses the tensor ``drop``; ``unchecked``: loaded without the engine's
+    whole-fused-group guard (as an engine path without it would), so vLLM rebuilds the fused module from the rest."""
+
+    streams_weights = False  # one load_weights per sync: the fault is in that one update
+
+    def __init__(self, engine, drop: str, *, unchecked: bool = False) -> None:
+        self._engine, self._drop, self._unchecked, self._armed = engine, drop, unchecked, True
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def load_weights(self, named) -> None:
+        named = list(named)
+        if not self._armed:
+            return self._engine.load_weights(named)
+        self._armed = False
+        named = [(n, t) for n, t in named if n != self._drop]
+        assert len(named) > 0
+        if not self._unchecked:
+            return self._engine.load_weights(named)
+        with quiet_partial_reload():
+            self._engine.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": engine_named_tensors(named, self._engine.torch_dtype)})
+        self._engine.llm.reset_prefix_cache()
+
+
+def _by_item(found):
+    return {f.item: f for f in found}
+
+
+def test_an_adapter_sync_delivers_every_module_and_the_engine_is_left_without_it(tiny_engine, make_doctor):
+    doc = make_doctor(engine=tiny_engine)
+    found = run(doc)
+    assert [f.verdict for f in found] == [PASS], [(f.item, f.figure, f.cause) for f in found]
+    head = found[0]
+    assert head.details["mode"] == "adapter" and head.details["modules"] == 28  # 4 layers x 7 linears
+    assert head.figure == 0.0 and tiny_engine.adapter_version is None
+
+
+def test_a_merged_sync_delivers_bit_for_bit_and_restores_the_engine(tiny_engine, make_doctor):
+    found = run(make_doctor("rollout.lora_sync=merged", engine=tiny_engine))
+    assert [f.verdict for f in found] == [PASS, PASS], [(f.item, f.figure, f.cause) for f in found]
+    assert found[0].details["mode"] == "merged" and found[0].details["modules"] == 28
+
+
+def test_a_module_the_sync_leaves_out_fails_by_name(tiny_engine, make_doctor):
+    faulty = FaultySync(tiny_engine, "model.layers.1.self_attn.o_proj.weight")
+    found = run(make_doctor("rollout.lora_sync=merged", engine=faulty))
+    head = found[0]
+    assert head.verdict == FAIL and head.details["not_delivered"] == ["model.layers.1.self_attn.o_proj"]
+    named = _by_item(found)["model.layers.1.self_attn.o_proj: not delivered"]
+    assert named.verdict == FAIL and named.figure > 0
+    assert _by_item(found)["engine restored after the check (relative error vs before)"].verdict == PASS
+
+
+def test_half_a_fused_group_fails_as_partially_delivered(tiny_engine, make_doctor):
+    faulty = FaultySync(tiny_engine, "model.layers.1.self_attn.k_proj.weight", unchecked=True)
+    found = run(make_doctor("rollout.lora_sync=merged", engine=faulty))
+    assert found[0].verdict == FAIL and found[0].details["not_delivered"] == ["model.layers.1.self_attn.k_proj"]
+    partial = [f for f in found if f.item.startswith("model.layers.1.self_attn.k_proj: partially delivered")]
+    assert len(partial) == 1 and "qkv_proj took q_proj, v_proj, not k_proj" in partial[0].item, found
+    assert _by_item(found)["engine restored after the check (relative error vs before)"].verdict == PASS
