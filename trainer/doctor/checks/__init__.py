@@ -3,8 +3,9 @@ surrounds the model (the decode path, batching, caching, the weight sync, tokens
 recipes side by side."""
 from trainer.doctor.checks.layers import CHECK as LAYERS
 from trainer.doctor.checks.prefill_decode import CHECK as PREFILL_DECODE
+from trainer.doctor.checks.recipes import CHECK as RECIPES
 from trainer.doctor.checks.sampling import CHECK as SAMPLING
 from trainer.doctor.checks.tokens import CHECK as TOKENS
 from trainer.doctor.checks.weight_sync import CHECK as WEIGHT_SYNC
 
-CHECKS = (LAYERS, PREFILL_DECODE, WEIGHT_SYNC, TOKENS, SAMPLING)
+CHECKS = (LAYERS, PREFILL_DECODE, WEIGHT_SYNC, TOKENS, SAMPLING, RECIPES)
