@@ -72,6 +72,22 @@ SLEEP_TAGS = ("weights", "kv_cache")  # what LLM.sleep(level=1) frees (vllm/v1/e
 
 
 @contextlib.contextmanager
+def _engine_core_keeps_process_groups():
+    """vLLM 0.32's ``EngineCore.shutdown`` ends with ``cleanup_dist_env_and_memory()`` (``vllm/v1/engine/core.py``):
+    it destroys the model-parallel groups and the distributed environment of the whole process, whatever other
+    in-process engine still uses them (and a trainer's own process group with them). ``close`` decides that itself
+    (the last engine, and only a group vLLM created), so the core's call is reduced to its memory release."""
+    import vllm.v1.engine.core as core
+
+    cleanup = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda *a, **k: gc.collect()
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = cleanup
+
+
+@contextlib.contextmanager
 def _preserve_rng():
     """Keep the trainer's RNG streams: in-process vLLM seeds random/numpy/torch at start-up
     (``set_random_seed``) and its CPU sampler draws from the global torch RNG every step."""
@@ -582,7 +598,8 @@ class VLLMEngine(InProcessEngine):
             return
         engine_core = getattr(self._llm.llm_engine, "engine_core", None)
         if engine_core is not None:
-            engine_core.shutdown()
+            with _engine_core_keeps_process_groups():
+                engine_core.shutdown()
         self._llm = None
         if self._adapter is not None:
             self._adapter.close()
@@ -590,7 +607,8 @@ class VLLMEngine(InProcessEngine):
 
         # vLLM's model-parallel groups are process globals that every in-process engine shares: the
         # last engine to close tears them down (closing one of two engines would break the other:
-        # "pipeline model parallel group is not initialized").
+        # "pipeline model parallel group is not initialized"), which is why the engine core's own teardown is
+        # kept from doing it above.
         VLLMEngine._live -= 1
         if VLLMEngine._live == 0:
             destroy_model_parallel()

@@ -1,0 +1,22 @@
+"""Closing one in-process vLLM engine leaves another working: vLLM 0.32's ``EngineCore.shutdown`` tears down the
+process's model-parallel groups (``cleanup_dist_env_and_memory``), which every in-process engine shares; before
+``VLLMEngine.close`` kept it from doing so, the engine left open failed its next step with "pipeline model parallel
+group is not initialized" (the doctor's recipes check starts and closes engines beside the run's own)."""
+import pytest
+
+from rollout.types import SamplingSpec
+
+
+@pytest.mark.slow
+def test_the_session_engine_still_generates_after_a_second_engine_closes(vllm_engine, tiny_model_dir, prompts):
+    from rollout.vllm_engine import VLLMEngine
+
+    spec = SamplingSpec(n=1, temperature=1.0, max_new_tokens=6, seed=3)
+    before = vllm_engine.generate(prompts[:2], spec)
+    second = VLLMEngine(tiny_model_dir, dtype="bfloat16", max_model_len=64, seed=0,
+                        kv_cache_memory_bytes=64 * 1024**2, enforce_eager=True)
+    assert second.generate(prompts[:2], spec).completion_ids == before.completion_ids
+    second.close()
+    after = vllm_engine.generate(prompts[:2], spec)
+    assert after.completion_ids == before.completion_ids and after.rollout_logprobs == before.rollout_logprobs
+    assert vllm_engine.score([p + c for p, c in zip(after.prompt_ids, after.completion_ids)]).logprobs
