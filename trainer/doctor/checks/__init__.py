@@ -1,8 +1,10 @@
 """The doctor's checks, in the order the table shows them: from where a divergence starts (inside the model) to what
 surrounds the model (the decode path, batching, caching, the weight sync, tokens, sampling) and the precision
 recipes side by side."""
+from trainer.doctor.checks.batch_invariance import CHECK as BATCH_INVARIANCE
 from trainer.doctor.checks.prefill_decode import CHECK as PREFILL_DECODE
+from trainer.doctor.checks.prefix_cache import CHECK as PREFIX_CACHE
 from trainer.doctor.checks.sampling import CHECK as SAMPLING
 from trainer.doctor.checks.tokens import CHECK as TOKENS
 
-CHECKS = (PREFILL_DECODE, TOKENS, SAMPLING)
+CHECKS = (PREFILL_DECODE, BATCH_INVARIANCE, PREFIX_CACHE, TOKENS, SAMPLING)
