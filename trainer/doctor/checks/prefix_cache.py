@@ -18,7 +18,7 @@ counted from vLLM's ``num_cached_tokens``; a check where nothing was read from t
 two-turn histories (a prompt, its sampled answer, the next prompt): the multi-turn case where caching pays, and long
 enough to fill a block. vLLM's CPU attention takes blocks of multiples of 32 tokens and defaults to 128
 (``platforms/cpu.py``), more than a demo recipe's whole sequence: there the check starts its own engine on the
-recipe's model and dtype with 32-token blocks (left open: ``_PROBES``). An engine with the cache off (the CPU engine
+recipe's model and dtype with 32-token blocks, closed after it. An engine with the cache off (the CPU engine
 returning an MoE model's routes: ``rollout.vllm_engine.route_options``) or other than the colocated vLLM engine cannot
 run it.
 
@@ -50,10 +50,6 @@ PROBE_KV_BYTES = 64 * 1024**2
 # which is why a sync that forgets the reset goes unseen in a run's parity).
 SYNC_NOISE = 0.1
 SYNC_SEED = 0
-# Probe engines, one per (model, dtype, context), left open until the process ends: vLLM 0.32 tears the process's
-# distributed state down whenever an in-process engine shuts down (v1/engine/core.py: EngineCore.shutdown calls
-# cleanup_dist_env_and_memory), and the recipe's engine shares that state: closing a probe breaks it.
-_PROBES: dict[tuple, VLLMEngine] = {}
 
 
 def _block_size(engine: VLLMEngine) -> int:
@@ -78,13 +74,10 @@ def _prompts(doc: Doctor, limit: int) -> list[list[int]]:
 
 def _probe_engine(doc: Doctor, engine: VLLMEngine) -> VLLMEngine:
     """The recipe's model and dtype on a vLLM engine whose KV blocks these prompts can fill (CPU: 32 tokens)."""
-    key = (engine.model, engine.dtype, engine.max_model_len)
-    if key not in _PROBES:
-        doc.say(f"  the engine's KV blocks ({_block_size(engine)} tokens) are longer than these prompts: starting "
-                f"one with {CPU_BLOCK}-token blocks on the same model and dtype")
-        _PROBES[key] = VLLMEngine(engine.model, dtype=engine.dtype, max_model_len=engine.max_model_len,
-                                  seed=doc.cfg.train.seed, kv_cache_memory_bytes=PROBE_KV_BYTES, block_size=CPU_BLOCK)
-    return _PROBES[key]
+    doc.say(f"  the engine's KV blocks ({_block_size(engine)} tokens) are longer than these prompts: starting "
+            f"one with {CPU_BLOCK}-token blocks on the same model and dtype")
+    return VLLMEngine(engine.model, dtype=engine.dtype, max_model_len=engine.max_model_len, seed=doc.cfg.train.seed,
+                      kv_cache_memory_bytes=PROBE_KV_BYTES, block_size=CPU_BLOCK)
 
 
 def _generate(engine: VLLMEngine, prompts: list[list[int]], seed: int, *, read_cache: bool):
@@ -177,8 +170,12 @@ def run(doc: Doctor) -> list[Finding]:
         raise CheckCannotRun(f"the prompts ({min(map(len, prompts))} tokens) fill no KV block of "
                              f"{_block_size(engine)} tokens: nothing would be read from the cache")
     probe = _probe_engine(doc, engine) if needs_probe else engine
-    block = _block_size(probe)
-    legs = _legs(doc, probe, prompts)
+    try:
+        block = _block_size(probe)
+        legs = _legs(doc, probe, prompts)
+    finally:
+        if probe is not engine:  # closing one in-process engine leaves the others working (VLLMEngine.close)
+            probe.close()
     level = doc.mae_level()
     out = []
     for leg, (a, b, hits) in legs.items():
