@@ -53,6 +53,9 @@ EXPECTED: tuple[tuple[str, str], ...] = (
     (r"Chat template warmup failed", "no tokenizer in the engine (skip_tokenizer_init)"),
     (r"Kernel vllm\.\S+ is already registered\. Overwriting",
      "a second engine in one process (parityrl doctor's precision recipes) registers vLLM's kernels again"),
+    (r"\[layerwise\.py:\d+\] (RotaryEmbedding|ParallelLMHead): Failed to load weights",
+     "vLLM's in-place reload from the model's files (the doctor's prefix-cache check restores the weights so): "
+     "rotary embeddings hold no weights, a tied lm_head shares embed_tokens'"),
     (r"Unknown vLLM environment variable detected: VLLM_DIST_IDENT",
      "vLLM's CPU worker sets it for itself (cpu_worker.py); the next engine in the process sees it"),
     (r"SECURITY WARNING: Development endpoints are enabled", "server mode's weight-sync routes (docs/server-mode.md)"),

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from rollout.types import Rollouts
+from trainer.config.validate import sequence_length
 from trainer.doctor.check import Check
 from trainer.doctor.context import Doctor
 from trainer.doctor.finding import Finding, at_most
@@ -50,12 +51,15 @@ def _plain(r: Rollouts) -> Rollouts:
 def _fillers(doc: Doctor, count: int) -> Rollouts:
     """``count`` other sequences of varied lengths: each recipe prompt behind a growing part of another (20 to ~40
     tokens on the tiny model), with a completion the engine samples for it."""
-    p, limit = doc.prompt_ids, doc.cfg.data.max_prompt_tokens
+    spec = doc.spec(seed=doc.cfg.train.seed + FILLER_SEED)
+    # the prompt budget, and room for the completion in a score: prefill log-probs need one position to spare
+    context = getattr(doc.engine, "max_model_len", None) or sequence_length(doc.cfg)
+    p, limit = doc.prompt_ids, min(doc.cfg.data.max_prompt_tokens, context - spec.max_new_tokens - 1)
     prompts = []
     for k in range(count):
         own, other = p[k % len(p)], p[(k + 1 + k // len(p)) % len(p)]
         prompts.append((other[:(5 * k) % len(other)] + own)[-limit:])
-    return _plain(doc.engine.generate(prompts, doc.spec(seed=doc.cfg.train.seed + FILLER_SEED)))
+    return _plain(doc.engine.generate(prompts, spec))
 
 
 def _join(a: Rollouts, b: Rollouts) -> Rollouts:

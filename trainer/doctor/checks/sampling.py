@@ -3,7 +3,7 @@ the trainer applies it: logits / T before the softmax; ``processed_logprobs``), 
 ``generation_config.json`` changes that distribution behind the recipe's back.
 
 - ``temperature``: the same tokens sampled at T = 0.7 are scored by the trainer at 0.7 and at 1; the engine's
-  log-probs must match the former. Matching the latter means the engine returns raw log-probs (vLLM's default
+XX
   ``logprobs_mode``) or applies no temperature to them.
 - ``generation_config``: sampling fields a vLLM server applies by default (``--generation-config auto``) to any
   request that does not set them; parityrl's requests set temperature, top-p, top-k and min-p, so the others
@@ -38,8 +38,11 @@ def _temperature(doc: Doctor) -> list[Finding]:
              "it returns raw log-probs (logprobs_mode other than processed_logprobs) or applies no temperature"
              if mae_1 <= mae_t else f"the engine's log-probs at T = {PROBE_T} differ from the trainer's beyond this "
                                     "dtype's level")
+    # the dtype's level, and well below the mismatch with the untempered scores: a third of it leaves room for a
+    # deep BF16 model's level (SmolLM2-135M: 2.7e-2 at 0.7 against 2.5e-1 at 1) while raw log-probs (mae_t ~ mae_1
+    # or above) fail
     return [at_most(NAME, f"temperature {PROBE_T}: mae vs trainer at {PROBE_T}", mae_t,
-                    min(doc.mae_level(), mae_1 / 10), cause, details={"mae_vs_trainer_at_1": mae_1})]
+                    min(doc.mae_level(), mae_1 / 3), cause, details={"mae_vs_trainer_at_1": mae_1})]
 
 
 def _generation_config(doc: Doctor) -> list[Finding]:
