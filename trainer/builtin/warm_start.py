@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from trainer.builtin.tiny import default_cache_dir, ensure_tiny_base, file_lock, tiny_base_dir
 from trainer.config.supervised import read_sft_recipe
@@ -35,11 +36,14 @@ class WarmStart:
     base: str  # the model.path the recipe must start from: part of the cache key, so checked
     prefix: str  # of its cache directory's name
     what: str  # in the line printed while it builds
+    # measured wall time per step on 2 idle CPU cores (bench/RESULTS.md "make demo"), said when the build starts;
+    # None: not measured idle, only its progress lines are shown
+    seconds_per_step: Optional[float] = None
 
 
 WARM_STARTS = {w.name: w for w in (
     WarmStart("builtin:tiny", REPO_ROOT / "recipes" / "sft_tiny.yaml", "builtin:tiny-base", "tiny-sft",
-              "the default model"),
+              "the default model", seconds_per_step=31.1 / 300),
     WarmStart("builtin:tiny-tools", REPO_ROOT / "recipes" / "sft_tools_tiny.yaml", "builtin:tiny", "tiny-tools-sft",
               "builtin:tiny-tools"),
 )}
@@ -99,7 +103,12 @@ def _build(name: str, out: Path) -> None:
     """Train the warm start ``name`` into ``out`` (the caller holds its build lock)."""
     ws = _warm_start(name)
     base_dir = _base_dir(ws.base)  # before this one's line: a first run builds the chain in order
-    print(f"building {ws.what} (once): warm start {ws.recipe.name} -> {out}", flush=True)
+    # said before the first progress line so that a first run does not look hung (the SFT's own lines follow)
+    steps = read_sft_recipe(ws.recipe, []).train.steps
+    took = (f"about {ws.seconds_per_step * steps:.0f} s on 2 idle CPU cores" if ws.seconds_per_step
+            else "its progress follows")
+    print(f"building {ws.what} (once, into the model cache): warm start {ws.recipe.name}, {steps} supervised steps "
+          f"({took}) -> {out}", flush=True)
     # the stage's run directory (metrics.jsonl) is a scratch folder of the cache, no wandb run
     run_dir = out.parent / f".{out.name}.run-{os.getpid()}"
     cfg = read_sft_recipe(ws.recipe, [f"output_dir={out}", f"logging.run_dir={run_dir}",
