@@ -50,6 +50,7 @@ import vllm.config.vllm as config_vllm  # noqa: E402 - after the platform is set
 import vllm.entrypoints.llm as entry_llm  # noqa: E402
 
 import rollout.vllm_engine as vllm_engine  # noqa: E402
+from rollout.base import EngineCannotLoad  # noqa: E402
 from trainer.config.validate import sequence_length  # noqa: E402
 from trainer.lifecycle.preflight import load_recipe  # noqa: E402
 from trainer.sampling.engines import make_engine  # noqa: E402
@@ -99,6 +100,11 @@ def main(cases: list[dict]) -> None:
             out["error"] = "the engine started without building a config"
         except Built as b:
             out["config"] = what_vllm_made(b.config)
+        except EngineCannotLoad as e:  # the engine names vLLM's refusal; the stand-in's stop is its cause
+            if isinstance(e.__cause__, Built):
+                out["config"] = what_vllm_made(e.__cause__.config)
+            else:
+                out["error"] = f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - vLLM's refusal is the result
             out["error"] = f"{type(e).__name__}: {e}"
         print("CASE " + json.dumps(out), flush=True)
