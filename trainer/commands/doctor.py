@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from parity.report import check_out_dir
 from trainer.config import RecipeError
 from trainer.doctor.battery import exit_status, run_checks, select
 from trainer.doctor.context import Doctor
@@ -25,14 +26,6 @@ def doctor_config(recipe: Optional[str], overrides: Sequence[str], model: Option
     return load_recipe(recipe or DEFAULT_RECIPE, sets)
 
 
-def refuse_report_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {str(out)!r} exists and is a file; expected a new or empty directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"--out {str(out)!r} already exists and is not empty (an earlier report?); pass "
-                              "--overwrite or choose another folder")
-
-
 def run_doctor(recipe: Optional[str], overrides: Sequence[str] = (), *, model: Optional[str] = None,
                out: str | Path = "doctor-report", only: Optional[Sequence[str]] = None, overwrite: bool = False,
                engine=None, say=None) -> int:
@@ -42,8 +35,7 @@ def run_doctor(recipe: Optional[str], overrides: Sequence[str] = (), *, model: O
     try:
         cfg = doctor_config(recipe, overrides, model)
         checks = select(only)
-        out = Path(out).expanduser()
-        refuse_report_dir(out, overwrite)
+        out = check_out_dir(out, overwrite)
     except RecipeError as e:
         print(e.lines("parityrl doctor: invalid recipe: "), file=sys.stderr)
         return 2
