@@ -279,6 +279,9 @@ class StageTrainConfig:
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # instead of warmup_steps: ceil(ratio x steps) (TrainingArguments' rule)
     seed: int = 0
+    # CPU runs: the OpenMP threads torch and the colocated vLLM engine share (trainer/distributed/cpu_threads.py);
+    # null: one per core. 1 keeps a small model fast on a machine shared with other work.
+    cpu_threads: Optional[int] = None
     # Recompute each decoder layer's activations in the backward (trainer/models/checkpointing.py):
     # far less activation memory for about one more forward pass.
     gradient_checkpointing: bool = False

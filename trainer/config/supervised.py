@@ -18,6 +18,7 @@ from trainer.config.schema import (
     StageLoggingConfig,
     StageTrainConfig,
 )
+from trainer.config.validate import check_cpu_threads
 
 # need(ok, key, value, expected): raises a RecipeError naming the key when not ok
 Need = Callable[[bool, str, Any, str], None]
@@ -62,6 +63,7 @@ def validate_supervised_train(t: SupervisedTrainConfig, need: Need) -> None:
     need(t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm, "a number > 0")
     need(t.save_every >= 0, "train.save_every", t.save_every, "an integer >= 0 (0: no checkpoints)")
     need(t.keep_last >= 1, "train.keep_last", t.keep_last, "an integer >= 1")
+    check_cpu_threads(t, need)
 
 
 # --------------------------------------------------------------------------- parityrl sft

@@ -124,6 +124,11 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
          f"'colocate' with rollout.engine {r.engine} (server mode runs a vLLM server)")
 
 
+def check_cpu_threads(t, need: Need) -> None:
+    """``train.cpu_threads`` of any stage's ``train:`` section."""
+    need(t.cpu_threads is None or t.cpu_threads >= 1, "train.cpu_threads", t.cpu_threads, "an integer >= 1 or null")
+
+
 def _check_train(cfg: RunConfig, need: Need) -> None:
     t = cfg.train
     need(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
@@ -140,6 +145,7 @@ def _check_train(cfg: RunConfig, need: Need) -> None:
     need(0 <= t.warmup_ratio < 1, "train.warmup_ratio", t.warmup_ratio, "a number in [0, 1)")
     need(not (t.warmup_steps and t.warmup_ratio), "train.warmup_ratio", t.warmup_ratio,
          f"0 when train.warmup_steps is set ({t.warmup_steps}): one of the two")
+    check_cpu_threads(t, need)
     # accelerate's set_seed seeds NumPy, whose seeds are unsigned 32-bit (np.random.seed raises outside)
     need(0 <= t.seed < 2**32, "train.seed", t.seed, f"an integer in [0, {2**32 - 1}] (NumPy's seed range)")
 

@@ -82,14 +82,16 @@ def launch_mismatch(world: int, env: Mapping[str, str] | None = None,
             f"multi-process config or flag, and not several GPUs); this run trains in one process. To get N: {FIX}")
 
 
-def launch_lines(cfg: RunConfig, world: int, device: torch.device, dtype_reason: Optional[str] = None) -> str:
+def launch_lines(cfg: RunConfig, world: int, device: torch.device, dtype_reason: Optional[str] = None,
+                 threads: Optional[str] = None) -> str:
     """What this launch runs on, in one line (and a second if a launch of N started one process). ``dtype_reason``:
     the precision recipe's own account of the dtype, said beside it ("model.dtype float32, precision.recipe bf16"
-    alone reads as a contradiction; the bf16 recipe is "both phases run in model.dtype")."""
+    alone reads as a contradiction; the bf16 recipe is "both phases run in model.dtype"). ``threads``: what
+    ``apply_cpu_threads`` set."""
     r = cfg.rollout
     engine = f"vllm server {r.server_url}" if r.mode == "server" else f"{r.engine} (colocated)"
     line = describe_launch(world=world, backend=current_backend(), device=device_text(device), dtype=cfg.model.dtype,
                            precision=cfg.precision.recipe + (f" ({dtype_reason})" if dtype_reason else ""),
-                           engine=engine)
+                           engine=engine) + (f"; {threads}" if threads else "")
     mismatch = launch_mismatch(world)
     return f"{line}\n{mismatch}" if mismatch else line

@@ -33,6 +33,7 @@ from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig, to_dict
 from trainer.config.validate import sequence_length
 from trainer.data.datasets import PromptBatcher, apply_prompt_budget, load_prompt_dataset
+from trainer.distributed.cpu_threads import apply_cpu_threads
 from trainer.distributed.data_parallel import DataParallel
 from trainer.distributed.deepspeed import accelerator_kwargs, deepspeed_stage, make_backward, zero3_gather
 from trainer.distributed.launch_info import launch_lines
@@ -188,8 +189,9 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     precision = recipe_for(cfg.precision.recipe)
     check_launch(precision, stage=stage, world_size=dp.world)  # before the model loads (and is transformed)
     third_party_output.attach(cfg.run_dir, rank=dp.rank)  # the run directory is claimed: engine.log
+    threads = apply_cpu_threads(cfg.train.cpu_threads)  # before the engine starts (vLLM then fixes the pool)
     if accelerator.is_main_process:
-        print(launch_lines(cfg, dp.world, accelerator.device, precision.dtype_reason), flush=True)
+        print(launch_lines(cfg, dp.world, accelerator.device, precision.dtype_reason, threads), flush=True)
     set_seed(cfg.train.seed)
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)

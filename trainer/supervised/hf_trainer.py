@@ -33,6 +33,7 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from trainer.config import RecipeError, to_dict
+from trainer.distributed.cpu_threads import apply_cpu_threads
 from trainer.distributed.teardown import leave_process_group
 from trainer.io import third_party_output
 from trainer.io.run_lock import claim
@@ -56,6 +57,7 @@ def accumulation(t, world: int) -> tuple[int, int]:
 def training_arguments(t, run_dir: Path):
     """``TrainingArguments`` from a supervised ``train:`` section (checkpoints under ``run_dir/checkpoints``)."""
     micro, accum = accumulation(t, int(os.environ.get("WORLD_SIZE", "1")))
+    apply_cpu_threads(t.cpu_threads)
     return TrainingArguments(
         output_dir=str(run_dir / CHECKPOINTS),
         max_steps=t.steps,
