@@ -135,8 +135,10 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             unlogged = (step, m)
             m["perf/train_s"] = time.perf_counter() - t
             sync_phase(run, step, m)
-            eval_phase(run, step, m)
+            # the step's own time: a held-out evaluation is timed apart (perf/eval_s), or a benchmark of steps on
+            # a recipe with an eval: section would time its evaluations too
             m["perf/step_s"] = time.perf_counter() - t_step
+            eval_phase(run, step, m)
             m["perf/peak_memory_gb"] = peak_memory_gb(run.device)  # the run's peak so far (GiB; CPU: RSS)
             quantized = fp8_weight_quantizations(run.policy, reset=True)
             if quantized:  # only the real FP8 GEMM layers keep a weight cache (precision fp8_unified on CUDA)
