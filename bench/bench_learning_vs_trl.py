@@ -19,7 +19,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
+from typing import Sequence
 
 from bench_vs_trl import run_parityrl, trl_grpo
 
@@ -30,9 +32,9 @@ from trainer.models.policy import load_tokenizer
 PROMPTS, GROUP, TOKENS, POOL, WINDOW = 16, 8, 24, 64, 5
 
 
-def parityrl_rewards(seed: int, steps: int, work: Path) -> list[float]:
+def parityrl_rewards(seed: int, steps: int, work: Path, extra: Sequence[str] = ()) -> list[float]:
     sets = [f"train.steps={steps}", f"train.seed={seed}", "model.dtype=float32", "checkpoint.every=0",
-            f"name=learning-vs-trl-{seed}"]
+            f"name=learning-vs-trl-{seed}", *extra]
     rows = run_parityrl(sets, work / f"parityrl-{seed}", log=work / f"parityrl-{seed}.log")
     return [r["reward/mean"] for r in rows if "reward/mean" in r]
 
@@ -80,13 +82,15 @@ def main() -> None:
     p.add_argument("--only", choices=["parityrl", "trl"], help="run one trainer only")
     p.add_argument("--work", type=Path, help="keep each run's log and per-step rewards (<trainer>-<seed>.json) here "
                    "instead of a temporary directory")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override for parityrl's runs (repeatable), e.g. train.lr_schedule=linear")
     p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_worker:
         return trl_worker(args.seeds[0], args.steps, args.trl_worker)
     if args.steps < 2 * WINDOW:
         p.error(f"--steps must be at least {2 * WINDOW} (the first and last {WINDOW} steps)")
-    runs = {"parityrl": parityrl_rewards, "TRL": trl_rewards}
+    runs = {"parityrl": partial(parityrl_rewards, extra=args.set), "TRL": trl_rewards}
     if args.only:
         runs = {k: v for k, v in runs.items() if k.lower() == args.only}
     try:
@@ -98,6 +102,7 @@ def main() -> None:
         trl = None
     print(f"{PROMPTS} prompts x {GROUP} completions x {TOKENS} tokens, tiny model fp32, LoRA r 16 all-linear, lr 2e-3, "
           f"{args.steps} steps; rise = mean reward of the last {WINDOW} steps - the first {WINDOW}"
+          + (f"; parityrl with {' '.join(args.set)}" if args.set else "")
           + (f"; TRL {trl.__version__}" if trl else ""), flush=True)
     rises: dict[str, list[float]] = {k: [] for k in runs}
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,8 +117,14 @@ def main() -> None:
                 line.append(f"{name} {r[0]:.2f}..{r[-1]:.2f} rise {rises[name][-1]:+.3f}")
             print("  ".join(line), flush=True)
     means = {k: statistics.mean(v) for k, v in rises.items()}
-    print("mean rise: " + "  ".join(f"{k} {m:+.3f}" for k, m in means.items())
+    print("mean rise: " + "  ".join(f"{k} {means[k]:+.3f}{standard_error(v)}" for k, v in rises.items())
           + (f"  parityrl / TRL {means['parityrl'] / means['TRL']:.2f}" if len(means) == 2 else ""))
+
+
+def standard_error(values: list[float]) -> str:
+    """`` ± s/sqrt(n)`` of a mean over seeds: each run samples differently, so seed-to-seed spread is the noise a
+    difference between the two trainers must exceed."""
+    return f" ± {statistics.stdev(values) / len(values) ** 0.5:.3f}" if len(values) > 1 else ""
 
 
 if __name__ == "__main__":
