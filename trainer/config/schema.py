@@ -393,9 +393,13 @@ class TeacherConfig:
     # A local HF directory, a hub id or a built-in (builtin:tiny-teacher); it must share the student's
     # tokenizer (checked before training). null = no teacher.
     path: Optional[str] = None
-    # Who scores it: vllm (a second colocated vLLM engine: prompt log-probs, one prefill per sequence) or hf
-    # (a Transformers forward, the reference).
-    engine: Literal["vllm", "hf"] = "vllm"
+    # Who scores it: vllm (a second colocated vLLM engine: prompt log-probs, one prefill per sequence), hf
+    # (a Transformers forward, the reference) or server (a `parityrl serve` of the teacher at server_url, scored
+    # through the same client and route as rollout.mode server: rollout/server_engine.py).
+    engine: Literal["vllm", "hf", "server"] = "vllm"
+    server_url: Optional[str] = None
+    # the teacher server's start-up wait and the limit of every request (rollout.server_timeout_s's default)
+    server_timeout_s: float = 300.0
     # null = model.dtype (what the precision recipe runs the student in).
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
     # teacher_parity/*: the teacher engine vs the teacher scored by the trainer's fused kernel on the step's

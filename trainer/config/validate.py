@@ -117,6 +117,16 @@ def _check_teacher(cfg: RunConfig, need: Need) -> None:
          "null unless algorithm.name is opd or algorithm.distill_coef > 0 (nothing would read the teacher)")
     need(not (a.record.teacher and a.group_size < 2 and a.options.group_baseline), "algorithm.group_size",
          a.group_size, "an integer >= 2 with group_baseline (the baseline is the group's mean)")
+    need(t.engine != "server" or bool(t.server_url), "teacher.server_url", t.server_url,
+         "the teacher server's http://HOST:PORT with teacher.engine server (`parityrl serve` of a teacher recipe)")
+    need(t.engine == "server" or t.server_url is None, "teacher.server_url", t.server_url,
+         "null unless teacher.engine is server")
+    if t.engine == "server" and t.server_url:
+        try:  # the parser the server engine uses
+            parse_server_url(t.server_url)
+        except ValueError:
+            need(False, "teacher.server_url", t.server_url, "http://HOST:PORT, e.g. http://127.0.0.1:8001 (no path)")
+    need(t.server_timeout_s > 0, "teacher.server_timeout_s", t.server_timeout_s, "a number of seconds > 0")
     need(t.parity_every is None or (isinstance(t.parity_every, int) and t.parity_every >= 0), "teacher.parity_every",
          t.parity_every, "null (the probe's schedule), 0 (never) or an integer >= 1 (every N steps)")
 

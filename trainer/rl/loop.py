@@ -358,7 +358,7 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
 
     ``teacher_lp``: a teacher's log-probs of the sampled ids: the per-token distillation reward (the student's
     side is its engine's log-probs, those it sampled with: trainer/algorithms/distill.py) goes to the record's
-    advantage (``opd``) and, times ``algorithm.distill_coef``, onto the task advantages.
+    advantage (a record with ``teacher``) and, times ``algorithm.distill_coef``, onto the task advantages.
 
     The single on-policy update of a critic-free algorithm does its forward/backward here
     (``policy_gradient_pass``): its detached log-probs are the scores, no extra forward. With

@@ -2,7 +2,8 @@
 
 ``Teacher.from_config`` (the loop's setup, after the student's model and before its engine): the teacher's
 tokenizer checked against the student's (``checks``), its engine started (``teacher.engine``: a second colocated
-vLLM engine in the precision recipe's settings, or a Transformers model), and asked once for prompt log-probs
+vLLM engine in the precision recipe's settings, a Transformers model, or a `parityrl serve` of the teacher at
+``teacher.server_url``), and asked once for prompt log-probs
 (an engine that cannot return them is refused before training). Each step (``Teacher.__call__``) the engine scores
 the student's sampled sequences at temperature 1 (the teacher's own distribution: vLLM's prompt log-probs are
 unscaled); on ``teacher.parity_every`` steps the trainer scores them too, with the fused kernel
@@ -19,9 +20,10 @@ import torch
 
 from rollout.base import EngineUnavailable
 from rollout.hf_engine import HFEngine
+from rollout.server_engine import ServerEngine
 from rollout.types import Rollouts
 from trainer.builtin.resolve import resolve_model_path
-from trainer.config import RunConfig
+from trainer.config import RolloutConfig, RunConfig
 from trainer.measurement.probe import due
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import TokenBatch
@@ -39,9 +41,18 @@ def teacher_dtype(cfg: RunConfig) -> str:
 
 def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int, device):
     """The teacher's scoring engine as ``teacher.engine`` says (``Teacher`` docstring)."""
-    dtype = teacher_dtype(cfg)
-    if cfg.teacher.engine == "hf":
+    dtype, t = teacher_dtype(cfg), cfg.teacher
+    if t.engine == "hf":
         return HFEngine(teacher_dir, dtype=dtype, device=str(device))
+    if t.engine == "server":
+        # the student's server client (rollout.server_engine): it checks the server's dtype and context, and owns
+        # its weight version, which nothing changes (no weights are pushed to a teacher)
+        try:
+            return ServerEngine(t.server_url, model_dir=teacher_dir, timeout_s=t.server_timeout_s, dtype=dtype,
+                                max_model_len=max_model_len,
+                                connect_timeout_s=min(t.server_timeout_s, RolloutConfig.server_connect_timeout_s))
+        except EngineUnavailable as e:
+            raise type(e)(f"teacher.server_url = {t.server_url!r} (teacher.engine server): {e}") from None
     r = cfg.rollout
     # a prefill per sequence, nothing decoded: the student's memory settings are ample
     return start_vllm(teacher_dir, precision=cfg.precision.recipe, dtype=dtype, max_model_len=max_model_len,

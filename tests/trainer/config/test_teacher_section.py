@@ -52,7 +52,7 @@ def test_distill_coef_refusals(overrides, key, expected):
 def test_opd_refuses_its_own_coefficient_and_bad_teacher_keys():
     assert "algorithm.distill_coef = 0.5: expected 0 with algorithm.name opd" in refused(OPD, "algorithm.distill_coef=0.5")
     assert "teacher.parity_every = -1" in refused(OPD, "teacher.parity_every=-1")
-    assert "teacher.engine" in refused(OPD, "teacher.engine=server")
+    assert "teacher.engine" in refused(OPD, "teacher.engine=tcp")
     assert "teacher.dtype" in refused(OPD, "teacher.dtype=int8")
 
 
@@ -61,3 +61,17 @@ def test_unknown_builtin_teacher_is_refused_with_the_key(tmp_path):
         load_recipe(OPD, ["teacher.path=builtin:nope"])
     with pytest.raises(RecipeError, match=r"teacher.path = .*: no such directory"):
         load_recipe(OPD, [f"teacher.path={tmp_path / 'missing'}"])
+
+
+def test_teacher_server_keys():
+    cfg = load_recipe(OPD, ["teacher.engine=server", "teacher.server_url=http://127.0.0.1:8001"], check_paths=False)
+    assert cfg.teacher.server_url == "http://127.0.0.1:8001" and cfg.teacher.server_timeout_s == 300.0
+    assert "teacher.server_url = None: expected the teacher server's http://HOST:PORT" in \
+        refused(OPD, "teacher.engine=server")
+    assert "teacher.server_url = 'localhost:8001': expected http://HOST:PORT" in \
+        refused(OPD, "teacher.engine=server", "teacher.server_url=localhost:8001")
+    assert "teacher.server_url = 'http://127.0.0.1:8001': expected null unless teacher.engine is server" in \
+        refused(OPD, "teacher.server_url=http://127.0.0.1:8001")
+    assert "teacher.server_timeout_s = 0" in refused(OPD, "teacher.engine=server",
+                                                     "teacher.server_url=http://127.0.0.1:8001",
+                                                     "teacher.server_timeout_s=0")

@@ -48,3 +48,20 @@ def test_teacher_parity_schedule_and_dtype():
     t.cfg = cfg(parity_every=0)
     assert not any(t.parity_due(s) for s in range(1, 9))
     assert teacher_dtype(c) == c.model.dtype and teacher_dtype(cfg(dtype="float32")) == "float32"
+
+
+def test_a_teacher_url_that_does_not_answer_is_refused_naming_it(tmp_path):
+    import socket
+    import time
+
+    from trainer.teacher.teacher import start_teacher_engine
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    c = cfg(engine="server", server_url=url, server_timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnavailable, match=rf"teacher.server_url = '{url}' \(teacher.engine server\): vLLM server "
+                                                r"at .* did not become healthy within 2 s .*Connection refused"):
+        start_teacher_engine(c, str(tmp_path), max_model_len=128, device="cpu")
+    assert time.monotonic() - t0 < 10
