@@ -41,7 +41,7 @@ ENTRY_POINTS = {"trainer/__init__.py", "trainer/__main__.py", "trainer/cli.py", 
 # a policy; io: run directories, checkpoints, logs; data: prompt datasets and tasks; distributed: process groups,
 # DDP, DeepSpeed, the launch line; config: the recipes' schema (it reads the algorithms' option types); algorithms:
 # pure tensor functions and their records.
-TRAINER_ORDER = ("commands", "doctor", "diagnostics", "rl", "measurement", "sampling", "lifecycle", "builtin", "supervised",
+TRAINER_ORDER = ("commands", "doctor", "diagnostics", "rl", "teacher", "measurement", "sampling", "lifecycle", "builtin", "supervised",
                  "environments", "rewards", "precision", "models", "io", "data", "distributed", "config", "algorithms")
 
 

@@ -5,10 +5,12 @@ Importing this package registers every built-in algorithm. The trainer does
 and ``rec.loss(LossInputs(...), options)``, and asks ``rec`` for its capabilities; it never
 branches on ``name``.
 
-Registered names: grpo, dr_grpo, gspo, rloo, reinforce_pp_baseline, pmd_mean, pmd_part, ppo. DAPO is grpo + settings + the dynamic-sampling
+Registered names: grpo, dr_grpo, gspo, rloo, reinforce_pp_baseline, pmd_mean, pmd_part, ppo, opd
+(on-policy distillation, ``distill``). DAPO is grpo + settings + the dynamic-sampling
 filter (``filters.groups_with_signal``), see ``filters``.
 """
 from trainer.algorithms import (  # noqa: F401  (register the rest)
+    distill,
     dr_grpo,
     grpo,  # noqa: F401  (registers "grpo")
     gspo,
@@ -18,6 +20,7 @@ from trainer.algorithms import (  # noqa: F401  (register the rest)
     rloo,
 )
 from trainer.algorithms.aggregation import AGG_MODES, LossNormalizer, aggregate
+from trainer.algorithms.distill import OPDConfig, add_distillation, distill_rewards, opd_advantages, reverse_kl
 from trainer.algorithms.dr_grpo import DrGRPOConfig, dr_grpo_advantages, dr_grpo_loss
 from trainer.algorithms.filters import groups_with_signal
 from trainer.algorithms.grpo import GRPOConfig, clipped_surrogate, grpo_advantages, grpo_loss
@@ -57,6 +60,7 @@ __all__ = [
     "ALGORITHMS",
     "Algorithm",
     "DrGRPOConfig",
+    "OPDConfig",
     "OptionError",
     "ReinforcePPConfig",
     "register_algorithm",
@@ -74,9 +78,11 @@ __all__ = [
     "PPOConfig",
     "RLOOConfig",
     "Registry",
+    "add_distillation",
     "aggregate",
     "clipped_surrogate",
     "clipped_value_loss",
+    "distill_rewards",
     "dr_grpo_advantages",
     "dr_grpo_loss",
     "explained_variance",
@@ -89,6 +95,7 @@ __all__ = [
     "kl_k2",
     "kl_k3",
     "make_kl_controller",
+    "opd_advantages",
     "pmd_loss",
     "pmd_part_advantages",
     "ppo_advantages",
@@ -96,6 +103,7 @@ __all__ = [
     "ppo_returns",
     "ppo_token_rewards",
     "reinforce_pp_baseline_advantages",
+    "reverse_kl",
     "rloo_advantages",
     "rloo_loss",
     "whiten",

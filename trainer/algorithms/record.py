@@ -13,8 +13,9 @@ module that defines its functions. The record holds:
 - capabilities the loop asks for instead of the name: ``critic`` (a learned value head scored
   before the advantages exist), ``min_group_size`` (group-relative estimators need >= 2),
   ``dynamic_sampling`` (DAPO's filter keeps groups whose rewards differ: a group-relative
-  criterion), ``token_weights`` (the loss accepts a weight per token, not only one per sequence). A reference
-  policy is needed when the options' ``kl_coef`` is positive.
+  criterion), ``token_weights`` (the loss accepts a weight and an advantage per token, not only one per
+  sequence), ``teacher`` (the advantage is a teacher's per-token signal: the run needs ``teacher.path``). A
+  reference policy is needed when the options' ``kl_coef`` is positive.
 """
 from __future__ import annotations
 
@@ -50,9 +51,13 @@ class Algorithm:
     critic: bool = False
     min_group_size: int = 2
     dynamic_sampling: bool = True
-    # False: the loss weighs whole sequences, so its is_weights must be one value per sequence (RLOO, PMD); a
-    # correction whose weights vary inside a sequence is refused for it (trainer/config/validate.py).
+    # False: the loss weighs whole sequences, so its is_weights and advantages must be one value per sequence (RLOO,
+    # PMD); a correction whose weights vary inside a sequence, and a per-token distillation term
+    # (algorithm.distill_coef), are refused for it (trainer/config/validate.py).
     token_weights: bool = True
+    # True: the advantage is the teacher's per-token signal (trainer.algorithms.distill), read from
+    # AdvantageInputs.token_rewards; the run needs a teacher (teacher.path).
+    teacher: bool = False
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.options):

@@ -13,7 +13,7 @@ from trainer.builtin.zoo import ZOO_MAX_POSITIONS, ZOO_MODELS
 from trainer.config import RecipeError
 
 # The built-in models (``model.path: builtin:...``); the architecture zoo's small random models last (docs/models.md).
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", "builtin:tiny-tools", SMOLLM2_NAME, *ZOO_MODELS)
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", "builtin:tiny-tools", "builtin:tiny-teacher", SMOLLM2_NAME, *ZOO_MODELS)
 # Context of the pretrained built-ins, known without building them (SmolLM2's config.json).
 _PRETRAINED_MAX_POSITIONS = {SMOLLM2_NAME: 8192}
 
@@ -49,16 +49,17 @@ def model_max_positions(model_path: str) -> Optional[int]:
     return conf.get("max_position_embeddings") or conf.get("n_positions") or conf.get("max_seq_len")
 
 
-def check_model_path(mp: str, where: str) -> None:
-    """A built-in name that exists, or a local directory with a config.json; hub ids pass."""
+def check_model_path(mp: str, where: str, key: str = "model.path") -> None:
+    """A built-in name that exists, or a local directory with a config.json; hub ids pass. ``key``: the recipe key
+    named in the error (``teacher.path`` too)."""
     if mp.startswith("builtin:"):
         if mp not in BUILTIN_MODELS:
-            raise RecipeError(f"{where}: model.path = {mp!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
+            raise RecipeError(f"{where}: {key} = {mp!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
         if missing_requirement(mp):
-            raise RecipeError(f"{where}: model.path = {mp!r}: {missing_requirement(mp)}")
+            raise RecipeError(f"{where}: {key} = {mp!r}: {missing_requirement(mp)}")
     elif looks_local(mp):
         d = Path(mp).expanduser()
         if not d.is_dir():
-            raise RecipeError(f"{where}: model.path = {mp!r}: no such directory")
+            raise RecipeError(f"{where}: {key} = {mp!r}: no such directory")
         if not (d / "config.json").is_file():
-            raise RecipeError(f"{where}: model.path = {mp!r}: the directory has no config.json (expected a Hugging Face model directory)")
+            raise RecipeError(f"{where}: {key} = {mp!r}: the directory has no config.json (expected a Hugging Face model directory)")

@@ -5,6 +5,8 @@ under a hash of the recipe's text and of the model it starts from.
   completion format).
 - ``builtin:tiny-tools``: ``builtin:tiny`` after ``parityrl sft recipes/sft_tools_tiny.yaml`` (multi-turn
   episodes of ``builtin:arithmetic_tools`` that call the calculator, ``data.messages_fn``).
+- ``builtin:tiny-teacher``: ``builtin:tiny`` after ``parityrl sft recipes/sft_teacher_tiny.yaml`` (the same task,
+  trained longer): the on-policy distillation teacher of ``recipes/opd_tiny.yaml``.
 
 Both budgets are short on purpose: RL starts from a poor but non-zero reward.
 """
@@ -46,6 +48,9 @@ WARM_STARTS = {w.name: w for w in (
               "the default model", seconds_per_step=18 / 300),
     WarmStart("builtin:tiny-tools", REPO_ROOT / "recipes" / "sft_tools_tiny.yaml", "builtin:tiny", "tiny-tools-sft",
               "builtin:tiny-tools", seconds_per_step=46 / 200),
+    # the distillation teacher of recipes/opd_tiny.yaml (docs/distillation.md): builtin:tiny's tokenizer, trained longer
+    WarmStart("builtin:tiny-teacher", REPO_ROOT / "recipes" / "sft_teacher_tiny.yaml", "builtin:tiny",
+              "tiny-teacher-sft", "builtin:tiny-teacher"),
 )}
 WARM_START_RECIPE = WARM_STARTS["builtin:tiny"].recipe
 WARM_START_BASE = WARM_STARTS["builtin:tiny"].base

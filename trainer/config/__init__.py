@@ -23,6 +23,7 @@ from trainer.config.schema import (
     RewardModelEntry,
     RolloutConfig,
     RunConfig,
+    TeacherConfig,
     TrainConfig,
     WandbConfig,
 )
@@ -31,6 +32,6 @@ from trainer.config.validate import to_dict, validate
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "CorrectionSection", "DataConfig", "LoggingConfig", "LoraConfig",
     "ModelConfig", "ParityConfig", "PrecisionConfig", "RecipeError", "RewardConfig", "RewardModelEntry",
-    "RolloutConfig", "RunConfig", "TrainConfig", "WandbConfig", "build_config",
+    "RolloutConfig", "RunConfig", "TeacherConfig", "TrainConfig", "WandbConfig", "build_config",
     "load_recipe_dict", "parse_override", "read_recipe", "read_recipe_leniently", "to_dict", "validate",
 ]

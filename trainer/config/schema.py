@@ -126,6 +126,10 @@ class AlgorithmConfig:
     # a task the policy always or never solves). Short after the last round: train on fewer groups.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 10
+    # On-policy distillation as a term beside the task reward (trainer/algorithms/distill.py): the advantages
+    # get distill_coef x -(log pi_student - log pi_teacher) per sampled token (needs teacher.path). 0 = off.
+    # The `opd` algorithm is that signal alone (docs/distillation.md).
+    distill_coef: float = 0.0
     options: Any = None  # the record's options; None = its defaults
 
     def __post_init__(self) -> None:
@@ -385,6 +389,29 @@ class ParityConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """The recipe's ``teacher:`` section: the model that scores the student's sampled tokens in on-policy
+    distillation (``algorithm.name: opd`` or ``algorithm.distill_coef``; docs/distillation.md)."""
+
+    # A local HF directory, a hub id or a built-in (builtin:tiny-teacher); it must share the student's
+    # tokenizer (checked before training). null = no teacher.
+    path: Optional[str] = None
+    # Who scores it: vllm (a second colocated vLLM engine: prompt log-probs, one prefill per sequence), hf
+    # (a Transformers forward, the reference) or server (a `parityrl serve` of the teacher at server_url, scored
+    # through the same client and route as rollout.mode server: rollout/server_engine.py).
+    engine: Literal["vllm", "hf", "server"] = "vllm"
+    server_url: Optional[str] = None
+    # the teacher server's start-up wait and the limit of every request (rollout.server_timeout_s's default)
+    server_timeout_s: float = 300.0
+    # null = model.dtype (what the precision recipe runs the student in).
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None
+    # teacher_parity/*: the teacher engine vs the teacher scored by the trainer's fused kernel on the step's
+    # tokens; null = on the probe's schedule (parity.probe_first, parity.probe_every), N = every N steps, 0 = never.
+    # It loads the teacher into the trainer's process too (its weights, no gradient).
+    parity_every: Optional[int] = None
+
+
+@dataclass
 class PrecisionConfig:
     # Both phases' numerics: a recipe registered in trainer/precision/ (one record per name: its model
     # dtypes, engine options, trainer model transform and refusals; docs/precision.md). The name is checked
@@ -442,6 +469,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -58,7 +58,7 @@ def validate(cfg: RunConfig, where: str = "<recipe>", checks: Iterable[Check] = 
 
     errors: list[RecipeError] = []
     for check in (_check_name, _check_algorithm, _check_rollout, _check_train, _check_model, _check_data, _check_reward,
-                  _check_env, _check_eval, _check_parity, _check_correction, _check_checkpoint_and_logging, server_url,
+                  _check_env, _check_eval, _check_parity, _check_teacher, _check_correction, _check_checkpoint_and_logging, server_url,
                   *checks):
         try:
             check(cfg, need)
@@ -95,6 +95,40 @@ def _check_algorithm(cfg: RunConfig, need: Need) -> None:
     need(samples % a.mini_batches == 0, "algorithm.mini_batches", a.mini_batches,
          f"a divisor of the {samples} samples per step (rollout.prompts_per_step x algorithm.group_size), "
          "so every optimizer step sees the same number of samples")
+
+
+def _check_teacher(cfg: RunConfig, need: Need) -> None:
+    """On-policy distillation: a teacher exactly when the algorithm or ``algorithm.distill_coef`` reads one (its
+    tokenizer against the student's: ``trainer.teacher.checks``, when the models are at hand)."""
+    a, t = cfg.algorithm, cfg.teacher
+    wants = a.record.teacher or a.distill_coef > 0
+    need(isinstance(a.distill_coef, (int, float)) and a.distill_coef >= 0, "algorithm.distill_coef", a.distill_coef,
+         "a number >= 0 (0 = no distillation term)")
+    need(not (a.record.teacher and a.distill_coef), "algorithm.distill_coef", a.distill_coef,
+         f"0 with algorithm.name {a.name}: its advantage is the distillation signal itself")
+    need(not a.distill_coef or a.record.token_weights, "algorithm.distill_coef", a.distill_coef,
+         f"0 for {a.name}: its loss takes one advantage per sequence, the teacher's signal is one per token")
+    need(not a.distill_coef or not a.record.critic, "algorithm.distill_coef", a.distill_coef,
+         f"0 for {a.name}: its advantages come from the critic's GAE, not yet with a per-token teacher term")
+    need(not wants or bool(t.path), "teacher.path", t.path,
+         f"a model with the student's tokenizer for {'algorithm.name ' + a.name if a.record.teacher else 'algorithm.distill_coef'}"
+         " (on-policy distillation scores the student's tokens with a teacher)")
+    need(wants or not t.path, "teacher.path", t.path,
+         "null unless algorithm.name is opd or algorithm.distill_coef > 0 (nothing would read the teacher)")
+    need(not (a.record.teacher and a.group_size < 2 and a.options.group_baseline), "algorithm.group_size",
+         a.group_size, "an integer >= 2 with group_baseline (the baseline is the group's mean)")
+    need(t.engine != "server" or bool(t.server_url), "teacher.server_url", t.server_url,
+         "the teacher server's http://HOST:PORT with teacher.engine server (`parityrl serve` of a teacher recipe)")
+    need(t.engine == "server" or t.server_url is None, "teacher.server_url", t.server_url,
+         "null unless teacher.engine is server")
+    if t.engine == "server" and t.server_url:
+        try:  # the parser the server engine uses
+            parse_server_url(t.server_url)
+        except ValueError:
+            need(False, "teacher.server_url", t.server_url, "http://HOST:PORT, e.g. http://127.0.0.1:8001 (no path)")
+    need(t.server_timeout_s > 0, "teacher.server_timeout_s", t.server_timeout_s, "a number of seconds > 0")
+    need(t.parity_every is None or (isinstance(t.parity_every, int) and t.parity_every >= 0), "teacher.parity_every",
+         t.parity_every, "null (the probe's schedule), 0 (never) or an integer >= 1 (every N steps)")
 
 
 def _check_rollout(cfg: RunConfig, need: Need) -> None:

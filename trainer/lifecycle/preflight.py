@@ -68,6 +68,8 @@ def check_paths_exist(cfg: RunConfig, where: str) -> None:
     the model's context against the longest rollout: the first problem found."""
     check_reward_model_dirs(cfg, where)
     check_model_path(cfg.model.path, where)
+    if cfg.teacher.path:  # its tokenizer against the student's when the run starts (trainer/teacher/checks.py)
+        check_model_path(cfg.teacher.path, where, key="teacher.path")
     check_data_source(cfg, where)
     check_context_length(cfg, where)
 
@@ -199,6 +201,8 @@ def preflight(cfg: RunConfig, where: str, *, model: bool = True, report: Optiona
     if cfg.env.enabled:
         report.run(EpisodeEnvironment.from_config, cfg, where)
     model_ok, _ = report.run(check_model_path, cfg.model.path, where)
+    if cfg.teacher.path:
+        report.run(check_model_path, cfg.teacher.path, where, "teacher.path")
     if model_ok:
         report.run(check_context_length, cfg, where)
     # a built-in model is built on first use (minutes): not to check a recipe that is refused anyway

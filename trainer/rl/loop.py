@@ -28,7 +28,7 @@ from parity.metrics import compare_by_turn, finalize, log10_abs_histogram, turn_
 from rollout.adapters import adapter_config
 from rollout.base import EngineUnavailable
 from rollout.weight_export import merged_lora_weights  # noqa: F401  (fail on a broken install before the engine starts)
-from trainer.algorithms import AdvantageInputs
+from trainer.algorithms import AdvantageInputs, add_distillation, distill_rewards
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig, to_dict
 from trainer.config.validate import sequence_length
@@ -94,6 +94,7 @@ from trainer.sampling.dynamic_sampling import fill_with_signal
 from trainer.sampling.engines import make_engine
 from trainer.sampling.policy_sync import policy_sync
 from trainer.sampling.sampler import drawn_metrics
+from trainer.teacher.teacher import Teacher
 
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
@@ -123,8 +124,9 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             batch = with_routes(run.routing, run.engine, batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device))
             check_engine_logprobs(batch.rollout_logprobs, batch.mask, run.dp)
             rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)
+            teacher_lp = teacher_phase(run, step, drawn, batch, m)
             t = time.perf_counter()
-            scored, advantages, returns = score_phase(run, step, batch, rewards, m)
+            scored, advantages, returns = score_phase(run, step, batch, rewards, m, teacher_lp)
             tables = correction_phase(run, step, batch, scored, advantages, m)
             parity_phase(run, step, batch, scored, m, tables)
             samples_phase(run, step, drawn, batch, scored)
@@ -172,6 +174,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         run.logger.close()
         if run.own_engine:
             run.engine.close()
+        if run.teacher is not None:
+            run.teacher.close()
         lock.release()
     return result
 
@@ -242,6 +246,9 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     run.ratio_limit = ratio_limit_for(cfg)
     run.start_step = _restore(run) if resume else refuse_existing_run(cfg)
     record_recipe(run, resumed=resume)
+    # on-policy distillation's teacher (trainer/teacher/), checked against the student before either engine starts
+    run.teacher = Teacher.from_config(cfg, model_dir, dp=dp, device=accelerator.device,
+                                      max_model_len=sequence_length(cfg), where=f"recipe {cfg.name!r}")
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
         cfg, model_dir, max_model_len=sequence_length(cfg), dp=dp, return_routes=routing != "off",
@@ -339,9 +346,23 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
     return train_part, m
 
 
+def teacher_phase(run: Run, step: int, drawn: Drawn, batch: TokenBatch, m: dict) -> Optional[torch.Tensor]:
+    """With a teacher (on-policy distillation): its log-probs of the batch's sampled ids [S, C] and ``distill/*``,
+    ``teacher_parity/*`` (trainer/teacher/teacher.py); None without one."""
+    if run.teacher is None:
+        return None
+    teacher_lp, metrics = run.teacher(step, drawn.rollouts, batch)
+    m.update(metrics)
+    return teacher_lp
+
+
 def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
-                m: dict) -> tuple[Scores, torch.Tensor, Optional[torch.Tensor]]:
+                m: dict, teacher_lp: Optional[torch.Tensor] = None) -> tuple[Scores, torch.Tensor, Optional[torch.Tensor]]:
     """(trainer scores of the batch, advantages, returns or None).
+
+    ``teacher_lp``: a teacher's log-probs of the sampled ids: the per-token distillation reward (the student's
+    side is its engine's log-probs, those it sampled with: trainer/algorithms/distill.py) goes to the record's
+    advantage (a record with ``teacher``) and, times ``algorithm.distill_coef``, onto the task advantages.
 
     The single on-policy update of a critic-free algorithm does its forward/backward here
     (``policy_gradient_pass``): its detached log-probs are the scores, no extra forward. With
@@ -358,8 +379,11 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
         m.update(critic_metrics)
         run.kl_watch.update(step, critic_metrics["train/kl_ref"])
         return scored, advantages, returns
-    advantages = a.record.advantage(
-        AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=a.group_size, all_sum=run.dp.all_sum), a.options)
+    distill = None if teacher_lp is None else distill_rewards(batch.rollout_logprobs, teacher_lp, batch.mask)
+    advantages = a.record.advantage(AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=a.group_size,
+                                                    token_rewards=distill, all_sum=run.dp.all_sum), a.options)
+    if a.distill_coef:
+        advantages = add_distillation(advantages, distill, batch.mask, a.distill_coef)
     if run.behaviour is not None:
         # An off-policy batch: pi_old is its behaviour adapter (parity/* = engine vs it: numerics only);
         # staleness/* = behaviour vs the current adapter (policy lag only). Ratios against pi_old.

@@ -28,6 +28,7 @@ from trainer.sampling.async_prefetch import Prefetch
 from trainer.sampling.episode_sampler import EpisodeSampler
 from trainer.sampling.policy_sync import PolicySync
 from trainer.sampling.sampler import Sampler
+from trainer.teacher.teacher import Teacher
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Run:
     behaviour: Optional[dict] = None
     records: RecordWrites = field(default_factory=RecordWrites)  # a failed write of a record, till the step's end
     environment: Optional[EpisodeEnvironment] = None  # env: multi-turn episodes (trainer/sampling/episode_sampler.py)
+    teacher: Optional[Teacher] = None  # on-policy distillation's teacher (trainer/teacher/), None without one
     evaluator: Optional[Evaluator] = None  # eval: held-out evaluation (trainer/measurement/evaluation.py)
     best: Optional[BestCheckpoint] = None  # checkpoint.best_metric (checkpointed)
     sync: Optional[PolicySync] = None  # the engine's sync: the adapter, or the merged weights (rollout.lora_sync)

@@ -38,6 +38,9 @@ PAPER_DEFAULTS = {
     "ppo": dict(gamma=1.0, lam=0.95, whiten_advantages=True, whiten_rewards=False, clip_eps_low=0.2,
                 clip_eps_high=0.2, loss_agg="token_mean", kl_coef=0.0, vf_coef=0.1, value_clip=0.2, ent_coef=0.0,
                 reward_kl_coef=0.05, reward_kl_target=None, reward_kl_horizon=10000, reward_kl_estimator="k1"),
+    # On-policy distillation (Thinking Machines 2025; Tinker cookbook): no baseline, discount 0, GRPO's clipped loss
+    # with PPO's clip 0.2, no reference KL (the teacher is the anchor), token mean (GKD's per-token objective).
+    "opd": dict(group_baseline=False, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, loss_agg="token_mean"),
 }
 
 
@@ -53,7 +56,8 @@ def test_every_registered_algorithm_has_its_defaults_pinned():
 
 @pytest.mark.parametrize("name", sorted(PAPER_DEFAULTS))
 def test_minimal_recipe_gets_the_papers_options(tmp_path, name):
-    cfg = load_recipe(_recipe(tmp_path, f"  name: {name}"), check_paths=False)
+    teacher = "\nteacher:\n  path: builtin:tiny-teacher" if ALGORITHMS.get(name).teacher else ""
+    cfg = load_recipe(_recipe(tmp_path, f"  name: {name}{teacher}"), check_paths=False)
     assert dataclasses.asdict(cfg.algorithm.options) == PAPER_DEFAULTS[name]
     assert type(cfg.algorithm.options) is ALGORITHMS.get(name).options
 

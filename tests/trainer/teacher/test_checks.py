@@ -1,0 +1,47 @@
+"""A teacher must read the student's ids as the student does (trainer/teacher/checks.py): another vocabulary, other
+special tokens or another vocab size are refused naming teacher.path, before any engine starts."""
+import json
+import shutil
+
+import pytest
+
+from trainer.config import RecipeError
+from trainer.teacher.checks import check_same_tokenizer
+
+
+def teacher_copy(tiny_model_dir, tmp_path, edit_tokenizer=None, edit_config=None):
+    out = tmp_path / "teacher"
+    shutil.copytree(tiny_model_dir, out)
+    for name, edit in (("tokenizer.json", edit_tokenizer), ("config.json", edit_config)):
+        if edit:
+            data = json.loads((out / name).read_text())
+            edit(data)
+            (out / name).write_text(json.dumps(data))
+    return str(out)
+
+
+def test_the_same_tokenizer_passes(tiny_model_dir, tmp_path):
+    check_same_tokenizer(tiny_model_dir, teacher_copy(tiny_model_dir, tmp_path), "t")
+
+
+def test_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    def swap(tok):  # ids 300 and 301 name each other's strings (the merges, written in strings, still hold)
+        vocab = tok["model"]["vocab"]
+        a, b = (next(w for w, i in vocab.items() if i == k) for k in (300, 301))
+        vocab[a], vocab[b] = 301, 300
+
+    teacher = teacher_copy(tiny_model_dir, tmp_path, edit_tokenizer=swap)
+    with pytest.raises(RecipeError, match=r"where: teacher.path = 'my-teacher': expected the student's tokenizer "
+                                          r"\(model.path's\); its vocabulary differs .* -> 300"):
+        check_same_tokenizer(tiny_model_dir, teacher, "my-teacher", "where")
+
+
+def test_another_vocab_size_is_refused(tiny_model_dir, tmp_path):
+    def wider(cfg):
+        cfg["vocab_size"] += 64
+
+    teacher = teacher_copy(tiny_model_dir, tmp_path, edit_config=wider)
+    size = json.loads((tmp_path / "teacher" / "config.json").read_text())["vocab_size"]
+    with pytest.raises(RecipeError, match=f"teacher.path = 't': vocab_size {size} in its config.json; expected the "
+                                          f"student's {size - 64}"):
+        check_same_tokenizer(tiny_model_dir, teacher, "t")

@@ -1,0 +1,67 @@
+"""The teacher's start check and schedule (trainer/teacher/teacher.py), with stand-in engines."""
+import pytest
+
+from rollout.base import EngineUnavailable
+from rollout.types import Scored
+from trainer.config import RunConfig, TeacherConfig
+from trainer.teacher.teacher import Teacher, check_prompt_logprobs, teacher_dtype
+
+
+class Answers:
+    def __init__(self, logprobs=None, error=None):
+        self.logprobs, self.error = logprobs, error
+
+    def score(self, sequences, topk=0):
+        if self.error:
+            raise self.error
+        return Scored([self.logprobs], [[]], [[]])
+
+
+def cfg(**teacher) -> RunConfig:
+    c = RunConfig()
+    c.teacher = TeacherConfig(path="builtin:tiny-teacher", **teacher)
+    return c
+
+
+def test_an_engine_with_prompt_logprobs_passes():
+    check_prompt_logprobs(Answers([-1.0, -2.0]), cfg(), [1, 2, 3])
+
+
+@pytest.mark.parametrize("engine, why", [
+    (Answers([]), r"returned \[\] for 3 tokens"),
+    (Answers([-1.0, float("nan")]), r"returned \[-1.0, nan\] for 3 tokens"),
+    (Answers(error=NotImplementedError("prompt_logprobs is not supported")),
+     "NotImplementedError: prompt_logprobs is not supported"),
+])
+def test_an_engine_without_prompt_logprobs_is_refused(engine, why):
+    with pytest.raises(EngineUnavailable, match=r"teacher.engine = 'vllm' \(builtin:tiny-teacher\): expected an engine "
+                                                r"that returns prompt log-probs of given ids .*; " + why):
+        check_prompt_logprobs(engine, cfg(), [1, 2, 3])
+
+
+def test_teacher_parity_schedule_and_dtype():
+    c = cfg()  # null: the probe's schedule (first 3 syncs, then every 2nd)
+    t = Teacher(c, "unused", engine=None, dp=None, device="cpu")
+    assert [s for s in range(1, 9) if t.parity_due(s)] == [1, 2, 3, 4, 6, 8]
+    t.cfg = cfg(parity_every=3)
+    assert [s for s in range(1, 9) if t.parity_due(s)] == [1, 3, 6]
+    t.cfg = cfg(parity_every=0)
+    assert not any(t.parity_due(s) for s in range(1, 9))
+    assert teacher_dtype(c) == c.model.dtype and teacher_dtype(cfg(dtype="float32")) == "float32"
+
+
+def test_a_teacher_url_that_does_not_answer_is_refused_naming_it(tmp_path):
+    import socket
+    import time
+
+    from trainer.teacher.teacher import start_teacher_engine
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    c = cfg(engine="server", server_url=url, server_timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnavailable, match=rf"teacher.server_url = '{url}' \(teacher.engine server\): vLLM server "
+                                                r"at .* did not become healthy within 2 s .*Connection refused"):
+        start_teacher_engine(c, str(tmp_path), max_model_len=128, device="cpu")
+    assert time.monotonic() - t0 < 10

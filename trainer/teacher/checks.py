@@ -1,0 +1,41 @@
+"""What a teacher must be before training starts: a model that reads the student's ids as the student does.
+
+The distillation signal log pi_s(y_t) - log pi_t(y_t) compares the two models' probabilities of the same id; if an
+id names another string for the teacher (another vocabulary), or the teacher has no row for it (another vocab
+size), the difference is meaningless. Both are refused with the reason, before any engine starts.
+"""
+from __future__ import annotations
+
+from transformers import AutoConfig
+
+from trainer.config import RecipeError
+from trainer.models.policy import load_tokenizer
+
+
+def _vocab_size(model_dir: str):
+    text = AutoConfig.from_pretrained(model_dir)
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    return getattr(text, "vocab_size", None)
+
+
+def check_same_tokenizer(student_dir: str, teacher_dir: str, teacher_path: str, where: str = "<recipe>") -> None:
+    """RecipeError naming ``teacher.path`` unless the teacher's tokenizer maps every string to the id the student's
+    does (same vocabulary, same special tokens) and its model has the student's vocab size (lm_head rows)."""
+    s_tok, t_tok = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
+    s_vocab, t_vocab = s_tok.get_vocab(), t_tok.get_vocab()
+    if s_vocab != t_vocab:
+        differ = sorted(set(s_vocab.items()) ^ set(t_vocab.items()), key=lambda kv: kv[1])
+        raise RecipeError(f"{where}: teacher.path = {teacher_path!r}: expected the student's tokenizer "
+                          f"(model.path's); its vocabulary differs ({len(t_vocab)} vs {len(s_vocab)} entries, e.g. "
+                          f"{differ[0][0]!r} -> {differ[0][1]}): distillation compares both models' log-probs of "
+                          "the same ids")
+    specials = ("eos_token_id", "bos_token_id", "pad_token_id")
+    if any(getattr(s_tok, k) != getattr(t_tok, k) for k in specials):
+        got = {k: getattr(t_tok, k) for k in specials}
+        want = {k: getattr(s_tok, k) for k in specials}
+        raise RecipeError(f"{where}: teacher.path = {teacher_path!r}: special token ids {got}; expected the "
+                          f"student's {want}")
+    s_size, t_size = _vocab_size(student_dir), _vocab_size(teacher_dir)
+    if s_size != t_size:
+        raise RecipeError(f"{where}: teacher.path = {teacher_path!r}: vocab_size {t_size} in its config.json; "
+                          f"expected the student's {s_size} (the teacher must score every id the student samples)")
