@@ -124,7 +124,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             batch = with_routes(run.routing, run.engine, batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device))
             check_engine_logprobs(batch.rollout_logprobs, batch.mask, run.dp)
             rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)
-            teacher_lp = teacher_phase(run, step, drawn, batch, m)
+            # with a teacher (on-policy distillation): its log-probs of the sampled ids, distill/* and teacher_parity/*
+            teacher_lp = None if run.teacher is None else run.teacher.score_step(step, drawn.rollouts, batch, m)
             t = time.perf_counter()
             scored, advantages, returns = score_phase(run, step, batch, rewards, m, teacher_lp)
             tables = correction_phase(run, step, batch, scored, advantages, m)
@@ -137,8 +138,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             unlogged = (step, m)
             m["perf/train_s"] = time.perf_counter() - t
             sync_phase(run, step, m)
-            # the step's own time: a held-out evaluation is timed apart (perf/eval_s), or a benchmark of steps on
-            # a recipe with an eval: section would time its evaluations too
+            # the step without its held-out evaluation (perf/eval_s), which benchmarks of steps must not time
             m["perf/step_s"] = time.perf_counter() - t_step
             eval_phase(run, step, m)
             m["perf/peak_memory_gb"] = peak_memory_gb(run.device)  # the run's peak so far (GiB; CPU: RSS)
@@ -344,16 +344,6 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
         run.prefetch.launch(step + 1, lambda: sampler.draw(step + 1), snapshot(run.policy),
                             threaded=cfg.rollout.mode == "server")
     return train_part, m
-
-
-def teacher_phase(run: Run, step: int, drawn: Drawn, batch: TokenBatch, m: dict) -> Optional[torch.Tensor]:
-    """With a teacher (on-policy distillation): its log-probs of the batch's sampled ids [S, C] and ``distill/*``,
-    ``teacher_parity/*`` (trainer/teacher/teacher.py); None without one."""
-    if run.teacher is None:
-        return None
-    teacher_lp, metrics = run.teacher(step, drawn.rollouts, batch)
-    m.update(metrics)
-    return teacher_lp
 
 
 def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,

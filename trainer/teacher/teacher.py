@@ -107,6 +107,12 @@ class Teacher:
             return due(self.cfg, step)
         return bool(every) and (step == 1 or step % every == 0)
 
+    def score_step(self, step: int, rollouts: Rollouts, batch: TokenBatch, m: dict) -> torch.Tensor:
+        """The teacher's log-probs of the batch's completion tokens [S, C]; this step's metrics added to ``m``."""
+        teacher_lp, metrics = self(step, rollouts, batch)
+        m.update(metrics)
+        return teacher_lp
+
     def __call__(self, step: int, rollouts: Rollouts, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """(the teacher's log-probs of the batch's completion tokens [S, C], this step's ``distill/*``,
         ``teacher_parity/*`` and ``perf/teacher_s``)."""
