@@ -242,3 +242,13 @@ def test_every_trainer_module_is_in_a_subpackage():
 if __name__ == "__main__":
     for c in cycles(import_graph(project_modules())):
         print(" <-> ".join(c))
+
+
+def test_test_modules_have_unique_basenames():
+    # tests/ has no __init__.py files, so pytest imports each test module by its basename: a second module of
+    # the same name stops the whole collection ("import file mismatch") before any test runs
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"test modules sharing a basename (rename one): {clashes}"
