@@ -10,9 +10,10 @@ a neighbour: a second process that trains a small MLP with torch's default threa
 or test session on the same cores would. Prints completion tokens per second and the slowdown the neighbour
 causes for each setting. No assertions: numbers only.
 
-Why it exists: vLLM's CPU worker pins one OpenMP thread to each core it finds (``VLLM_CPU_OMP_THREADS_BIND=auto``)
-and every decode step of a 1 M-parameter model is hundreds of tiny parallel regions, each ending in a barrier.
-When a neighbour holds one of those cores, each barrier waits for the pinned thread's next time slice.
+Why it exists: the colocated engine runs in the trainer's process, whose OpenMP pool has one thread per core
+(vLLM binds threads only in its multiprocess executor), and every decode step of a 1 M-parameter model is
+hundreds of tiny parallel regions, each ending in a barrier. When a neighbour holds one of the cores, each
+barrier waits for the descheduled thread's next time slice.
 """
 from __future__ import annotations
 
