@@ -402,10 +402,19 @@ def apply_prompt_budget(dataset: datasets.Dataset, tokenizer: Any, data: Any, *,
     return kept
 
 
+def epoch_seed(seed: int, epoch: int) -> int | str:
+    """The seed of ``PromptBatcher``'s order in ``epoch`` of a run seeded ``seed``. Epoch 0 uses ``seed`` itself;
+    a later epoch a string of both, which ``random.Random`` hashes (SHA-512), so no two (seed, epoch) pairs share an
+    order. ``seed + epoch`` would give seed s + 1 the orders of seed s one epoch later: runs "of different seeds" on a
+    fixed pool would share all but one epoch's order, and their spread would understate the noise a comparison across
+    seeds must exceed (TRL's RepeatSampler likewise draws each epoch from one generator seeded once per run)."""
+    return seed if epoch == 0 else f"prompt-order/{seed}/{epoch}"
+
+
 class PromptBatcher:
     """Endless, deterministic, resumable stream of prompt batches.
 
-    Epoch ``e`` visits the rows in the order ``random.Random(seed + e).shuffle``
+    Epoch ``e`` visits the rows in the order ``random.Random(epoch_seed(seed, e)).shuffle``
     gives and yields ``len(dataset) // batch_size`` full batches; the last
     ``len(dataset) % batch_size`` rows of that order are skipped (a different
     set each epoch), so every batch has exactly ``batch_size`` rows and a
@@ -432,7 +441,7 @@ class PromptBatcher:
     def _epoch_order(self) -> list[int]:
         if self._order is None:
             order = list(range(len(self.dataset)))
-            random.Random(self.seed + self.epoch).shuffle(order)
+            random.Random(epoch_seed(self.seed, self.epoch)).shuffle(order)
             self._order = order
         return self._order
 

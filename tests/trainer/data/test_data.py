@@ -233,15 +233,25 @@ def test_batcher_epochs_are_seeded_permutations(numbered):
     batcher = PromptBatcher(numbered, batch_size=3, seed=7)
     batches = [_ids(next(batcher)) for _ in range(6)]
     order0, order1, order2 = list(range(10)), list(range(10)), list(range(10))
-    random.Random(7).shuffle(order0)  # epoch 0 uses seed + 0
-    random.Random(8).shuffle(order1)  # epoch 1 uses seed + 1
-    random.Random(9).shuffle(order2)
+    random.Random(7).shuffle(order0)  # epoch 0 uses the seed
+    random.Random("prompt-order/7/1").shuffle(order1)  # later epochs a string of seed and epoch
+    random.Random("prompt-order/7/2").shuffle(order2)
     # 10 // 3 = 3 full batches per epoch; the 10th row of each order is skipped.
     assert batches == [order0[0:3], order0[3:6], order0[6:9], order1[0:3], order1[3:6], order1[6:9]]
     assert len(numbered) // batcher.batch_size == 3
     # Rows come back whole, every column included.
     assert next(batcher) == [{"prompt": f"p{j}", "i": j} for j in order2[0:3]]
     assert batcher.state_dict() == {"epoch": 2, "position": 3, "seed": 7, "batch_size": 3, "num_rows": 10}
+
+
+def test_batcher_seeds_share_no_epoch_order(numbered):
+    # 10! orders of 10 rows: two seeds' epochs agreeing would be a shared stream, not chance.
+    def epochs(seed):
+        batcher = PromptBatcher(numbered, batch_size=10, seed=seed)
+        return [tuple(_ids(next(batcher))) for _ in range(6)]
+
+    orders = [order for seed in range(5) for order in epochs(seed)]
+    assert len(set(orders)) == len(orders)
 
 
 def test_batcher_same_seed_same_stream(numbered):
