@@ -301,6 +301,10 @@ class TrainConfig(StageTrainConfig):
     # Each micro-batch's sequences packed into rows as long as its longest (trainer/models/packing.py):
     # no padding reaches the backbone. sdpa / eager attention only, checked on the model at load.
     pack_sequences: bool = False
+    # CPU runs: the pool during the update (scoring, loss, backward, optimizer step) when it should differ from the
+    # rollout's (train.cpu_threads); null: the same. A small model decodes as fast on one thread as on two but
+    # updates faster on two (trainer/distributed/cpu_threads.py).
+    update_cpu_threads: Optional[int] = None
 
 
 @dataclass

@@ -180,6 +180,8 @@ def _check_train(cfg: RunConfig, need: Need) -> None:
     need(not (t.warmup_steps and t.warmup_ratio), "train.warmup_ratio", t.warmup_ratio,
          f"0 when train.warmup_steps is set ({t.warmup_steps}): one of the two")
     check_cpu_threads(t, need)
+    need(t.update_cpu_threads is None or t.update_cpu_threads >= 1, "train.update_cpu_threads", t.update_cpu_threads,
+         "an integer >= 1 or null")
     # accelerate's set_seed seeds NumPy, whose seeds are unsigned 32-bit (np.random.seed raises outside)
     need(0 <= t.seed < 2**32, "train.seed", t.seed, f"an integer in [0, {2**32 - 1}] (NumPy's seed range)")
 

@@ -33,7 +33,7 @@ from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig, to_dict
 from trainer.config.validate import sequence_length
 from trainer.data.datasets import PromptBatcher, apply_prompt_budget, load_prompt_dataset
-from trainer.distributed.cpu_threads import apply_cpu_threads
+from trainer.distributed.cpu_threads import apply_cpu_threads, update_threads
 from trainer.distributed.data_parallel import DataParallel
 from trainer.distributed.deepspeed import accelerator_kwargs, deepspeed_stage, make_backward, zero3_gather
 from trainer.distributed.launch_info import launch_lines
@@ -127,11 +127,12 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             # with a teacher (on-policy distillation): its log-probs of the sampled ids, distill/* and teacher_parity/*
             teacher_lp = None if run.teacher is None else run.teacher.score_step(step, drawn.rollouts, batch, m)
             t = time.perf_counter()
-            scored, advantages, returns = score_phase(run, step, batch, rewards, m, teacher_lp)
-            tables = correction_phase(run, step, batch, scored, advantages, m)
-            parity_phase(run, step, batch, scored, m, tables)
-            samples_phase(run, step, drawn, batch, scored)
-            update_phase(run, step, batch, scored, advantages, returns, m)
+            with update_threads(cfg.train.update_cpu_threads):
+                scored, advantages, returns = score_phase(run, step, batch, rewards, m, teacher_lp)
+                tables = correction_phase(run, step, batch, scored, advantages, m)
+                parity_phase(run, step, batch, scored, m, tables)
+                samples_phase(run, step, drawn, batch, scored)
+                update_phase(run, step, batch, scored, advantages, returns, m)
             run.tokens_seen += m["parity/num_tokens"]  # the batch's completion tokens, pooled over ranks
             m["train/tokens_seen"] = run.tokens_seen  # a wandb x-axis
             boundary.update_applied()
@@ -195,7 +196,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     precision = recipe_for(cfg.precision.recipe)
     check_launch(precision, stage=stage, world_size=dp.world)  # before the model loads (and is transformed)
     third_party_output.attach(cfg.run_dir, rank=dp.rank)  # the run directory is claimed: engine.log
-    threads = apply_cpu_threads(cfg.train.cpu_threads)  # before the engine starts (vLLM then fixes the pool)
+    threads = apply_cpu_threads(cfg.train.cpu_threads, cfg.train.update_cpu_threads)  # before the engine starts
     if accelerator.is_main_process:
         print(launch_lines(cfg, dp.world, accelerator.device, precision.dtype_reason, threads), flush=True)
     set_seed(cfg.train.seed)
