@@ -37,8 +37,11 @@ ifeq ($(TARGET),cpu)
 endif
 	touch $(STAMP)
 
+# OMP_WAIT_POLICY=PASSIVE: the recipe's two-thread update (train.update_cpu_threads) and the models' builds then
+# sleep at a barrier instead of spinning, so a busy neighbour costs them little (docs/recipe-keys.md); OpenMP
+# reads it once, when the process starts.
 demo: setup
-	$(VENV)/bin/parityrl train recipes/grpo_tools_tiny.yaml --set name=$(DEMO_NAME)
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/parityrl train recipes/grpo_tools_tiny.yaml --set name=$(DEMO_NAME)
 
 lint: setup
 	$(VENV)/bin/ruff check .
