@@ -13,7 +13,8 @@ from trainer.builtin.zoo import ZOO_MAX_POSITIONS, ZOO_MODELS
 from trainer.config import RecipeError
 
 # The built-in models (``model.path: builtin:...``); the architecture zoo's small random models last (docs/models.md).
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", "builtin:tiny-tools", "builtin:tiny-teacher", SMOLLM2_NAME, *ZOO_MODELS)
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", "builtin:tiny-tools", "builtin:tiny-teacher", "builtin:tiny-tools-teacher",
+                  SMOLLM2_NAME, *ZOO_MODELS)
 # Context of the pretrained built-ins, known without building them (SmolLM2's config.json).
 _PRETRAINED_MAX_POSITIONS = {SMOLLM2_NAME: 8192}
 

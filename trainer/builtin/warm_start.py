@@ -6,7 +6,9 @@ under a hash of the recipe's text and of the model it starts from.
 - ``builtin:tiny-tools``: ``builtin:tiny`` after ``parityrl sft recipes/sft_tools_tiny.yaml`` (multi-turn
   episodes of ``builtin:arithmetic_tools`` that call the calculator, ``data.messages_fn``).
 - ``builtin:tiny-teacher``: ``builtin:tiny`` after ``parityrl sft recipes/sft_teacher_tiny.yaml`` (the same task,
-  trained longer): the on-policy distillation teacher of ``recipes/opd_tiny.yaml``.
+  trained longer): an on-policy distillation teacher for the arithmetic task.
+- ``builtin:tiny-tools-teacher``: ``builtin:tiny-tools`` after ``parityrl sft recipes/sft_tools_teacher_tiny.yaml``
+  (the same episodes, trained longer): the on-policy distillation teacher of ``recipes/opd_tiny.yaml``.
 
 Both budgets are short on purpose: RL starts from a poor but non-zero reward.
 """
@@ -51,6 +53,9 @@ WARM_STARTS = {w.name: w for w in (
     # the distillation teacher of recipes/opd_tiny.yaml (docs/distillation.md): builtin:tiny's tokenizer, trained longer
     WarmStart("builtin:tiny-teacher", REPO_ROOT / "recipes" / "sft_teacher_tiny.yaml", "builtin:tiny",
               "tiny-teacher-sft", "builtin:tiny-teacher"),
+    # the teacher of recipes/opd_tiny.yaml's tool-using episodes: builtin:tiny-tools trained further
+    WarmStart("builtin:tiny-tools-teacher", REPO_ROOT / "recipes" / "sft_tools_teacher_tiny.yaml",
+              "builtin:tiny-tools", "tiny-tools-teacher-sft", "builtin:tiny-tools-teacher"),
 )}
 WARM_START_RECIPE = WARM_STARTS["builtin:tiny"].recipe
 WARM_START_BASE = WARM_STARTS["builtin:tiny"].base
