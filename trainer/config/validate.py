@@ -7,6 +7,7 @@ import math
 from typing import Any, Callable, Iterable
 
 from parity.corrections import rules as correction_rules
+from rollout.completions_scorer import endpoint_url_problem
 from rollout.server_engine import parse_server_url
 from trainer.config.schema import RecipeError, RunConfig, recipe_key
 
@@ -119,13 +120,18 @@ def _check_teacher(cfg: RunConfig, need: Need) -> None:
          a.group_size, "an integer >= 2 with group_baseline (the baseline is the group's mean)")
     need(t.engine != "server" or bool(t.server_url), "teacher.server_url", t.server_url,
          "the teacher server's http://HOST:PORT with teacher.engine server (`parityrl serve` of a teacher recipe)")
-    need(t.engine == "server" or t.server_url is None, "teacher.server_url", t.server_url,
-         "null unless teacher.engine is server")
+    need(t.engine != "vllm_url" or bool(t.server_url), "teacher.server_url", t.server_url,
+         "a vLLM server's http(s)://HOST[:PORT] with teacher.engine vllm_url (e.g. `vllm serve <teacher.path>`)")
+    need(t.engine in ("server", "vllm_url") or t.server_url is None, "teacher.server_url", t.server_url,
+         "null unless teacher.engine is server or vllm_url")
     if t.engine == "server" and t.server_url:
         try:  # the parser the server engine uses
             parse_server_url(t.server_url)
         except ValueError:
             need(False, "teacher.server_url", t.server_url, "http://HOST:PORT, e.g. http://127.0.0.1:8001 (no path)")
+    if t.engine == "vllm_url" and t.server_url:
+        problem = endpoint_url_problem(t.server_url)  # the URL scorer's own rule
+        need(problem is None, "teacher.server_url", t.server_url, problem)
     need(t.server_timeout_s > 0, "teacher.server_timeout_s", t.server_timeout_s, "a number of seconds > 0")
     need(t.parity_every is None or (isinstance(t.parity_every, int) and t.parity_every >= 0), "teacher.parity_every",
          t.parity_every, "null (the probe's schedule), 0 (never) or an integer >= 1 (every N steps)")

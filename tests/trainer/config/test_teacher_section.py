@@ -70,8 +70,20 @@ def test_teacher_server_keys():
         refused(OPD, "teacher.engine=server")
     assert "teacher.server_url = 'localhost:8001': expected http://HOST:PORT" in \
         refused(OPD, "teacher.engine=server", "teacher.server_url=localhost:8001")
-    assert "teacher.server_url = 'http://127.0.0.1:8001': expected null unless teacher.engine is server" in \
+    assert "teacher.server_url = 'http://127.0.0.1:8001': expected null unless teacher.engine is server or vllm_url" in \
         refused(OPD, "teacher.server_url=http://127.0.0.1:8001")
     assert "teacher.server_timeout_s = 0" in refused(OPD, "teacher.engine=server",
                                                      "teacher.server_url=http://127.0.0.1:8001",
                                                      "teacher.server_timeout_s=0")
+
+
+def test_teacher_vllm_url_keys():
+    cfg = load_recipe(OPD, ["teacher.engine=vllm_url", "teacher.server_url=https://teacher.example/vllm"],
+                      check_paths=False)
+    assert cfg.teacher.engine == "vllm_url" and cfg.teacher.server_url == "https://teacher.example/vllm"
+    assert "teacher.server_url = None: expected a vLLM server's http(s)://HOST[:PORT] with teacher.engine vllm_url" \
+        in refused(OPD, "teacher.engine=vllm_url")
+    assert "teacher.server_url = 'http://127.0.0.1:8001/v1': expected the server's root, without /v1" in \
+        refused(OPD, "teacher.engine=vllm_url", "teacher.server_url=http://127.0.0.1:8001/v1")
+    assert "teacher.server_url = 'localhost:8001': expected http(s)://HOST[:PORT]" in \
+        refused(OPD, "teacher.engine=vllm_url", "teacher.server_url=localhost:8001")

@@ -65,3 +65,28 @@ def test_a_teacher_url_that_does_not_answer_is_refused_naming_it(tmp_path):
                                                 r"at .* did not become healthy within 2 s .*Connection refused"):
         start_teacher_engine(c, str(tmp_path), max_model_len=128, device="cpu")
     assert time.monotonic() - t0 < 10
+
+
+def test_a_vllm_url_server_must_have_loaded_the_teacher_path(tmp_path):
+    from rollout.server_engine import UnusableServer
+    from trainer.teacher.teacher import check_served_model
+
+    here = tmp_path / "teacher"
+    here.mkdir()
+    (tmp_path / "link").symlink_to(here)
+    for card in ({"id": "t", "root": "Org/teacher"}, {"id": "t", "root": str(here)},
+                 {"id": "t", "root": str(tmp_path / "link")}, {"id": "Org/teacher", "root": None}):
+        check_served_model(card, "Org/teacher", str(here), "http://h:1")
+    with pytest.raises(UnusableServer, match=r"teacher.server_url = 'http://h:1' \(teacher.engine vllm_url\): the "
+                                             r"server loaded 'Org/other'; expected teacher.path's model \('Org/teacher'"):
+        check_served_model({"id": "Org/teacher", "root": "Org/other"}, "Org/teacher", str(here), "http://h:1")
+    with pytest.raises(UnusableServer, match="the server loaded '/elsewhere/teacher'"):
+        check_served_model({"id": "t", "root": "/elsewhere/teacher"}, "Org/teacher", str(here), "http://h:1")
+
+
+def test_check_prompt_logprobs_names_the_teacher_url():
+    c = cfg(engine="vllm_url", server_url="http://h:1")
+    with pytest.raises(EngineUnavailable, match=r"teacher.engine = 'vllm_url' \(builtin:tiny-teacher, "
+                                                r"teacher.server_url = 'http://h:1'\): expected an engine that returns "
+                                                r"prompt log-probs"):
+        check_prompt_logprobs(Answers([]), c, [1, 2, 3])
