@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from rollout.base import EngineUnavailable
 from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import validate_score_request
-from rollout.server_engine import MalformedAnswer, ServerEngineError, UnusableServer, wait_for_health
+from rollout.server_engine import MalformedAnswer, ServerEngineError, ServerKeys, UnusableServer, wait_for_health
 from rollout.types import Scored
 
 _CLAMPED = -9999.0  # vLLM's floor for -inf prompt log-probs in JSON (clamp_prompt_logprobs)
@@ -93,8 +93,8 @@ class CompletionsScorer:
     """A vLLM OpenAI-compatible server as a scorer of given ids (module docstring).
 
     url: the server's root, ``http(s)://HOST[:PORT][/PREFIX]`` (``parse_endpoint_url``).
-    timeout_s: the start-up health wait and the limit of every request; ``timeout_key``: the recipe key that sets
-        it, named when it runs out. connect_timeout_s: give up sooner when nothing accepts a connection.
+    timeout_s: the start-up health wait and the limit of every request. connect_timeout_s: give up sooner when
+        nothing accepts a connection. keys: the recipe keys its errors name and how its server is started.
     max_model_len: the caller's need (sequence + the one sampled token); the server's must be >= it.
     """
 
@@ -105,11 +105,11 @@ class CompletionsScorer:
     adapter_dtype = None
 
     def __init__(self, url: str, *, timeout_s: float, max_model_len: int | None = None,
-                 connect_timeout_s: float | None = None, timeout_key: str = "teacher.server_timeout_s") -> None:
+                 connect_timeout_s: float | None = None, keys: ServerKeys) -> None:
         import httpx
 
-        self.url, self.timeout_s, self.timeout_key = parse_endpoint_url(url), float(timeout_s), timeout_key
-        self.startup_wait_s = wait_for_health(self.url, self.timeout_s, connect_timeout_s=connect_timeout_s)
+        self.url, self.timeout_s, self.keys = parse_endpoint_url(url, keys.url), float(timeout_s), keys
+        self.startup_wait_s = wait_for_health(self.url, self.timeout_s, connect_timeout_s=connect_timeout_s, keys=keys)
         self._client = httpx.Client(base_url=self.url, timeout=self.timeout_s)
         try:
             self.served = self._served_model()
@@ -148,7 +148,7 @@ class CompletionsScorer:
         try:
             r = self._client.request(method, path, json=json)
         except httpx.TransportError as e:
-            what = (f"did not answer within {self.timeout_s:g} s ({self.timeout_key})"
+            what = (f"did not answer within {self.timeout_s:g} s ({self.keys.timeout})"
                     if isinstance(e, httpx.TimeoutException) else f"is unreachable ({type(e).__name__}: {e})")
             raise EngineUnavailable(f"vLLM server at {self.url} {what} during {action} ({method} {path})") from None
         if r.status_code >= 400:

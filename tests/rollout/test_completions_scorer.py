@@ -18,9 +18,11 @@ from vllm.logprobs import Logprob
 
 from rollout.base import EngineUnavailable
 from rollout.completions_scorer import CompletionsScorer, completion_body, endpoint_url_problem, read_completion_scores
-from rollout.server_engine import ServerEngineError, UnusableServer
+from rollout.server_engine import ServerEngineError, ServerKeys, UnusableServer
 
 VOCAB = 50
+# the recipe keys the scorer's errors name: its caller's (the teacher's, trainer/teacher/teacher.py)
+KEYS = ServerKeys(url="my.url", timeout="my.timeout_s", connect_timeout="my.connect_timeout_s", start="`vllm serve m`")
 
 
 def true_logprob(prefix: list[int], token: int) -> float:
@@ -144,7 +146,7 @@ def test_answers_that_do_not_fit_are_refused(answer, why):
 
 def test_the_scorer_against_a_stand_in_server(stand_in):
     server = stand_in()
-    scorer = CompletionsScorer(server.url + "/", timeout_s=5, max_model_len=16)
+    scorer = CompletionsScorer(server.url + "/", timeout_s=5, max_model_len=16, keys=KEYS)
     assert (scorer.model, scorer.max_model_len, scorer.served["root"]) == ("teacher", 64, "/models/teacher")
     scored = scorer.score(SEQS, topk=0)
     assert scored.logprobs == [expected(s) for s in SEQS] and scored.topk_ids == [[], []]
@@ -155,8 +157,8 @@ def test_the_scorer_against_a_stand_in_server(stand_in):
 
 def test_a_server_with_a_short_context_or_no_prompt_logprobs_is_refused(stand_in):
     with pytest.raises(UnusableServer, match=r"max_model_len = 32, expected an integer >= 129"):
-        CompletionsScorer(stand_in(max_model_len=32).url, timeout_s=5, max_model_len=129)
-    scorer = CompletionsScorer(stand_in(drop_prompt_logprobs=True).url, timeout_s=5)
+        CompletionsScorer(stand_in(max_model_len=32).url, timeout_s=5, max_model_len=129, keys=KEYS)
+    scorer = CompletionsScorer(stand_in(drop_prompt_logprobs=True).url, timeout_s=5, keys=KEYS)
     with pytest.raises(ServerEngineError, match="/v1/completions with prompt_logprobs: sequence 0: None prompt log-prob"):
         scorer.score(SEQS)
 
@@ -167,8 +169,9 @@ def test_a_url_where_nothing_listens_is_unavailable():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(EngineUnavailable, match=f"vLLM server at {url} did not become healthy within 1 s"):
-        CompletionsScorer(url, timeout_s=1.0)
+    with pytest.raises(EngineUnavailable, match=f"vLLM server at {url} did not become healthy within 1 s "
+                                                r"\(my.timeout_s\).* Start it with `vllm serve m` \(listening on my.url\)"):
+        CompletionsScorer(url, timeout_s=1.0, keys=KEYS)
 
 
 def test_endpoint_urls():

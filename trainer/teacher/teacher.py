@@ -23,7 +23,7 @@ import torch
 from rollout.base import EngineUnavailable
 from rollout.completions_scorer import CompletionsScorer
 from rollout.hf_engine import HFEngine
-from rollout.server_engine import ServerEngine, UnusableServer
+from rollout.server_engine import ServerEngine, ServerKeys, UnusableServer
 from rollout.types import Rollouts
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RolloutConfig, RunConfig
@@ -42,6 +42,16 @@ def teacher_dtype(cfg: RunConfig) -> str:
     return cfg.teacher.dtype or cfg.model.dtype
 
 
+def teacher_server_keys(cfg: RunConfig) -> ServerKeys:
+    """What a teacher server's errors name: its keys, and how ``teacher.engine`` expects it started (the
+    connect wait is ``teacher.server_timeout_s`` capped by rollout.server_connect_timeout_s's default)."""
+    t = cfg.teacher
+    start = "`parityrl serve <teacher recipe>`" if t.engine == "server" else f"`vllm serve {t.path}`"
+    return ServerKeys(url="teacher.server_url", timeout="teacher.server_timeout_s",
+                      connect_timeout=f"teacher.server_timeout_s, at most {RolloutConfig.server_connect_timeout_s:g} s "
+                                      "when nothing listens", start=start)
+
+
 def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int, device):
     """The teacher's scoring engine as ``teacher.engine`` says (``Teacher`` docstring)."""
     dtype, t = teacher_dtype(cfg), cfg.teacher
@@ -53,7 +63,8 @@ def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int
         try:
             return ServerEngine(t.server_url, model_dir=teacher_dir, timeout_s=t.server_timeout_s, dtype=dtype,
                                 max_model_len=max_model_len,
-                                connect_timeout_s=min(t.server_timeout_s, RolloutConfig.server_connect_timeout_s))
+                                connect_timeout_s=min(t.server_timeout_s, RolloutConfig.server_connect_timeout_s),
+                                keys=teacher_server_keys(cfg))
         except EngineUnavailable as e:
             raise type(e)(f"teacher.server_url = {t.server_url!r} (teacher.engine server): {e}") from None
     if t.engine == "vllm_url":
@@ -61,7 +72,8 @@ def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int
         try:
             engine = CompletionsScorer(t.server_url, timeout_s=t.server_timeout_s, max_model_len=max_model_len,
                                        connect_timeout_s=min(t.server_timeout_s,
-                                                             RolloutConfig.server_connect_timeout_s))
+                                                             RolloutConfig.server_connect_timeout_s),
+                                       keys=teacher_server_keys(cfg))
         except EngineUnavailable as e:
             raise type(e)(f"teacher.server_url = {t.server_url!r} (teacher.engine vllm_url): {e}") from None
         try:
