@@ -109,8 +109,6 @@ def _check_teacher(cfg: RunConfig, need: Need) -> None:
          f"0 with algorithm.name {a.name}: its advantage is the distillation signal itself")
     need(not a.distill_coef or a.record.token_weights, "algorithm.distill_coef", a.distill_coef,
          f"0 for {a.name}: its loss takes one advantage per sequence, the teacher's signal is one per token")
-    need(not a.distill_coef or not a.record.critic, "algorithm.distill_coef", a.distill_coef,
-         f"0 for {a.name}: its advantages come from the critic's GAE, not yet with a per-token teacher term")
     need(not wants or bool(t.path), "teacher.path", t.path,
          f"a model with the student's tokenizer for {'algorithm.name ' + a.name if a.record.teacher else 'algorithm.distill_coef'}"
          " (on-policy distillation scores the student's tokens with a teacher)")

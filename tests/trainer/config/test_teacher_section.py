@@ -41,12 +41,16 @@ def test_distill_coef_without_a_teacher_and_a_teacher_nothing_reads():
     (["algorithm.distill_coef=-1"], "algorithm.distill_coef = -1", "a number >= 0"),
     (["algorithm.name=rloo", "algorithm.distill_coef=0.5"], "algorithm.distill_coef = 0.5",
      "0 for rloo: its loss takes one advantage per sequence"),
-    (["algorithm.name=ppo", "algorithm.group_size=1", "algorithm.distill_coef=0.5"], "algorithm.distill_coef = 0.5",
-     "0 for ppo: its advantages come from the critic's GAE"),
 ])
 def test_distill_coef_refusals(overrides, key, expected):
     msg = refused(GRPO, "teacher.path=builtin:tiny-teacher", *overrides)
     assert key in msg and expected in msg
+
+
+def test_distill_coef_with_ppo_loads():
+    cfg = load_recipe(GRPO, ["teacher.path=builtin:tiny-teacher", "algorithm.name=ppo", "algorithm.group_size=1",
+                             "algorithm.distill_coef=0.5"], check_paths=False)
+    assert cfg.algorithm.name == "ppo" and cfg.algorithm.distill_coef == 0.5
 
 
 def test_opd_refuses_its_own_coefficient_and_bad_teacher_keys():
