@@ -51,6 +51,7 @@ from trainer.precision import recipe_for
 from trainer.precision.checks import check_model_config, check_recipe
 from trainer.precision.lora_sync import lora_sync_mode
 from trainer.rewards.functions import resolve_reward
+from trainer.teacher.checks import check_teacher_at_hand
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_paths: bool = True) -> RunConfig:
@@ -201,8 +202,8 @@ def preflight(cfg: RunConfig, where: str, *, model: bool = True, report: Optiona
     if cfg.env.enabled:
         report.run(EpisodeEnvironment.from_config, cfg, where)
     model_ok, _ = report.run(check_model_path, cfg.model.path, where)
-    if cfg.teacher.path:
-        report.run(check_model_path, cfg.teacher.path, where, "teacher.path")
+    if cfg.teacher.path and report.run(check_model_path, cfg.teacher.path, where, "teacher.path")[0] and model_ok:
+        report.run(check_teacher_at_hand, cfg, where)  # the models here already: nothing built for it
     if model_ok:
         report.run(check_context_length, cfg, where)
     # a built-in model is built on first use (minutes): not to check a recipe that is refused anyway
