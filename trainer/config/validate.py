@@ -100,7 +100,7 @@ def _check_algorithm(cfg: RunConfig, need: Need) -> None:
 
 def _check_teacher(cfg: RunConfig, need: Need) -> None:
     """On-policy distillation: a teacher exactly when the algorithm or ``algorithm.distill_coef`` reads one (its
-    tokenizer against the student's: ``trainer.teacher.checks``, when the models are at hand)."""
+    tokenizer against the student's: ``trainer.lifecycle.teacher_checks``, when the models are at hand)."""
     a, t = cfg.algorithm, cfg.teacher
     wants = a.record.teacher or a.distill_coef > 0
     need(isinstance(a.distill_coef, (int, float)) and a.distill_coef >= 0, "algorithm.distill_coef", a.distill_coef,

@@ -45,13 +45,13 @@ from trainer.data.datasets import load_prompt_dataset, looks_like_path
 from trainer.data.tasks import PROMPT_SOURCES
 from trainer.environments.episode_environment import EpisodeEnvironment
 from trainer.lifecycle.capacity import Machine, ModelSize, capacity_problems, gpu_total_bytes, host_available_bytes
+from trainer.lifecycle.teacher_checks import check_teacher_at_hand
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_model_config, check_recipe
 from trainer.precision.lora_sync import lora_sync_mode
 from trainer.rewards.functions import resolve_reward
-from trainer.teacher.checks import check_teacher_at_hand
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_paths: bool = True) -> RunConfig:
@@ -69,7 +69,7 @@ def check_paths_exist(cfg: RunConfig, where: str) -> None:
     the model's context against the longest rollout: the first problem found."""
     check_reward_model_dirs(cfg, where)
     check_model_path(cfg.model.path, where)
-    if cfg.teacher.path:  # its tokenizer against the student's when the run starts (trainer/teacher/checks.py)
+    if cfg.teacher.path:  # its tokenizer against the student's when the run starts (trainer/lifecycle/teacher_checks.py)
         check_model_path(cfg.teacher.path, where, key="teacher.path")
     check_data_source(cfg, where)
     check_context_length(cfg, where)

@@ -1,7 +1,7 @@
 """The teacher of a run: its engine, started beside the student's, and each step's scores of the sampled ids.
 
 ``Teacher.from_config`` (the loop's setup, after the student's model and before its engine): the teacher's
-tokenizer checked against the student's (``checks``), its engine started (``teacher.engine``: a second colocated
+tokenizer checked against the student's (``trainer.lifecycle.teacher_checks``), its engine started (``teacher.engine``: a second colocated
 vLLM engine in the precision recipe's settings, a Transformers model, a `parityrl serve` of the teacher at
 ``teacher.server_url``, or any vLLM OpenAI-compatible server there, which must serve ``teacher.path``'s model:
 ``check_served_model``), and asked once for prompt log-probs
@@ -27,12 +27,12 @@ from rollout.server_engine import ServerEngine, ServerKeys, UnusableServer
 from rollout.types import Rollouts
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RolloutConfig, RunConfig
+from trainer.lifecycle.teacher_checks import check_same_tokenizer
 from trainer.measurement.probe import due
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import TokenBatch
 from trainer.models.policy import load_base_model
 from trainer.sampling.engines import start_vllm
-from trainer.teacher.checks import check_same_tokenizer
 from trainer.teacher.metrics import distill_metrics, distill_sums, noise_frac
 from trainer.teacher.scores import teacher_scores
 
@@ -93,7 +93,7 @@ def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int
 def check_served_model(card: dict, teacher_path: str, teacher_dir: str, url: str) -> None:
     """UnusableServer naming ``teacher.server_url`` unless the vLLM server at ``url`` serves ``teacher.path``'s model.
 
-    The tokenizer check (``checks.check_same_tokenizer``) reads ``teacher.path``, and nothing of the server's
+    The tokenizer check (``teacher_checks.check_same_tokenizer``) reads ``teacher.path``, and nothing of the server's
     vocabulary can be read through its OpenAI API: the check holds for the server only if it loaded the same model.
     Its ``/v1/models`` card names what it loaded (``root``: the ``--model`` it was started with, whatever
     ``--served-model-name`` says): ``teacher.path`` itself (a hub id, a path), or a directory that is

@@ -1,4 +1,4 @@
-"""A teacher must read the student's ids as the student does (trainer/teacher/checks.py): another vocabulary, other
+"""A teacher must read the student's ids as the student does (trainer/lifecycle/teacher_checks.py): another vocabulary, other
 special tokens or another vocab size are refused naming teacher.path, before any engine starts."""
 import json
 import shutil
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import RecipeError
-from trainer.teacher.checks import check_same_tokenizer
+from trainer.lifecycle.teacher_checks import check_same_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
 
