@@ -86,6 +86,7 @@ import socket
 import time
 import urllib.parse
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -102,8 +103,23 @@ from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.weight_export import payload_bytes
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors
 
-_RESTART_HINT = ("the server process may have died or never started; start it with `parityrl serve <recipe>` "
-                 "and continue the run with `parityrl train <recipe> --resume`")
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """The recipe keys a server client's errors name, and how its server is started: the student's server
+    (``rollout.mode: server``) by default; the teacher's name ``teacher.*`` (trainer/teacher/teacher.py)."""
+
+    url: str = "rollout.server_url"
+    timeout: str = "rollout.server_timeout_s"
+    connect_timeout: str = "rollout.server_connect_timeout_s"
+    start: str = "`parityrl serve <recipe>`"
+
+    def restart_hint(self) -> str:
+        return (f"the server process may have died or never started; start it with {self.start} (listening on "
+                f"{self.url}) and continue the run with `parityrl train <recipe> --resume`")
+
+
+ROLLOUT_SERVER = ServerKeys()
 _ENGINE_DEAD = "EngineCore encountered an issue"  # vLLM EngineDeadError's message, in its HTTP 500 body
 _CLAMPED = -9999.0  # the route's floor for -inf / NaN log-probs (serving.py: _clamp_logprob)
 # Why a CUDA server cannot return routes, and what to do (said by the client and by `parityrl serve`).
@@ -151,7 +167,7 @@ class UnusableServer(ServerEngineError, EngineUnavailable):
     settings (dtype, context, model), or an answer of another shape. The run cannot start, as with no server."""
 
 
-def _json(url: str, r, action: str, method: str, path: str) -> Any:
+def _json(url: str, r, action: str, method: str, path: str, keys: ServerKeys = ROLLOUT_SERVER) -> Any:
     """The body of ``r`` parsed, or ``MalformedAnswer`` naming the server, the route and what came."""
     try:
         return r.json()
@@ -160,7 +176,7 @@ def _json(url: str, r, action: str, method: str, path: str) -> Any:
         raise MalformedAnswer(
             f"vLLM server at {url} answered {method} {path} ({action}) with HTTP {r.status_code} but a body that is "
             f"not JSON ({len(body)} bytes, {type(e).__name__}: {e}; it ends {body[-60:]!r}): cut short, or not a vLLM "
-            f"server; {_RESTART_HINT}") from None
+            f"server; {keys.restart_hint()}") from None
 
 
 def parse_server_url(url: str) -> tuple[str, int]:
@@ -198,19 +214,20 @@ def _unclamp(x: float) -> float:
 class _Http:
     """JSON over HTTP to one server, every failure turned into an error naming URL and action."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, keys: ServerKeys = ROLLOUT_SERVER) -> None:
         import httpx
 
-        self.url, self.timeout_s = url.rstrip("/"), float(timeout_s)
+        self.url, self.timeout_s, self.keys = url.rstrip("/"), float(timeout_s), keys
         self._client = httpx.Client(base_url=self.url, timeout=self.timeout_s)
 
     def unavailable(self, action: str, method: str, path: str, e: BaseException) -> EngineUnavailable:
         import httpx
 
-        what = (f"did not answer within {self.timeout_s:g} s (rollout.server_timeout_s)"
+        what = (f"did not answer within {self.timeout_s:g} s ({self.keys.timeout})"
                 if isinstance(e, httpx.TimeoutException)
                 else f"is unreachable ({type(e).__name__}: {str(e) or 'connection closed by the server'})")
-        return EngineUnavailable(f"vLLM server at {self.url} {what} during {action} ({method} {path}); {_RESTART_HINT}")
+        return EngineUnavailable(f"vLLM server at {self.url} {what} during {action} ({method} {path}); "
+                                 f"{self.keys.restart_hint()}")
 
     def error(self, action: str, method: str, path: str, status: int, text: str) -> ServerEngineError | EngineUnavailable:
         if status >= 500 and _ENGINE_DEAD in text:
@@ -218,7 +235,7 @@ class _Http:
             # "Unrecoverable" (vllm/v1/engine/exceptions.py). As unusable as a dead server: the run stops with the
             # same status and the same way back (seen when a kill reached the engine core before the front end).
             return EngineUnavailable(f"vLLM server at {self.url}: its engine core died (HTTP {status} during "
-                                     f"{action}, {method} {path}: vLLM's EngineDeadError); {_RESTART_HINT}")
+                                     f"{action}, {method} {path}: vLLM's EngineDeadError); {self.keys.restart_hint()}")
         if status == 404 and "does not exist" in text:  # the token route's answer for an unknown `model`
             text += (" -- the LoRA adapter this trainer asked for is not loaded on the server: another trainer "
                      "replaced it, a data-parallel rank missed rank 0's push, or the server restarted")
@@ -242,7 +259,7 @@ class _Http:
             raise self.error(action, method, path, r.status_code, r.text)
         if not (r.content and "json" in r.headers.get("content-type", "")):
             return None
-        return _json(self.url, r, action, method, path)
+        return _json(self.url, r, action, method, path, self.keys)
 
     def close(self) -> None:
         self._client.close()
@@ -275,10 +292,11 @@ class HTTPWeightSyncClient:
         self.http.call("POST", "/shutdown_weight_transfer_engine", "weight-transfer shutdown", timeout=10.0)
 
 
-def wait_for_health(url: str, timeout_s: float, *, poll_s: float = 0.5, connect_timeout_s: float | None = None) -> float:
+def wait_for_health(url: str, timeout_s: float, *, poll_s: float = 0.5, connect_timeout_s: float | None = None,
+                    keys: ServerKeys = ROLLOUT_SERVER) -> float:
     """Poll ``GET {url}/health`` until it answers 200; seconds waited. EngineUnavailable after ``timeout_s``, or
     after ``connect_timeout_s`` if no attempt has connected by then (nothing listens: no point waiting for a
-    loading server; a loading vLLM server already accepts connections)."""
+    loading server; a loading vLLM server already accepts connections). The errors name ``keys``' recipe keys."""
     import httpx
 
     t0 = time.monotonic()
@@ -290,8 +308,8 @@ def wait_for_health(url: str, timeout_s: float, *, poll_s: float = 0.5, connect_
         if connect_timeout_s is not None and not connected and time.monotonic() - t0 >= connect_timeout_s:
             raise EngineUnavailable(
                 f"nothing is listening at {url}: no connection accepted within {connect_timeout_s:g} s "
-                f"(rollout.server_connect_timeout_s; last attempt: {last}). Start the server with `parityrl serve "
-                "<recipe>` (it listens on rollout.server_url), or check the URL")
+                f"({keys.connect_timeout}; last attempt: {last}). Start the server with {keys.start} (listening on "
+                f"{keys.url}), or check the URL")
         try:
             r = httpx.get(f"{url.rstrip('/')}/health", timeout=max(0.5, min(5.0, left)))
             connected = True
@@ -303,9 +321,9 @@ def wait_for_health(url: str, timeout_s: float, *, poll_s: float = 0.5, connect_
             connected = connected or not isinstance(e, httpx.ConnectError)  # e.g. a read timeout: it accepted
         if time.monotonic() + poll_s > deadline:
             raise EngineUnavailable(
-                f"vLLM server at {url} did not become healthy within {timeout_s:g} s (rollout.server_timeout_s); "
-                f"last attempt: {last}. Start it with `parityrl serve <recipe>` (it listens on rollout.server_url), "
-                "or raise rollout.server_timeout_s if it is still loading")
+                f"vLLM server at {url} did not become healthy within {timeout_s:g} s ({keys.timeout}); "
+                f"last attempt: {last}. Start it with {keys.start} (listening on {keys.url}), "
+                f"or raise {keys.timeout} if it is still loading")
         time.sleep(poll_s)
 
 
@@ -363,6 +381,7 @@ class ServerEngine:
     return_supports: with truncated sampling, the set of tokens the server kept at every sampled position
         (``Rollouts.support``), read from its workers after each batch (``parityrl_take_supports``); a server on CUDA
         is refused (see the module docstring).
+    keys: the recipe keys its errors name (``ServerKeys``: the student's server's by default).
     """
 
     # A push may come as chunks of whole layers, all under one weight version (load_weight_chunks).
@@ -376,10 +395,10 @@ class ServerEngine:
                  version_tag: str | None = None, connect_timeout_s: float | None = None,
                  return_routes: bool = False, adapter_rank: int | None = None,
                  adapter_targets: Sequence[str] | None = None, adapter_required: bool = False,
-                 return_supports: bool = False) -> None:
+                 return_supports: bool = False, keys: ServerKeys = ROLLOUT_SERVER) -> None:
         self.host, self.port = parse_server_url(url)
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"rollout.server_timeout_s = {timeout_s!r}: expected a number of seconds > 0")
+            raise ValueError(f"{keys.timeout} = {timeout_s!r}: expected a number of seconds > 0")
         if not (isinstance(max_concurrency, int) and max_concurrency >= 1):
             raise ValueError(f"max_concurrency = {max_concurrency!r}: expected an integer >= 1")
         self.url = url.rstrip("/")
@@ -404,8 +423,8 @@ class ServerEngine:
         self._adapter: str | None = None  # the adapter every request names (its version's name), None: the base
         self._loaded_adapters = False  # this client loaded adapters on the server (close() unloads them)
 
-        self.startup_wait_s = wait_for_health(self.url, self.timeout_s, connect_timeout_s=connect_timeout_s)
-        self._http = _Http(self.url, self.timeout_s)
+        self.startup_wait_s = wait_for_health(self.url, self.timeout_s, connect_timeout_s=connect_timeout_s, keys=keys)
+        self._http = _Http(self.url, self.timeout_s, keys)
         try:
             info = self._server_info()
             try:
@@ -726,7 +745,7 @@ class ServerEngine:
                         raise http.unavailable(action, "POST", path, e) from None
                 if r.status_code != 200:
                     raise http.error(action, "POST", path, r.status_code, r.text)
-                return _json(http.url, r, action, "POST", path)
+                return _json(http.url, r, action, "POST", path, http.keys)
 
             tasks = [asyncio.ensure_future(one(b)) for b in bodies]
             try:

@@ -23,11 +23,12 @@ Any other ``model.path`` (local directory or hub id) is returned unchanged.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from trainer.builtin.model_path import BUILTIN_MODELS
 from trainer.builtin.pretrained import SMOLLM2_NAME, ensure_smollm2
-from trainer.builtin.tiny import ensure_tiny_base
-from trainer.builtin.warm_start import WARM_STARTS, ensure_warm_started
+from trainer.builtin.tiny import ensure_tiny_base, tiny_base_dir
+from trainer.builtin.warm_start import WARM_STARTS, ensure_warm_started, warm_start_dir
 from trainer.builtin.zoo import ZOO_MODELS, ensure_arch_model
 
 
@@ -44,3 +45,18 @@ def resolve_model_path(path: str) -> str:
     if path.startswith("builtin:"):
         raise ValueError(f"model.path = {path!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
     return str(Path(path).expanduser()) if path.startswith(("~", ".", "/")) else path
+
+
+def model_dir_at_hand(path: str) -> Optional[str]:
+    """The local directory of ``path`` when it is here already, nothing built or downloaded (a recipe's checks
+    before training, ``--print-config``): a local directory with a config.json, or the tiny built-ins once built
+    (``builtin:tiny-base`` and its warm starts); None for anything else (a hub id, a built-in not built yet)."""
+    if path == "builtin:tiny-base":
+        d = tiny_base_dir()
+    elif path in WARM_STARTS:
+        d = warm_start_dir(path)
+    elif path.startswith("builtin:") or not path.startswith(("~", ".", "/")):
+        return None
+    else:
+        d = Path(path).expanduser()
+    return str(d) if (d / "config.json").is_file() else None

@@ -401,9 +401,12 @@ class TeacherConfig:
     # tokenizer (checked before training). null = no teacher.
     path: Optional[str] = None
     # Who scores it: vllm (a second colocated vLLM engine: prompt log-probs, one prefill per sequence), hf
-    # (a Transformers forward, the reference) or server (a `parityrl serve` of the teacher at server_url, scored
-    # through the same client and route as rollout.mode server: rollout/server_engine.py).
-    engine: Literal["vllm", "hf", "server"] = "vllm"
+    # (a Transformers forward, the reference), server (a `parityrl serve` of the teacher at server_url, scored
+    # through the same client and route as rollout.mode server: rollout/server_engine.py) or vllm_url (any vLLM
+    # OpenAI-compatible server at server_url, e.g. `vllm serve <teacher>`: /v1/completions with prompt_logprobs,
+    # rollout/completions_scorer.py; it must have loaded teacher.path's model, whose tokenizer is the one checked).
+    engine: Literal["vllm", "hf", "server", "vllm_url"] = "vllm"
+    # server: http://HOST:PORT; vllm_url: the server's root, http(s)://HOST[:PORT][/PREFIX] (no /v1)
     server_url: Optional[str] = None
     # the teacher server's start-up wait and the limit of every request (rollout.server_timeout_s's default)
     server_timeout_s: float = 300.0

@@ -7,6 +7,7 @@ import math
 from typing import Any, Callable, Iterable
 
 from parity.corrections import rules as correction_rules
+from rollout.completions_scorer import endpoint_url_problem
 from rollout.server_engine import parse_server_url
 from trainer.config.schema import RecipeError, RunConfig, recipe_key
 
@@ -99,7 +100,7 @@ def _check_algorithm(cfg: RunConfig, need: Need) -> None:
 
 def _check_teacher(cfg: RunConfig, need: Need) -> None:
     """On-policy distillation: a teacher exactly when the algorithm or ``algorithm.distill_coef`` reads one (its
-    tokenizer against the student's: ``trainer.teacher.checks``, when the models are at hand)."""
+    tokenizer against the student's: ``trainer.lifecycle.teacher_checks``, when the models are at hand)."""
     a, t = cfg.algorithm, cfg.teacher
     wants = a.record.teacher or a.distill_coef > 0
     need(isinstance(a.distill_coef, (int, float)) and a.distill_coef >= 0, "algorithm.distill_coef", a.distill_coef,
@@ -108,8 +109,6 @@ def _check_teacher(cfg: RunConfig, need: Need) -> None:
          f"0 with algorithm.name {a.name}: its advantage is the distillation signal itself")
     need(not a.distill_coef or a.record.token_weights, "algorithm.distill_coef", a.distill_coef,
          f"0 for {a.name}: its loss takes one advantage per sequence, the teacher's signal is one per token")
-    need(not a.distill_coef or not a.record.critic, "algorithm.distill_coef", a.distill_coef,
-         f"0 for {a.name}: its advantages come from the critic's GAE, not yet with a per-token teacher term")
     need(not wants or bool(t.path), "teacher.path", t.path,
          f"a model with the student's tokenizer for {'algorithm.name ' + a.name if a.record.teacher else 'algorithm.distill_coef'}"
          " (on-policy distillation scores the student's tokens with a teacher)")
@@ -119,13 +118,18 @@ def _check_teacher(cfg: RunConfig, need: Need) -> None:
          a.group_size, "an integer >= 2 with group_baseline (the baseline is the group's mean)")
     need(t.engine != "server" or bool(t.server_url), "teacher.server_url", t.server_url,
          "the teacher server's http://HOST:PORT with teacher.engine server (`parityrl serve` of a teacher recipe)")
-    need(t.engine == "server" or t.server_url is None, "teacher.server_url", t.server_url,
-         "null unless teacher.engine is server")
+    need(t.engine != "vllm_url" or bool(t.server_url), "teacher.server_url", t.server_url,
+         "a vLLM server's http(s)://HOST[:PORT] with teacher.engine vllm_url (e.g. `vllm serve <teacher.path>`)")
+    need(t.engine in ("server", "vllm_url") or t.server_url is None, "teacher.server_url", t.server_url,
+         "null unless teacher.engine is server or vllm_url")
     if t.engine == "server" and t.server_url:
         try:  # the parser the server engine uses
             parse_server_url(t.server_url)
         except ValueError:
             need(False, "teacher.server_url", t.server_url, "http://HOST:PORT, e.g. http://127.0.0.1:8001 (no path)")
+    if t.engine == "vllm_url" and t.server_url:
+        problem = endpoint_url_problem(t.server_url)  # the URL scorer's own rule
+        need(problem is None, "teacher.server_url", t.server_url, problem)
     need(t.server_timeout_s > 0, "teacher.server_timeout_s", t.server_timeout_s, "a number of seconds > 0")
     need(t.parity_every is None or (isinstance(t.parity_every, int) and t.parity_every >= 0), "teacher.parity_every",
          t.parity_every, "null (the probe's schedule), 0 (never) or an integer >= 1 (every N steps)")

@@ -158,6 +158,16 @@ def eta_text(step: int, first_step: Optional[int], since_first_s: float, total_s
     return f"{since_first_s / done * (total_steps - step):.0f}s"
 
 
+def distill_text(m: dict[str, Any]) -> str:
+    """A step's distillation figures for its console line (a run with a teacher): the per-token reverse KL to the
+    teacher, and on teacher-parity steps the share of it the teacher's numerics could account for; "" otherwise."""
+    rkl = m.get("distill/reverse_kl")
+    if not isinstance(rkl, (int, float)):
+        return ""
+    noise = m.get("distill/teacher_noise_frac")
+    return f"distill rkl {rkl:+.3f}" + (f" noise {noise:.2f}" if isinstance(noise, (int, float)) else "") + "  "
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, *, config: dict, wandb_mode: str = "auto", project: str = "parityrl",
                  entity: Optional[str] = None, name: str = "run", total_steps: int = 0, print_every: int = 1,
@@ -262,7 +272,7 @@ class RunLogger:
             return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
         print(f"step {step:>4}/{self.total_steps}  reward {f('reward/mean', '.3f')}  "
-              f"parity mae {f('parity/mae', '.2e')} kl_k3 {f('parity/kl_k3', '.1e')}  "
+              f"parity mae {f('parity/mae', '.2e')} kl_k3 {f('parity/kl_k3', '.1e')}  {distill_text(m)}"
               f"loss {f('train/loss', '+.4f')}  rollout {f('perf/rollout_tokens_per_s', '.0f')} tok/s  "
               f"step {f('perf/step_s', '.1f')}s  ETA {eta}", flush=True, file=sys.stdout)
 

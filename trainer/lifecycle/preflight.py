@@ -45,6 +45,7 @@ from trainer.data.datasets import load_prompt_dataset, looks_like_path
 from trainer.data.tasks import PROMPT_SOURCES
 from trainer.environments.episode_environment import EpisodeEnvironment
 from trainer.lifecycle.capacity import Machine, ModelSize, capacity_problems, gpu_total_bytes, host_available_bytes
+from trainer.lifecycle.teacher_checks import check_teacher_at_hand
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
@@ -68,7 +69,7 @@ def check_paths_exist(cfg: RunConfig, where: str) -> None:
     the model's context against the longest rollout: the first problem found."""
     check_reward_model_dirs(cfg, where)
     check_model_path(cfg.model.path, where)
-    if cfg.teacher.path:  # its tokenizer against the student's when the run starts (trainer/teacher/checks.py)
+    if cfg.teacher.path:  # its tokenizer against the student's when the run starts (trainer/lifecycle/teacher_checks.py)
         check_model_path(cfg.teacher.path, where, key="teacher.path")
     check_data_source(cfg, where)
     check_context_length(cfg, where)
@@ -201,8 +202,8 @@ def preflight(cfg: RunConfig, where: str, *, model: bool = True, report: Optiona
     if cfg.env.enabled:
         report.run(EpisodeEnvironment.from_config, cfg, where)
     model_ok, _ = report.run(check_model_path, cfg.model.path, where)
-    if cfg.teacher.path:
-        report.run(check_model_path, cfg.teacher.path, where, "teacher.path")
+    if cfg.teacher.path and report.run(check_model_path, cfg.teacher.path, where, "teacher.path")[0] and model_ok:
+        report.run(check_teacher_at_hand, cfg, where)  # the models here already: nothing built for it
     if model_ok:
         report.run(check_context_length, cfg, where)
     # a built-in model is built on first use (minutes): not to check a recipe that is refused anyway

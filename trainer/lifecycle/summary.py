@@ -64,9 +64,9 @@ def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLo
     print("\n=== parityrl run summary ===")
     print(f"reward   first {k} step(s): {first:.3f}   last {k} step(s): {last:.3f}   change {last - first:+.3f}")
     print(f"parity   mean |d| over the run: {mae:.2e}   mean kl_k3: {kl:.2e}   worst token |d|: {worst:.2e}")
-    routing = routing_line(h)
-    if routing:
-        print(routing)
+    for line in (routing_line(h), distill_line(h, k)):
+        if line:
+            print(line)
     held_out = held_out_line(logger.metrics_path)
     if held_out:
         print(held_out)
@@ -93,6 +93,22 @@ def routing_line(h: list[dict]) -> str:
     if both:
         with_, without = _mean([r["parity/kl_k3"] for r in both]), _mean([r["parity/unreplayed/kl_k3"] for r in both])
         line += f"; replay: kl_k3 {with_:.2e} vs {without:.2e} without ({len(both)} step(s) scored both ways)"
+    return line
+
+
+def distill_line(h: list[dict], k: int) -> str:
+    """A run with a teacher (docs/distillation.md): the per-token reverse KL to it over the first and the last ``k``
+    steps (the reward line's), and the mean ``teacher_noise_frac`` where measured; "" for a run without a teacher."""
+    rkl = [r["distill/reverse_kl"] for r in h if isinstance(r.get("distill/reverse_kl"), (int, float))]
+    if not rkl:
+        return ""
+    k = min(k, len(rkl))
+    first, last = _mean(rkl[:k]), _mean(rkl[-k:])
+    line = (f"distill  reverse KL per token, first {k} step(s): {first:+.4f}   last {k} step(s): {last:+.4f}   "
+            f"change {last - first:+.4f}")
+    noise = [r["distill/teacher_noise_frac"] for r in h if isinstance(r.get("distill/teacher_noise_frac"), (int, float))]
+    if noise:
+        line += f"; teacher noise frac {_mean(noise):.3f} ({len(noise)} step(s) measured)"
     return line
 
 

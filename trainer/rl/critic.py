@@ -13,6 +13,7 @@ from collections import deque
 import torch
 
 from trainer.algorithms import AdvantageInputs, explained_variance, make_kl_controller, ppo_returns
+from trainer.algorithms.distill import add_distillation
 from trainer.algorithms.ppo import ppo_token_rewards
 from trainer.algorithms.sequence import whiten
 from trainer.measurement.scoring import Scores
@@ -48,7 +49,7 @@ class NegativeKLWatch:
 
 
 def ppo_targets(scored: Scores, rewards: torch.Tensor, mask: torch.Tensor, group_size: int, cfg, controller,
-                all_sum=None):
+                all_sum=None, distill: torch.Tensor | None = None):
     """(advantages [S, C], returns [S, C], metrics) for one batch, and the controller updated.
 
     scored: ``score_pass`` output with ``logprobs`` (pi_old), ``ref_logprobs`` and ``values``.
@@ -56,6 +57,10 @@ def ppo_targets(scored: Scores, rewards: torch.Tensor, mask: torch.Tensor, group
     ``cfg.reward_kl_estimator``) plus the score at the last token (scaled to unit variance over
     the batch, mean kept, with ``cfg.whiten_rewards``); GAE then gives the
     advantages (whitened if configured) and the returns (unwhitened advantages + values).
+    distill: [S, C] a teacher's per-token reward -(log pi_student - log pi_teacher) (``distill_rewards``), or
+    None: ``algorithm.distill_coef`` times it joins each token's reward before GAE (and before the rewards'
+    whitening, as the KL penalty), so the critic learns the shaped return -- the per-token KL-in-reward of
+    InstructGPT / TRL's PPO, here against the teacher instead of the reference.
     all_sum: with data parallel, ``DataParallel.all_sum``: the whitening statistics and the
     per-sequence KL the controller steers by are the whole batch's, so every rank keeps the
     same beta (each rank's own KL would move each rank's beta apart) and the advantages are
@@ -65,6 +70,8 @@ def ppo_targets(scored: Scores, rewards: torch.Tensor, mask: torch.Tensor, group
     beta = controller.value
     token_rewards, kl = ppo_token_rewards(rewards, scored.logprobs, scored.ref_logprobs, mask, beta,
                                           a.reward_kl_estimator)
+    if distill is not None:
+        token_rewards = add_distillation(token_rewards, distill, mask, cfg.algorithm.distill_coef)
     if a.whiten_rewards:
         token_rewards = whiten(token_rewards, mask, shift_mean=False, all_sum=all_sum)
     inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=group_size, values=scored.values,

@@ -353,7 +353,8 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
 
     ``teacher_lp``: a teacher's log-probs of the sampled ids: the per-token distillation reward (the student's
     side is its engine's log-probs, those it sampled with: trainer/algorithms/distill.py) goes to the record's
-    advantage (a record with ``teacher``) and, times ``algorithm.distill_coef``, onto the task advantages.
+    advantage (a record with ``teacher``) and, times ``algorithm.distill_coef``, onto the task advantages (a
+    critic's: onto each token's reward before GAE, ``ppo_targets``).
 
     The single on-policy update of a critic-free algorithm does its forward/backward here
     (``policy_gradient_pass``): its detached log-probs are the scores, no extra forward. With
@@ -362,15 +363,15 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
     """
     cfg, a, learner = run.cfg, run.cfg.algorithm, run.learner
     run.model.train()
+    distill = None if teacher_lp is None else distill_rewards(batch.rollout_logprobs, teacher_lp, batch.mask)
     if run.value_head is not None:
         scored = score_pass(learner, batch, reference=True)
         advantages, returns, critic_metrics = ppo_targets(scored, rewards, batch.mask, a.group_size, cfg,
-                                                          run.kl_controller, all_sum=run.dp.all_sum)
+                                                          run.kl_controller, all_sum=run.dp.all_sum, distill=distill)
         critic_metrics = run.dp.mean_metrics(critic_metrics)
         m.update(critic_metrics)
         run.kl_watch.update(step, critic_metrics["train/kl_ref"])
         return scored, advantages, returns
-    distill = None if teacher_lp is None else distill_rewards(batch.rollout_logprobs, teacher_lp, batch.mask)
     advantages = a.record.advantage(AdvantageInputs(rewards=rewards, mask=batch.mask, group_size=a.group_size,
                                                     token_rewards=distill, all_sum=run.dp.all_sum), a.options)
     if a.distill_coef:

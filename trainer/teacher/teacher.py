@@ -1,9 +1,10 @@
 """The teacher of a run: its engine, started beside the student's, and each step's scores of the sampled ids.
 
 ``Teacher.from_config`` (the loop's setup, after the student's model and before its engine): the teacher's
-tokenizer checked against the student's (``checks``), its engine started (``teacher.engine``: a second colocated
-vLLM engine in the precision recipe's settings, a Transformers model, or a `parityrl serve` of the teacher at
-``teacher.server_url``), and asked once for prompt log-probs
+tokenizer checked against the student's (``trainer.lifecycle.teacher_checks``), its engine started (``teacher.engine``: a second colocated
+vLLM engine in the precision recipe's settings, a Transformers model, a `parityrl serve` of the teacher at
+``teacher.server_url``, or any vLLM OpenAI-compatible server there, which must serve ``teacher.path``'s model:
+``check_served_model``), and asked once for prompt log-probs
 (an engine that cannot return them is refused before training). Each step (``Teacher.__call__``) the engine scores
 the student's sampled sequences at temperature 1 (the teacher's own distribution: vLLM's prompt log-probs are
 unscaled); on ``teacher.parity_every`` steps the trainer scores them too, with the fused kernel
@@ -14,22 +15,24 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from rollout.base import EngineUnavailable
+from rollout.completions_scorer import CompletionsScorer
 from rollout.hf_engine import HFEngine
-from rollout.server_engine import ServerEngine
+from rollout.server_engine import ServerEngine, ServerKeys, UnusableServer
 from rollout.types import Rollouts
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RolloutConfig, RunConfig
+from trainer.lifecycle.teacher_checks import check_same_tokenizer
 from trainer.measurement.probe import due
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import TokenBatch
 from trainer.models.policy import load_base_model
 from trainer.sampling.engines import start_vllm
-from trainer.teacher.checks import check_same_tokenizer
 from trainer.teacher.metrics import distill_metrics, distill_sums, noise_frac
 from trainer.teacher.scores import teacher_scores
 
@@ -37,6 +40,16 @@ from trainer.teacher.scores import teacher_scores
 def teacher_dtype(cfg: RunConfig) -> str:
     """The teacher's dtype: ``teacher.dtype``, else the student's (``model.dtype``, the precision recipe's)."""
     return cfg.teacher.dtype or cfg.model.dtype
+
+
+def teacher_server_keys(cfg: RunConfig) -> ServerKeys:
+    """What a teacher server's errors name: its keys, and how ``teacher.engine`` expects it started (the
+    connect wait is ``teacher.server_timeout_s`` capped by rollout.server_connect_timeout_s's default)."""
+    t = cfg.teacher
+    start = "`parityrl serve <teacher recipe>`" if t.engine == "server" else f"`vllm serve {t.path}`"
+    return ServerKeys(url="teacher.server_url", timeout="teacher.server_timeout_s",
+                      connect_timeout=f"teacher.server_timeout_s, at most {RolloutConfig.server_connect_timeout_s:g} s "
+                                      "when nothing listens", start=start)
 
 
 def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int, device):
@@ -50,15 +63,49 @@ def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int
         try:
             return ServerEngine(t.server_url, model_dir=teacher_dir, timeout_s=t.server_timeout_s, dtype=dtype,
                                 max_model_len=max_model_len,
-                                connect_timeout_s=min(t.server_timeout_s, RolloutConfig.server_connect_timeout_s))
+                                connect_timeout_s=min(t.server_timeout_s, RolloutConfig.server_connect_timeout_s),
+                                keys=teacher_server_keys(cfg))
         except EngineUnavailable as e:
             raise type(e)(f"teacher.server_url = {t.server_url!r} (teacher.engine server): {e}") from None
+    if t.engine == "vllm_url":
+        # any vLLM server: the OpenAI-compatible /v1/completions with prompt log-probs (rollout.completions_scorer)
+        try:
+            engine = CompletionsScorer(t.server_url, timeout_s=t.server_timeout_s, max_model_len=max_model_len,
+                                       connect_timeout_s=min(t.server_timeout_s,
+                                                             RolloutConfig.server_connect_timeout_s),
+                                       keys=teacher_server_keys(cfg))
+        except EngineUnavailable as e:
+            raise type(e)(f"teacher.server_url = {t.server_url!r} (teacher.engine vllm_url): {e}") from None
+        try:
+            check_served_model(engine.served, t.path, teacher_dir, t.server_url)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
     r = cfg.rollout
     # a prefill per sequence, nothing decoded: the student's memory settings are ample
     return start_vllm(teacher_dir, precision=cfg.precision.recipe, dtype=dtype, max_model_len=max_model_len,
                       seed=cfg.train.seed, work_dir=cfg.run_dir / "teacher",
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
                       enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs)
+
+
+def check_served_model(card: dict, teacher_path: str, teacher_dir: str, url: str) -> None:
+    """UnusableServer naming ``teacher.server_url`` unless the vLLM server at ``url`` serves ``teacher.path``'s model.
+
+    The tokenizer check (``teacher_checks.check_same_tokenizer``) reads ``teacher.path``, and nothing of the server's
+    vocabulary can be read through its OpenAI API: the check holds for the server only if it loaded the same model.
+    Its ``/v1/models`` card names what it loaded (``root``: the ``--model`` it was started with, whatever
+    ``--served-model-name`` says): ``teacher.path`` itself (a hub id, a path), or a directory that is
+    ``teacher.path``'s."""
+    served = card.get("root") or card.get("id")
+    same = served in (teacher_path, teacher_dir) or (
+        isinstance(served, str) and Path(served).is_dir() and Path(served).resolve() == Path(teacher_dir).resolve())
+    if not same:
+        raise UnusableServer(f"teacher.server_url = {url!r} (teacher.engine vllm_url): the server loaded {served!r}; "
+                             f"expected teacher.path's model ({teacher_path!r}, {teacher_dir}): the tokenizer check "
+                             "reads teacher.path, so set it to the model the server was started with (its hub id, "
+                             "or the same directory)")
 
 
 def check_prompt_logprobs(engine, cfg: RunConfig, vocab_probe: list[int]) -> None:
@@ -71,7 +118,8 @@ def check_prompt_logprobs(engine, cfg: RunConfig, vocab_probe: list[int]) -> Non
     except Exception as e:  # noqa: BLE001 - any failure is the same refusal, with its reason
         ok, why = False, f"{type(e).__name__}: {e}"
     if not ok:
-        raise EngineUnavailable(f"teacher.engine = {cfg.teacher.engine!r} ({cfg.teacher.path}): expected an engine "
+        at = f", teacher.server_url = {cfg.teacher.server_url!r}" if cfg.teacher.server_url else ""
+        raise EngineUnavailable(f"teacher.engine = {cfg.teacher.engine!r} ({cfg.teacher.path}{at}): expected an engine "
                                 f"that returns prompt log-probs of given ids (one finite value per token); {why}")
 
 

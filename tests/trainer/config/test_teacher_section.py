@@ -41,12 +41,16 @@ def test_distill_coef_without_a_teacher_and_a_teacher_nothing_reads():
     (["algorithm.distill_coef=-1"], "algorithm.distill_coef = -1", "a number >= 0"),
     (["algorithm.name=rloo", "algorithm.distill_coef=0.5"], "algorithm.distill_coef = 0.5",
      "0 for rloo: its loss takes one advantage per sequence"),
-    (["algorithm.name=ppo", "algorithm.group_size=1", "algorithm.distill_coef=0.5"], "algorithm.distill_coef = 0.5",
-     "0 for ppo: its advantages come from the critic's GAE"),
 ])
 def test_distill_coef_refusals(overrides, key, expected):
     msg = refused(GRPO, "teacher.path=builtin:tiny-teacher", *overrides)
     assert key in msg and expected in msg
+
+
+def test_distill_coef_with_ppo_loads():
+    cfg = load_recipe(GRPO, ["teacher.path=builtin:tiny-teacher", "algorithm.name=ppo", "algorithm.group_size=1",
+                             "algorithm.distill_coef=0.5"], check_paths=False)
+    assert cfg.algorithm.name == "ppo" and cfg.algorithm.distill_coef == 0.5
 
 
 def test_opd_refuses_its_own_coefficient_and_bad_teacher_keys():
@@ -70,8 +74,20 @@ def test_teacher_server_keys():
         refused(OPD, "teacher.engine=server")
     assert "teacher.server_url = 'localhost:8001': expected http://HOST:PORT" in \
         refused(OPD, "teacher.engine=server", "teacher.server_url=localhost:8001")
-    assert "teacher.server_url = 'http://127.0.0.1:8001': expected null unless teacher.engine is server" in \
+    assert "teacher.server_url = 'http://127.0.0.1:8001': expected null unless teacher.engine is server or vllm_url" in \
         refused(OPD, "teacher.server_url=http://127.0.0.1:8001")
     assert "teacher.server_timeout_s = 0" in refused(OPD, "teacher.engine=server",
                                                      "teacher.server_url=http://127.0.0.1:8001",
                                                      "teacher.server_timeout_s=0")
+
+
+def test_teacher_vllm_url_keys():
+    cfg = load_recipe(OPD, ["teacher.engine=vllm_url", "teacher.server_url=https://teacher.example/vllm"],
+                      check_paths=False)
+    assert cfg.teacher.engine == "vllm_url" and cfg.teacher.server_url == "https://teacher.example/vllm"
+    assert "teacher.server_url = None: expected a vLLM server's http(s)://HOST[:PORT] with teacher.engine vllm_url" \
+        in refused(OPD, "teacher.engine=vllm_url")
+    assert "teacher.server_url = 'http://127.0.0.1:8001/v1': expected the server's root, without /v1" in \
+        refused(OPD, "teacher.engine=vllm_url", "teacher.server_url=http://127.0.0.1:8001/v1")
+    assert "teacher.server_url = 'localhost:8001': expected http(s)://HOST[:PORT]" in \
+        refused(OPD, "teacher.engine=vllm_url", "teacher.server_url=localhost:8001")

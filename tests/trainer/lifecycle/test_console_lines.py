@@ -2,9 +2,9 @@
 import json
 from types import SimpleNamespace
 
-from trainer.io.run_logger import eta_text
+from trainer.io.run_logger import RunLogger, eta_text
 from trainer.lifecycle.samples_table import console_rows
-from trainer.lifecycle.summary import print_summary, routing_line, whole_run
+from trainer.lifecycle.summary import distill_line, print_summary, routing_line, whole_run
 
 
 def test_eta_counts_only_the_steps_after_the_first_logged_one():
@@ -60,3 +60,34 @@ def test_the_routing_line_averages_the_steps_and_compares_only_those_scored_both
     assert routing_line(h) == ("routing  routers agree on 98.00% of (token, layer) choices, 3.0% of tokens differ "
                                "somewhere; replay: kl_k3 3.00e-04 vs 6.00e-03 without (1 step(s) scored both ways)")
     assert routing_line([{"parity/kl_k3": 1e-3}]) == ""  # a dense model's run
+
+
+def _step_line(capsys, m) -> str:
+    logger = RunLogger.__new__(RunLogger)  # the console line alone: no run directory, no wandb
+    logger._first_step, logger._t_first, logger.total_steps = 1, 0.0, 10
+    logger._print(2, {"reward/mean": 0.5, "parity/mae": 1e-3, "parity/kl_k3": 1e-6, **m})
+    return capsys.readouterr().out
+
+
+def test_the_step_line_shows_the_distillation_figures_with_a_teacher(capsys):
+    assert "distill" not in _step_line(capsys, {})  # no teacher
+    assert "kl_k3 1.0e-06  distill rkl +0.123  loss" in _step_line(capsys, {"distill/reverse_kl": 0.1234})
+    # a teacher-parity step: the share of the signal the teacher's numerics could account for
+    assert "distill rkl -0.020 noise 0.01  loss" in _step_line(capsys, {"distill/reverse_kl": -0.02,
+                                                                        "distill/teacher_noise_frac": 0.0112})
+
+
+def test_the_distill_line_compares_the_first_and_last_steps_and_averages_the_measured_noise(tmp_path, capsys):
+    h = [{**_rec(s, 0.1), "distill/reverse_kl": 0.1 * (21 - s)} for s in range(1, 21)]
+    for r in h[::5]:  # steps 1, 6, 11, 16 measured teacher parity
+        r["distill/teacher_noise_frac"] = 0.01 * r["step"]
+    # k = 5 (the reward line's): first (2.0 + 1.9 + 1.8 + 1.7 + 1.6) / 5, last (0.5 + ... + 0.1) / 5
+    line = distill_line(h, 5)
+    assert line == ("distill  reverse KL per token, first 5 step(s): +1.8000   last 5 step(s): +0.3000   change "
+                    "-1.5000; teacher noise frac 0.085 (4 step(s) measured)")
+    assert distill_line([_rec(1, 0.1)], 5) == ""  # no teacher
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in h))
+    print_summary(h, tmp_path / "step_20", SimpleNamespace(enabled=True, metrics_path=path,
+                                                            wandb_location="disabled", summary=lambda v: None))
+    assert line in capsys.readouterr().out

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from trainer.algorithms import PPOConfig, make_kl_controller
+from trainer.algorithms.distill import distill_rewards
 from trainer.config import AlgorithmConfig, RunConfig
 from trainer.measurement.scoring import Scores
 from trainer.rl.critic import NegativeKLWatch, ppo_targets
@@ -34,6 +35,30 @@ def test_targets_kl_shaping_and_controller_update():
     assert m["train/kl_ref"] == pytest.approx(1.0 / 5)
     # adaptive: KL 0.5 below target 1 -> error clipped to -0.2... here -0.5 -> -0.2; beta *= 1 - 0.2 * 2/10
     assert ctl.value == pytest.approx(0.1 * (1 - 0.2 * 2 / 10))
+
+
+def test_distill_coef_joins_each_token_reward_before_gae():
+    # one sequence of 3 valid tokens (and one pad), by hand: score 1, beta 0 (no reference KL term),
+    # gamma 0.9, lam 0.5, values V = [0.2, -0.1, 0.4, 7 (pad)], distill_coef 0.5
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    lp = torch.tensor([[-1.0, -0.5, -2.0, 0.0]])  # the student engine's log-probs of its sampled ids
+    teacher = torch.tensor([[-0.5, -1.5, -2.0, -9.0]])
+    scored = Scores(logprobs=lp, ref_logprobs=lp.clone(), values=torch.tensor([[0.2, -0.1, 0.4, 7.0]]))
+    distill = distill_rewards(lp, teacher, mask)  # -(lp - teacher) = [0.5, -1.0, 0.0, 0 (pad)]
+    cfg = _cfg(reward_kl_coef=0.0)
+    cfg.algorithm.options.gamma, cfg.algorithm.options.lam = 0.9, 0.5
+    cfg.algorithm.distill_coef = 0.5
+    adv, ret, _ = ppo_targets(scored, torch.tensor([1.0]), mask, 1, cfg, make_kl_controller(cfg.algorithm.options),
+                              distill=distill)
+    # r = 0.5 * distill + the score at the last token = [0.25, -0.5, 1.0]; gamma * lam = 0.45
+    # delta_2 = 1.0 - 0.4 = 0.6;                      A_2 = 0.6
+    # delta_1 = -0.5 + 0.9 * 0.4 - (-0.1) = -0.04;    A_1 = -0.04 + 0.45 * 0.6 = 0.23
+    # delta_0 = 0.25 + 0.9 * (-0.1) - 0.2 = -0.04;    A_0 = -0.04 + 0.45 * 0.23 = 0.0635
+    torch.testing.assert_close(adv, torch.tensor([[0.0635, 0.23, 0.6, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.2635, 0.13, 1.0, 0.0]]))  # A + V
+    # without the teacher: r = [0, 0, 1]; A_1 = 0.46 + 0.27 = 0.73, A_0 = -0.29 + 0.45 * 0.73 = 0.0385
+    plain, _, _ = ppo_targets(scored, torch.tensor([1.0]), mask, 1, cfg, make_kl_controller(cfg.algorithm.options))
+    torch.testing.assert_close(plain, torch.tensor([[0.0385, 0.73, 0.6, 0.0]]))
 
 
 def test_reward_whitening_scales_but_keeps_the_mean():

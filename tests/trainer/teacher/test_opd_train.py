@@ -36,8 +36,9 @@ def test_opd_steps_score_the_student_ids_with_the_teacher(tmp_path, vllm_engine)
     assert sum(h["distill/reverse_kl"] for h in res.history) > 0
 
 
-def test_distill_coef_beside_the_task_reward(tmp_path, vllm_engine):
-    res = train(opd_cfg(tmp_path, "grpo_distill", "algorithm.name=grpo", "algorithm.distill_coef=0.5",
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: in each token's reward before the critic's GAE
+def test_distill_coef_beside_the_task_reward(tmp_path, vllm_engine, algorithm):
+    res = train(opd_cfg(tmp_path, f"{algorithm}_distill", f"algorithm.name={algorithm}", "algorithm.distill_coef=0.5",
                         "teacher.engine=hf", "teacher.parity_every=0", "train.steps=1"), engine=vllm_engine)
     h = res.history[0]
     assert math.isfinite(h["distill/reverse_kl"]) and "teacher_parity/mae" not in h and h["train/grad_norm"] > 0

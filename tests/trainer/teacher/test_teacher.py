@@ -1,10 +1,23 @@
 """The teacher's start check and schedule (trainer/teacher/teacher.py), with stand-in engines."""
+import socket
+import time
+
+import httpx
 import pytest
 
 from rollout.base import EngineUnavailable
+from rollout.completions_scorer import CompletionsScorer
+from rollout.server_engine import UnusableServer
 from rollout.types import Scored
 from trainer.config import RunConfig, TeacherConfig
-from trainer.teacher.teacher import Teacher, check_prompt_logprobs, teacher_dtype
+from trainer.teacher.teacher import (
+    Teacher,
+    check_prompt_logprobs,
+    check_served_model,
+    start_teacher_engine,
+    teacher_dtype,
+    teacher_server_keys,
+)
 
 
 class Answers:
@@ -50,18 +63,68 @@ def test_teacher_parity_schedule_and_dtype():
     assert teacher_dtype(c) == c.model.dtype and teacher_dtype(cfg(dtype="float32")) == "float32"
 
 
-def test_a_teacher_url_that_does_not_answer_is_refused_naming_it(tmp_path):
-    import socket
-    import time
+@pytest.fixture(params=["closed", "silent"])
+def unanswering_url(request):
+    """A local URL that does not answer: a closed port (connection refused), or one that accepts connections and
+    never replies (a read timeout every attempt)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    if request.param == "closed":
+        s.close()
+    else:
+        s.listen(16)
+    yield url
+    s.close()
 
-    from trainer.teacher.teacher import start_teacher_engine
 
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    c = cfg(engine="server", server_url=url, server_timeout_s=2.0)
+@pytest.mark.parametrize("engine", ["server", "vllm_url"])
+def test_a_teacher_url_that_does_not_answer_is_refused_naming_the_teacher_keys(tmp_path, engine, unanswering_url):
+    url = unanswering_url
+    c = cfg(engine=engine, server_url=url, server_timeout_s=2.0)
     t0 = time.monotonic()
-    with pytest.raises(EngineUnavailable, match=rf"teacher.server_url = '{url}' \(teacher.engine server\): vLLM server "
-                                                r"at .* did not become healthy within 2 s .*Connection refused"):
+    with pytest.raises(EngineUnavailable) as e:
         start_teacher_engine(c, str(tmp_path), max_model_len=128, device="cpu")
     assert time.monotonic() - t0 < 10
+    msg = str(e.value)
+    assert msg.startswith(f"teacher.server_url = '{url}' (teacher.engine {engine}): vLLM server at {url} did not "
+                          "become healthy within 2 s (teacher.server_timeout_s)"), msg
+    assert "raise teacher.server_timeout_s" in msg and "listening on teacher.server_url" in msg
+    assert "rollout." not in msg and "\n" not in msg, msg
+
+
+def test_a_teacher_request_that_times_out_names_teacher_server_timeout_s():
+    scorer = CompletionsScorer.__new__(CompletionsScorer)  # past its start-up: a request to a silent server
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        scorer.url, scorer.timeout_s = f"http://127.0.0.1:{s.getsockname()[1]}", 0.5
+        scorer.keys = teacher_server_keys(cfg(engine="vllm_url", server_url=scorer.url))
+        scorer._client = httpx.Client(base_url=scorer.url, timeout=0.5)
+        scorer.model, scorer.max_model_len = "t", 64
+        with pytest.raises(EngineUnavailable, match=r"did not answer within 0.5 s \(teacher.server_timeout_s\) during "
+                                                    r"score \(1 sequences\) \(POST /v1/completions\)"):
+            scorer.score([[1, 2, 3]])
+        scorer.close()
+
+
+def test_a_vllm_url_server_must_have_loaded_the_teacher_path(tmp_path):
+    here = tmp_path / "teacher"
+    here.mkdir()
+    (tmp_path / "link").symlink_to(here)
+    for card in ({"id": "t", "root": "Org/teacher"}, {"id": "t", "root": str(here)},
+                 {"id": "t", "root": str(tmp_path / "link")}, {"id": "Org/teacher", "root": None}):
+        check_served_model(card, "Org/teacher", str(here), "http://h:1")
+    with pytest.raises(UnusableServer, match=r"teacher.server_url = 'http://h:1' \(teacher.engine vllm_url\): the "
+                                             r"server loaded 'Org/other'; expected teacher.path's model \('Org/teacher'"):
+        check_served_model({"id": "Org/teacher", "root": "Org/other"}, "Org/teacher", str(here), "http://h:1")
+    with pytest.raises(UnusableServer, match="the server loaded '/elsewhere/teacher'"):
+        check_served_model({"id": "t", "root": "/elsewhere/teacher"}, "Org/teacher", str(here), "http://h:1")
+
+
+def test_check_prompt_logprobs_names_the_teacher_url():
+    c = cfg(engine="vllm_url", server_url="http://h:1")
+    with pytest.raises(EngineUnavailable, match=r"teacher.engine = 'vllm_url' \(builtin:tiny-teacher, "
+                                                r"teacher.server_url = 'http://h:1'\): expected an engine that returns "
+                                                r"prompt log-probs"):
+        check_prompt_logprobs(Answers([]), c, [1, 2, 3])

@@ -1,16 +1,20 @@
-"""A teacher must read the student's ids as the student does (trainer/teacher/checks.py): another vocabulary, other
+"""A teacher must read the student's ids as the student does (trainer/lifecycle/teacher_checks.py): another vocabulary, other
 special tokens or another vocab size are refused naming teacher.path, before any engine starts."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from trainer.config import RecipeError
-from trainer.teacher.checks import check_same_tokenizer
+from trainer.lifecycle.teacher_checks import check_same_tokenizer
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def teacher_copy(tiny_model_dir, tmp_path, edit_tokenizer=None, edit_config=None):
     out = tmp_path / "teacher"
+    out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(tiny_model_dir, out)
     for name, edit in (("tokenizer.json", edit_tokenizer), ("config.json", edit_config)):
         if edit:
@@ -45,3 +49,26 @@ def test_another_vocab_size_is_refused(tiny_model_dir, tmp_path):
     with pytest.raises(RecipeError, match=f"teacher.path = 't': vocab_size {size} in its config.json; expected the "
                                           f"student's {size - 64}"):
         check_same_tokenizer(tiny_model_dir, teacher, "t")
+
+
+def test_print_config_refuses_a_teacher_of_another_vocabulary(tiny_model_dir, tmp_path, capsys):
+    """`parityrl train <recipe> --print-config` runs the tokenizer check when both models are here already (the
+    student built-in once built, the teacher a local directory), with the line training's start would print."""
+    from trainer.cli import main
+
+    def swap(tok):
+        vocab = tok["model"]["vocab"]
+        a, b = (next(w for w, i in vocab.items() if i == k) for k in (300, 301))
+        vocab[a], vocab[b] = 301, 300
+
+    recipe = str(REPO / "recipes" / "opd_tiny.yaml")
+    same = teacher_copy(tiny_model_dir, tmp_path / "same")
+    assert main(["train", recipe, "--set", f"teacher.path={same}", "--print-config"]) == 0
+    capsys.readouterr()
+    other = teacher_copy(tiny_model_dir, tmp_path / "other", edit_tokenizer=swap)
+    assert main(["train", recipe, "--set", f"teacher.path={other}", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    with pytest.raises(RecipeError) as at_start:
+        check_same_tokenizer(tiny_model_dir, other, other, "recipe")
+    assert err.count("\n") == 0 and err.endswith(str(at_start.value).removeprefix("recipe: ")), err
+    assert f"teacher.path = {other!r}: expected the student's tokenizer" in err

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from transformers import AutoConfig
 
-from trainer.config import RecipeError
+from trainer.builtin.resolve import model_dir_at_hand
+from trainer.config import RecipeError, RunConfig
 from trainer.models.policy import load_tokenizer
 
 
@@ -39,3 +40,14 @@ def check_same_tokenizer(student_dir: str, teacher_dir: str, teacher_path: str, 
     if s_size != t_size:
         raise RecipeError(f"{where}: teacher.path = {teacher_path!r}: vocab_size {t_size} in its config.json; "
                           f"expected the student's {s_size} (the teacher must score every id the student samples)")
+
+
+def check_teacher_at_hand(cfg: RunConfig, where: str) -> None:
+    """``check_same_tokenizer`` before training (a recipe's checks, ``--print-config``) when both models are here
+    already: local directories, or built-ins once built. Nothing is built or downloaded for it, as the student's own
+    checks there build nothing; a model not at hand is checked when training starts (``Teacher.from_config``)."""
+    if not cfg.teacher.path:
+        return
+    student, teacher = model_dir_at_hand(cfg.model.path), model_dir_at_hand(cfg.teacher.path)
+    if student is not None and teacher is not None:
+        check_same_tokenizer(student, teacher, cfg.teacher.path, where)
