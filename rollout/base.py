@@ -111,6 +111,8 @@ class InProcessEngine:
 
 
 def one_line(e: BaseException) -> str:
-    """An exception as one line: its type and the last line of its message (an engine's reason, not its traceback)."""
-    text = str(e).strip().splitlines()
+    """An exception as one line: its type and the last line of its message (an engine's reason, not its traceback).
+    A pydantic ValidationError (vLLM's configs) ends in a link to pydantic's docs, and its reason is the line above."""
+    text = [x.strip() for x in str(e).strip().splitlines()
+            if x.strip() and not x.strip().startswith("For further information visit")]
     return f"{type(e).__name__}: {text[-1]}" if text else type(e).__name__
