@@ -4,8 +4,8 @@
 
 Three runs of ``parityrl train`` through the real CLI, each in a process of its own:
 
-* ``teacher``: ``builtin:tiny-teacher``'s held-out figures (the evaluation before step 1 of a 1-step run);
-* ``opd``: ``recipes/opd_tiny.yaml`` (the student ``builtin:tiny`` distilled from the teacher);
+* ``teacher``: the recipe's ``teacher.path``'s held-out figures (the evaluation before step 1 of a 1-step run);
+* ``opd``: ``recipes/opd_tiny.yaml`` (the student ``builtin:tiny-tools`` distilled from ``builtin:tiny-tools-teacher``);
 * ``grpo``: the same recipe with ``algorithm.name=grpo`` and no teacher (the task reward alone).
 
 ``opd`` and ``grpo`` run side by side (the same machine load for both). Prints the student's eval/mean@k before
@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from trainer.config.load import read_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "opd_tiny.yaml"
@@ -52,9 +54,10 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="bench_opd_"))
     common = [f"train.steps={args.steps}", *args.sets]
+    teacher_path = read_recipe(RECIPE, args.sets).teacher.path
     t0 = time.perf_counter()
     teacher = launch("teacher", out, [*common, "train.steps=1", "algorithm.name=grpo", "teacher.path=null",
-                                      "model.path=builtin:tiny-teacher"])
+                                      f"model.path={teacher_path}"])
     if teacher.wait():
         sys.exit(f"teacher run failed: {out / 'teacher.log'}")
     starts = {}
@@ -65,11 +68,13 @@ def main() -> None:
     walls = {}
     for name, p in procs.items():
         if p.wait():
+            for other in procs.values():  # the side-by-side run would go on alone, holding the cores
+                other.kill()
             sys.exit(f"{name} run failed: {out / (name + '.log')}")
         walls[name] = time.perf_counter() - starts[name]
     teacher_k = evals(records(out, "teacher"))[0][1]
     print(f"runs in {out} ({time.perf_counter() - t0:.0f} s in all); {KEY} on the held-out test split")
-    print(f"teacher builtin:tiny-teacher: {teacher_k:.3f}")
+    print(f"teacher {teacher_path}: {teacher_k:.3f}")
     for name in procs:
         rows = records(out, name)
         e = evals(rows)

@@ -113,6 +113,18 @@ def check_context_length(cfg: RunConfig, where: str) -> None:
             f"{where}: rollout.max_new_tokens = {cfg.rollout.max_new_tokens}: data.max_prompt_tokens "
             f"({cfg.data.max_prompt_tokens}) + max_new_tokens = {need_len} exceeds the model's context of {max_pos} tokens"
         )
+    t = cfg.teacher
+    # A vLLM teacher scores a sequence as a prompt and samples one token after it (prompt log-probs come with a
+    # generate): its engine needs one position more than the student's longest sequence.
+    teacher_pos = model_max_positions(t.path) if t.path and t.engine == "vllm" else None
+    if teacher_pos is not None and need_len + 1 > teacher_pos:
+        key, value = (("env.max_tokens", cfg.env.max_tokens) if cfg.env.enabled and cfg.env.max_tokens is not None
+                      else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
+        raise RecipeError(
+            f"{where}: {key} = {value}: the student's sequences of up to {need_len} tokens need {need_len + 1} "
+            f"positions in the teacher's engine (teacher.engine {t.engine} samples one token after a scored "
+            f"sequence), more than teacher.path {t.path!r}'s context of {teacher_pos}; expected sequences of at most "
+            f"{teacher_pos - 1} tokens, or teacher.engine hf")
 
 
 # The key a problem line names: "<where>: key = value: ..." or "<where>: unknown key 'key'; ..." (<where> is

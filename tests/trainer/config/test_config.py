@@ -133,6 +133,16 @@ def test_max_new_tokens_above_context(tmp_path):
     assert "rollout.max_new_tokens = 100" in str(e.value) and "164" in str(e.value) and "128" in str(e.value)
 
 
+def test_a_vllm_teacher_needs_one_position_more_than_the_student(tmp_path):
+    # the student's episodes fill the tiny model's 256 positions; vLLM samples a token after the scored sequence
+    sets = ["env.max_tokens=256"]
+    with pytest.raises(RecipeError) as e:
+        load_recipe(REPO / "recipes" / "opd_tiny.yaml", sets)
+    assert ("env.max_tokens = 256: the student's sequences of up to 256 tokens need 257 positions in the teacher's "
+            "engine") in str(e.value) and "context of 256" in str(e.value) and "at most 255 tokens" in str(e.value)
+    assert load_recipe(REPO / "recipes" / "opd_tiny.yaml", [*sets, "teacher.engine=hf"]).env.max_tokens == 256
+
+
 def test_builtin_context_is_checked_without_building(tmp_path):
     p = write(tmp_path, "rollout: {max_new_tokens: 100000}\n")
     with pytest.raises(RecipeError, match="exceeds the model's context"):
