@@ -20,7 +20,7 @@ def refused(recipe, *overrides) -> str:
 
 def test_opd_recipe_loads_with_its_teacher():
     cfg = load_recipe(OPD, check_paths=False)
-    assert cfg.algorithm.name == "opd" and cfg.teacher.path == "builtin:tiny-teacher" and cfg.teacher.engine == "vllm"
+    assert cfg.algorithm.name == "opd" and cfg.teacher.path == "builtin:tiny-tools-teacher" and cfg.teacher.engine == "vllm"
     assert cfg.teacher.dtype is None and cfg.algorithm.distill_coef == 0.0
     cfg = load_recipe(GRPO, ["algorithm.distill_coef=0.5", "teacher.path=builtin:tiny-teacher"], check_paths=False)
     assert cfg.algorithm.distill_coef == 0.5

@@ -1,5 +1,5 @@
 """A few on-policy distillation steps with the real vLLM engines on the tiny models (slow tier): the session's
-student engine (tests/conftest.py) and a teacher engine this test starts for builtin:tiny-teacher."""
+student engine (tests/conftest.py, builtin:tiny) and a teacher engine this test starts for builtin:tiny-teacher."""
 import math
 from pathlib import Path
 
@@ -16,7 +16,10 @@ TEACHER_PARITY_FP32 = 1e-4
 
 
 def opd_cfg(tmp_path, name, *overrides):
-    return load_recipe(REPO / "recipes" / "opd_tiny.yaml", [
+    # the arithmetic task's recipe with the arithmetic teacher: the session's engine serves builtin:tiny
+    # (recipes/opd_tiny.yaml distils builtin:tiny-tools on episodes)
+    return load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [
+        "algorithm.name=opd", "teacher.path=builtin:tiny-teacher", "teacher.engine=vllm", "parity.topk=1",
         f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled", "train.steps=3",
         "rollout.prompts_per_step=4", "algorithm.group_size=4", "train.micro_batch_size=16", "eval.every=0",
         "checkpoint.every=0", "parity.probe_prompts=0", *overrides])
