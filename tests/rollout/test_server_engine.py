@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from server_health import wait_healthy
 
 from rollout.base import EngineUnavailable
 from rollout.server_engine import ServerEngine, ServerEngineError, parse_server_url
@@ -38,7 +39,6 @@ RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
 MAE_BOUND = 0.02  # engine vs unpadded HF forward, as test_vllm_engine.py
 MISMATCH_FLOOR = 5 * MAE_BOUND
 PARITY_MAE_BOUND = 1e-2  # the training loop's bound, as test_train_integration.py
-SERVER_START_S = 600  # ~100 s measured on the shared 2-core machine: three processes import vLLM
 
 
 def free_port() -> int:
@@ -654,20 +654,11 @@ class Server:
         self._wait()
 
     def _wait(self) -> None:
-        import httpx
-
-        deadline = time.monotonic() + SERVER_START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        self.kill()
-        raise RuntimeError(f"server not healthy within {SERVER_START_S} s:\n{self.log.read_text()[-3000:]}")
+        try:
+            wait_healthy(self.proc, self.url, self.log)
+        except RuntimeError:
+            self.kill()
+            raise
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.proc.poll() is None:

