@@ -1,6 +1,6 @@
 """On-policy distillation against GRPO on the task reward alone, same budget: the student's held-out mean@k.
 
-    python bench/bench_opd.py [--steps 30] [--set key=value ...]
+    python bench/bench_opd.py [--steps N] [--set key=value ...]     (N: the recipe's train.steps unless given)
 
 Three runs of ``parityrl train`` through the real CLI, each in a process of its own:
 
@@ -49,11 +49,11 @@ def evals(rows: list[dict]) -> list[tuple[int, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=None, help="train.steps of both runs (default: the recipe's)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="an override for both runs")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="bench_opd_"))
-    common = [f"train.steps={args.steps}", *args.sets]
+    common = [*([f"train.steps={args.steps}"] if args.steps else []), *args.sets]
     teacher_path = read_recipe(RECIPE, args.sets).teacher.path
     t0 = time.perf_counter()
     teacher = launch("teacher", out, [*common, "train.steps=1", "algorithm.name=grpo", "teacher.path=null",
