@@ -89,8 +89,11 @@ def main() -> None:
     print(f"opd distill/reverse_kl {first['distill/reverse_kl']:.4f} -> {last['distill/reverse_kl']:.4f}, "
           f"top1_agree {first.get('distill/top1_agree', float('nan')):.3f} -> "
           f"{last.get('distill/top1_agree', float('nan')):.3f}")
-    print("opd teacher_parity/mae " + " ".join(f"{r['teacher_parity/mae']:.2e}" for r in par) +
-          "; teacher_noise_frac " + " ".join(f"{r['distill/teacher_noise_frac']:.3f}" for r in par))
+    if par:  # the steps that measured the teacher's numerics (the probe's)
+        mae = [r["teacher_parity/mae"] for r in par]
+        noise = [r["distill/teacher_noise_frac"] for r in par]
+        print(f"opd teacher_parity/mae mean {sum(mae) / len(mae):.2e} max {max(mae):.2e}; teacher_noise_frac mean "
+              f"{sum(noise) / len(noise):.3f} max {max(noise):.3f} ({len(par)} steps measured)")
 
 
 if __name__ == "__main__":

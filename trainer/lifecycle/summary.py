@@ -64,7 +64,7 @@ def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLo
     print("\n=== parityrl run summary ===")
     print(f"reward   first {k} step(s): {first:.3f}   last {k} step(s): {last:.3f}   change {last - first:+.3f}")
     print(f"parity   mean |d| over the run: {mae:.2e}   mean kl_k3: {kl:.2e}   worst token |d|: {worst:.2e}")
-    for line in (routing_line(h), distill_line(h, k)):
+    for line in (episodes_line(h, k), routing_line(h), distill_line(h, k)):
         if line:
             print(line)
     held_out = held_out_line(logger.metrics_path)
@@ -79,6 +79,21 @@ def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLo
         print(f"best        {best.metric} {best.value:.4g} at step {best.step}: {where}")
     print(f"metrics     {logger.metrics_path}")
     print(f"wandb       {logger.wandb_location}")
+
+
+def episodes_line(h: list[dict], k: int) -> str:
+    """A run of tool-using episodes (docs/episodes.md): tool calls and tool errors per episode over the first and the
+    last ``k`` steps (the reward line's), which say whether the policy learnt to use its tools; "" without episodes."""
+    calls = [r for r in h if isinstance(r.get("episode/tool_calls"), (int, float))]
+    if not calls:
+        return ""
+    k = min(k, len(calls))
+
+    def change(key: str) -> str:
+        return f"{_mean([r.get(key) for r in calls[:k]]):.2f} -> {_mean([r.get(key) for r in calls[-k:]]):.2f}"
+
+    return (f"episodes tool calls per episode {change('episode/tool_calls')}, tool errors "
+            f"{change('episode/tool_errors')} (first {k} / last {k} step(s))")
 
 
 def routing_line(h: list[dict]) -> str:

@@ -9,7 +9,14 @@ import pytest
 
 from trainer.data.tasks import BUILTIN_DATASETS
 from trainer.data.tasks.arithmetic import ADD_VERBS, SUB_VERBS, exact_answer_reward
-from trainer.data.tasks.arithmetic_tools import arithmetic_tools_dataset, problem_split, sft_messages
+from trainer.data.tasks.arithmetic_tools import (
+    DIRECT_FRACTION,
+    answers_directly,
+    arithmetic_tools_dataset,
+    problem_split,
+    sft_messages,
+    sft_messages_sometimes_direct,
+)
 
 _PARSE = re.compile(r"has (\d+) \w+, (" + "|".join(ADD_VERBS + SUB_VERBS) + r") (\d+) and ("
                     + "|".join(ADD_VERBS + SUB_VERBS) + r") (\d+)\. How many")
@@ -63,6 +70,20 @@ def test_sft_messages_are_a_solved_episode_the_reward_scores():
     episode = json.dumps(call["function"]) + " 5 " + messages[-1]["content"]
     assert exact_answer_reward([row["prompt"]], [episode], [row["answer"]]) == [1.0]
     assert exact_answer_reward([row["prompt"]], [episode.replace("is 5.", "is 6.")], [row["answer"]]) == [0.0]
+
+
+def test_the_warm_starts_episodes_answer_a_quarter_of_the_problems_without_the_tool():
+    rows = arithmetic_tools_dataset(4000, seed=0).to_list()
+    # the first rows' choices, from SHA-256("direct:" + core)[:8] / 2**64 against 0.25 (0.387, 0.984, 0.078, 0.590)
+    assert [answers_directly(r["expression"]) for r in rows[:4]] == [False, False, True, False]
+    assert DIRECT_FRACTION == 0.25
+    direct = [r for r in rows if answers_directly(r["expression"])]
+    assert 0.22 < len(direct) / len(rows) < 0.28
+    assert sft_messages_sometimes_direct(**rows[0]) == sft_messages(**rows[0])
+    row = rows[2]  # "2 + 15 + 8"
+    assert sft_messages_sometimes_direct(**row) == [{"role": "user", "content": row["prompt"]},
+                                                    {"role": "assistant", "content": "The answer is 25."}]
+    assert exact_answer_reward([row["prompt"]], ["The answer is 25."], [row["answer"]]) == [1.0]
 
 
 def test_the_transcripts_tool_reply_is_what_the_calculator_replies():

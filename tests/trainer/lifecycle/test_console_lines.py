@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 from trainer.io.run_logger import RunLogger, eta_text
 from trainer.lifecycle.samples_table import console_rows
-from trainer.lifecycle.summary import distill_line, print_summary, routing_line, whole_run
+from trainer.lifecycle.summary import distill_line, episodes_line, print_summary, routing_line, whole_run
 
 
 def test_eta_counts_only_the_steps_after_the_first_logged_one():
@@ -60,6 +60,17 @@ def test_the_routing_line_averages_the_steps_and_compares_only_those_scored_both
     assert routing_line(h) == ("routing  routers agree on 98.00% of (token, layer) choices, 3.0% of tokens differ "
                                "somewhere; replay: kl_k3 3.00e-04 vs 6.00e-03 without (1 step(s) scored both ways)")
     assert routing_line([{"parity/kl_k3": 1e-3}]) == ""  # a dense model's run
+
+
+def test_the_episodes_line_compares_tool_use_over_the_first_and_last_steps():
+    h = [{"episode/tool_calls": c, "episode/tool_errors": e} for c, e in
+         [(0.5, 0.25), (0.75, 0.0), (0.25, 0.5), (1.0, 0.0), (1.0, 0.125), (0.875, 0.0)]]
+    # k = 2: calls (0.5 + 0.75) / 2 -> (1.0 + 0.875) / 2, errors (0.25 + 0) / 2 -> (0.125 + 0) / 2
+    assert episodes_line(h, 2) == ("episodes tool calls per episode 0.62 -> 0.94, tool errors 0.12 -> 0.06 "
+                                   "(first 2 / last 2 step(s))")
+    assert episodes_line(h[:1], 5) == ("episodes tool calls per episode 0.50 -> 0.50, tool errors 0.25 -> 0.25 "
+                                       "(first 1 / last 1 step(s))")
+    assert episodes_line([{"reward/mean": 0.5}], 5) == ""  # completions, no episodes
 
 
 def _step_line(capsys, m) -> str:

@@ -40,7 +40,8 @@ from trainer.data.tasks.arithmetic import (
     check_dataset_args,
 )
 
-__all__ = ["TOOL_NAME", "arithmetic_tools_dataset", "expression", "problem_split", "sft_messages"]
+__all__ = ["TOOL_NAME", "arithmetic_tools_dataset", "expression", "problem_split", "sft_messages",
+           "sft_messages_sometimes_direct"]
 
 TOOL_NAME = "calculate"
 
@@ -141,4 +142,31 @@ def sft_messages(prompt: str, **columns: object) -> list[dict]:
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "content": result},
         {"role": "assistant", "content": f"The answer is {result}."},
+    ]
+
+
+# The share of rows sft_messages_sometimes_direct answers without the tool.
+DIRECT_FRACTION = 0.25
+
+
+def answers_directly(expr: str) -> bool:
+    """Whether ``sft_messages_sometimes_direct`` answers the row of core ``expr`` without the tool: a SHA-256 of the
+    core against ``DIRECT_FRACTION``, so the choice is fixed per problem and unrelated to anything the model reads."""
+    u = int.from_bytes(hashlib.sha256(f"direct:{expr}".encode()).digest()[:8], "big") / 2**64
+    return u < DIRECT_FRACTION
+
+
+def sft_messages_sometimes_direct(prompt: str, **columns: object) -> list[dict]:
+    """``sft_messages`` for most rows; for ``DIRECT_FRACTION`` of them (``answers_directly``) the answer alone, as if
+    computed in the weights: question, "The answer is N.".
+
+    The warm start this teaches (``builtin:tiny-tools``) calls the calculator on about half the problems and
+    otherwise guesses, which the tiny model gets right on few problems it has not seen. RL then has a procedure to
+    learn that works for any numbers: call the tool (and copy its operands and result), which is what the
+    demo's held-out evaluation measures (recipes/grpo_tools_tiny.yaml)."""
+    if not answers_directly(expression(prompt, **columns)):
+        return sft_messages(prompt, **columns)
+    return [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": f"The answer is {int(columns['answer'])}."},
     ]
