@@ -68,6 +68,10 @@ class Episode:
     routes: Optional[torch.Tensor] = None  # an MoE engine's routes of the positions its turns computed
     # a truncated sampler's kept sets: each turn's from the engine, an empty set at every reply position
     support: list[Support] = field(default_factory=list)
+    # with SamplingSpec.logprobs_topk = k > 0: the engine's k most likely ids and their log-probs at each sampled
+    # position, k zeros at each reply position (masked out, as a batch's padding is: trainer.models.batch)
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
 
     def full_routes(self, like: torch.Tensor) -> torch.Tensor:
         """``routes`` over every position of the episode (the replies after its last turn have none; an episode
@@ -77,10 +81,18 @@ class Episode:
         return torch.cat([known, pad])
 
     def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
-               support: Optional[Support] = None) -> None:
-        """A sampled turn (with its log-probs, and its kept sets when the sampling was truncated) or a reply."""
+               support: Optional[Support] = None, topk: Optional[tuple[list, list]] = None) -> None:
+        """A sampled turn (with its log-probs, its kept sets when the sampling was truncated, and its top-k ids and
+        log-probs when asked for) or a reply."""
         if support is not None or (self.support and not sampled):
             self.support.append(support if sampled else Support.empty(len(ids)))
+        if sampled and topk is not None:
+            self.topk_ids.extend(list(r) for r in topk[0])
+            self.topk_logprobs.extend(list(r) for r in topk[1])
+        elif not sampled and self.topk_ids:
+            k = len(self.topk_ids[0])
+            self.topk_ids.extend([0] * k for _ in ids)
+            self.topk_logprobs.extend([0.0] * k for _ in ids)
         self.ids.extend(int(i) for i in ids)
         self.mask.extend([1 if sampled else 0] * len(ids))
         if sampled:
@@ -131,7 +143,9 @@ def run_episodes(engine, tokenizer, prompts: Sequence[list[dict]], rows: Sequenc
                         rollout_logprobs=[e.logprobs for e in episodes], finish_reasons=[e.finish for e in episodes],
                         group_size=spec.n, completion_mask=[e.mask for e in episodes],
                         routes=[e.full_routes(routed[0]) for e in episodes] if routed else [],
-                        support=[_full_support(e) for e in episodes] if any(e.support for e in episodes) else [])
+                        support=[_full_support(e) for e in episodes] if any(e.support for e in episodes) else [],
+                        topk_ids=[e.topk_ids for e in episodes] if spec.logprobs_topk else [],
+                        topk_logprobs=[e.topk_logprobs for e in episodes] if spec.logprobs_topk else [])
     return rollouts, episodes
 
 
@@ -167,7 +181,8 @@ def _sample_turn(engine, live: list[Episode], spec: SamplingSpec, limits: Episod
                                                       out.finish_reasons)):
             if out.routes:  # each position keeps the route of the turn that computed it first (rollout.routes)
                 e.routes = extend_routes(e.routes, out.routes[k])
-            e.append(ids, True, lps, out.support[k] if out.support else None)
+            e.append(ids, True, lps, out.support[k] if out.support else None,
+                     (out.topk_ids[k], out.topk_logprobs[k]) if out.topk_ids else None)
             e.turns += 1
             if finish == "length":  # cut by the cap: the turn never ended, so neither does a reply follow it
                 e.live, e.finish = False, "length"

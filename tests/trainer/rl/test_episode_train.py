@@ -77,9 +77,13 @@ def test_the_trainer_scores_exactly_the_ids_the_engine_read_and_sampled(tiny_mod
 
 
 def test_a_grpo_run_on_episodes_logs_parity_per_turn_and_drift(tmp_path, vllm_engine):
-    res = train(recipe(tmp_path, "episodes", "train.steps=2", "logging.samples_every=1"), engine=vllm_engine)
+    res = train(recipe(tmp_path, "episodes", "train.steps=2", "logging.samples_every=1", "parity.topk=2"),
+                engine=vllm_engine)
     for h in res.history:
         assert h["parity/mae"] < PARITY_MAE_BOUND, h["parity/mae"]
+        # each turn's top-k from the engine, the replies' rows masked: as small as on single-turn completions
+        # (tests/trainer/rl/test_train_integration.py: 1e-5 to 1e-4 nats in sync)
+        assert 0 <= h["parity/topk_kl"] < 1e-3, h["parity/topk_kl"]
         assert h["parity/turn_1/mae"] < PARITY_MAE_BOUND
         assert 1.0 <= h["episode/turns"] <= 2.0
         assert 0.0 <= h["parity/retokenize_drift_episodes"] <= 1.0

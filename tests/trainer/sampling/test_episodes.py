@@ -195,3 +195,27 @@ def test_a_truncated_episode_carries_each_turns_kept_sets_and_empty_sets_on_the_
     sets = r.support[0].to_lists()
     reply = len(eps[0].ids) - 2 * len(answer)
     assert sets == [[t, t + 1] for t in answer] + [[]] * reply + [[t, t + 1] for t in answer]
+
+
+def test_an_episode_carries_each_turns_top_k_and_zero_rows_on_the_replies(tok):
+    answer = words(tok, "7") + [EOS]
+
+    class TopK(ScriptedEngine):
+        def generate(self, prompt_ids, spec):
+            r = super().generate(prompt_ids, spec)
+            r.topk_ids = [[[t, t + 1] for t in c] for c in r.completion_ids]
+            r.topk_logprobs = [[[-0.25, -1.5] for _ in c] for c in r.completion_ids]
+            return r
+
+    spec = SamplingSpec(n=1, max_new_tokens=8, seed=3, logprobs_topk=2)
+    r, eps = run_episodes(TopK(lambda call, prompt: (answer, "stop")), tok, [[{"role": "user", "content": "1+2"}]],
+                          [{}], Counter, spec, EpisodeLimits(max_turns=5, max_tokens=200, max_observation_tokens=20))
+    reply = len(eps[0].ids) - 2 * len(answer)
+    assert reply > 0 and r.topk == 2
+    assert r.topk_ids[0] == [[t, t + 1] for t in answer] + [[0, 0]] * reply + [[t, t + 1] for t in answer]
+    assert r.topk_logprobs[0] == [[-0.25, -1.5]] * len(answer) + [[0.0, 0.0]] * reply + [[-0.25, -1.5]] * len(answer)
+    # without top-k asked for, none is kept (the engine's rows are not read)
+    r, _ = run_episodes(TopK(lambda call, prompt: (answer, "stop")), tok, [[{"role": "user", "content": "1+2"}]],
+                        [{}], Counter, SamplingSpec(n=1, max_new_tokens=8, seed=3),
+                        EpisodeLimits(max_turns=5, max_tokens=200, max_observation_tokens=20))
+    assert r.topk_ids == [] and r.topk == 0
