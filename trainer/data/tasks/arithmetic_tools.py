@@ -160,7 +160,7 @@ def sft_messages_sometimes_direct(prompt: str, **columns: object) -> list[dict]:
     """``sft_messages`` for most rows; for ``DIRECT_FRACTION`` of them (``answers_directly``) the answer alone, as if
     computed in the weights: question, "The answer is N.".
 
-    The warm start this teaches (``builtin:tiny-tools``) calls the calculator on about half the problems and
+    The warm start this teaches (``builtin:tiny-tools``) calls the calculator on about three problems in four and
     otherwise guesses, which the tiny model gets right on few problems it has not seen. RL then has a procedure to
     learn that works for any numbers: call the tool (and copy its operands and result), which is what the
     demo's held-out evaluation measures (recipes/grpo_tools_tiny.yaml)."""
