@@ -6,10 +6,18 @@ sequence i gets weight
     M_{i,t} = 0   if A_{i,t} < 0 and (1 / |o_i|) sum_t log(pi_old(o_t) / pi_theta(o_t)) > delta
     M_{i,t} = 1   otherwise
 
-with pi_old the policy that sampled (here the engine, pi_rollout) and pi_theta the trainer's: the sequence mean of
-k1 = -d, so a sequence is masked when its mean log-ratio says the trainer finds it less likely than the engine did
-by more than delta, and its advantage would push its probability down further. TRL's
-``off_policy_mask_threshold`` (huggingface/trl PR 4689; PR 4857 took the engine's log-probs as pi_old, as here).
+with pi_old the policy that sampled (here the engine, pi_rollout) and pi_theta the policy being updated: the
+sequence mean of k1 = -d, so a sequence is masked when its mean log-ratio says the current policy finds it less
+likely than the engine did by more than delta, and its advantage would push its probability down further. TRL's
+``off_policy_mask_threshold`` (huggingface/trl PR 4689; PR 4857 took the engine's log-probs as pi_old, as here;
+``get_off_policy_mask`` takes pi_theta from the update's own detached log-probs).
+
+pi_theta moves between the updates of one batch (``algorithm.epochs`` x ``mini_batches`` > 1), and the paper's
+mask follows it: its pi_old is the inference framework's sampling probability, so the divergence from the current
+policy covers both sources of off-policyness, the engine's numerics and the updates already taken. So the rule reads the current policy
+(``policy="current"``): the loop computes it again at every update from that update's own forward
+(trainer/rl/update.py), not once from pi_old; at the first update (and in the single on-policy one) the two are
+the same policy.
 With a sequence's advantages constant over its tokens (GRPO, RLOO, PMD) the mask is one value per sequence; with
 per-token advantages (PPO) it follows each token's sign, as M_{i,t} is written.
 
@@ -36,11 +44,13 @@ class OPSMOptions:
 
 
 def opsm(inputs: CorrectionInputs, o: OPSMOptions) -> RuleOutput:
-    """Keep (i, t) unless A_{i,t} < 0 and mean_t(-d_{i,t}) > delta."""
+    """Keep (i, t) unless A_{i,t} < 0 and mean_t(-d_{i,t}) > delta, d = lp_theta - lp_rollout under the policy being
+    updated."""
     drifted = inputs.per_token(inputs.seq_mean(-inputs.d) > o.delta)
     return kept(inputs, ~((inputs.advantages < 0) & drifted))
 
 
 register_rule(Rule(name="opsm", kind="reject", level="sequence", options=OPSMOptions, apply=opsm,
-                   formula="drop token if A < 0 and mean_t(lp_r - lp_t) > delta", needs_advantages=True,
+                   formula="drop token if A < 0 and mean_t(lp_r - lp_theta) > delta, at every update",
+                   needs_advantages=True, policy="current",
                    source="DeepSeek-V3.2, arXiv 2512.02556, Sec. 3.1; TRL off_policy_mask_threshold"))

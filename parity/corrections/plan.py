@@ -14,6 +14,11 @@ sequences for a sequence-level one; over every data-parallel rank's batch throug
 before the masks: verl's ``rollout_is_batch_normalize`` ("only affects IS weight values, not rejection sampling"),
 a self-normalised importance sampler. Its mean needs the whole batch before any weight is used, so the loop scores
 pi_old first when it is on (one gradient-free forward more per step in the single-update case).
+
+Rules read one of two policies (``Rule.policy``): pi_old, scored once per rollout batch, or the policy being updated
+(OPSM), read again at every update. ``part`` splits a plan along that line; since every rule but the importance
+weight is a 0/1 mask, the product of the two parts' weights is the whole plan's, and where the two policies are one
+(the single on-policy update) it is exactly ``apply``'s.
 """
 from __future__ import annotations
 
@@ -104,6 +109,22 @@ class CorrectionPlan:
     @property
     def needs_advantages(self) -> bool:
         return any(r.needs_advantages for r in self.records)
+
+    @property
+    def reads_current_policy(self) -> bool:
+        """Whether some rule reads the policy being updated (``Rule.policy == "current"``): its weights are then
+        computed again at every update of a batch, from that update's own log-probs."""
+        return any(r.policy == "current" for r in self.records)
+
+    def part(self, policy: str) -> "CorrectionPlan":
+        """The rules of this plan that read ``policy`` (``"old"`` or ``"current"``), with their options. The batch
+        normalisation goes with the importance weight, which reads pi_old (``Rule`` refuses it on the current
+        policy)."""
+        if policy not in ("old", "current"):
+            raise ValueError(f"policy = {policy!r}: expected 'old' or 'current'")
+        names = tuple(n for n in self.rules if get_rule(n).policy == policy)
+        return CorrectionPlan(names, {n: self.options[n] for n in names},
+                              batch_normalize=self.batch_normalize and policy == "old")
 
     @property
     def batch_level(self) -> bool:

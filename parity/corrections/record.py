@@ -11,6 +11,12 @@ A rule is registered once (``registry.register_rule``) by the module that define
 - ``level``: ``"token"`` when a rule's weights may differ between the tokens of one sequence, ``"sequence"`` when
   they are one value per sequence (a sequence-level loss such as RLOO's accepts only those).
 - ``needs_advantages``: the rule reads the advantages (DeepSeek-V3.2's off-policy sequence mask).
+- ``policy``: whose log-probs the rule's d = lp_t - lp_r takes as lp_t. ``"old"``: pi_old, the trainer's view of
+  the behaviour policy, scored once per rollout batch: every rule that corrects the engine/trainer mismatch.
+  ``"current"``: the policy being updated, read again at every update of the batch (with ``algorithm.epochs`` x
+  ``mini_batches`` > 1 it moves between them): DeepSeek-V3.2's OPSM, whose pi_theta is the current policy (TRL's
+  ``get_off_policy_mask`` takes the update's own detached log-probs). Such a rule must be a rejection: a weight
+  rule may be batch-normalised, which needs the whole batch's weights before the first update.
 """
 from __future__ import annotations
 
@@ -146,6 +152,7 @@ class Rule:
     formula: str  # one line, for the docs and error messages
     source: str  # where the rule and its defaults come from
     needs_advantages: bool = False
+    policy: Literal["old", "current"] = "old"
 
     def __post_init__(self) -> None:
         if not (dataclasses.is_dataclass(self.options) and self.options.__dataclass_params__.frozen):
@@ -155,6 +162,12 @@ class Rule:
                              f"{self.kind!r}, {self.level!r}")
         if not callable(self.apply):
             raise TypeError(f"Rule {self.name!r}: apply must be a callable")
+        if self.policy not in ("old", "current"):
+            raise ValueError(f"Rule {self.name!r}: policy must be old|current, got {self.policy!r}")
+        if self.policy == "current" and self.kind != "reject":
+            raise ValueError(f"Rule {self.name!r}: a rule on the current policy must be a rejection (kind 'reject'): "
+                             "an importance weight may be batch-normalised, which needs the whole batch's weights "
+                             "before the first update")
 
     def option_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.options)]

@@ -38,20 +38,30 @@ def scores_first(cfg: RunConfig) -> bool:
     return updates_per_batch(cfg) > 1 or cfg.parity.correction.plan.batch_level
 
 
-def correction_weights(cfg: RunConfig, old_logprobs: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor,
-                       all_sum=None) -> Optional[torch.Tensor]:
-    """The recipe's correction weights [S, C] (float32, constants) of ``batch`` from pi_old's log-probs
-    ([S, C], C <= the batch's columns), or None without a rule (``parity.corrections.CorrectionPlan.apply``).
+def correction_weights(cfg: RunConfig, logprobs: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor,
+                       all_sum=None, policy: Optional[str] = None) -> Optional[torch.Tensor]:
+    """The recipe's correction weights [S, C] (float32, constants) of ``batch`` from the trainer's log-probs
+    ``logprobs`` ([S, C], C <= the batch's columns), or None without a rule (``CorrectionPlan.apply``).
 
-    Between pi_old (the trainer's view of the behaviour policy) and the engine that sampled. Every rule is local to
-    a sequence, so one micro-batch's rows get the weights the whole batch gives them; ``all_sum`` pools a
-    batch-normalised plan's mean over the ranks (then call it once, on the whole batch)."""
+    Between the trainer and the engine that sampled. ``policy``: only the rules that read that policy
+    (``parity.corrections.Rule.policy``): ``"old"``, pi_old (the trainer's view of the behaviour policy, scored once
+    per batch); ``"current"``, the policy being updated (OPSM), given the update's own log-probs. None: every rule,
+    on ``logprobs``: the single on-policy update, where the two are one policy. Every rule is local to a sequence,
+    so one micro-batch's rows get the weights the whole batch gives them; ``all_sum`` pools a batch-normalised
+    plan's mean over the ranks (then call it once, on the whole batch)."""
     plan = cfg.parity.correction.plan
+    if policy is not None:
+        plan = plan.part(policy)
     if not plan:
         return None
-    c = old_logprobs.shape[1]
-    inputs = CorrectionInputs.of(old_logprobs, batch.rollout_logprobs[:, :c], batch.mask[:, :c], advantages[:, :c])
+    c = logprobs.shape[1]
+    inputs = CorrectionInputs.of(logprobs, batch.rollout_logprobs[:, :c], batch.mask[:, :c], advantages[:, :c])
     return plan.apply(inputs, all_sum=all_sum).weights.float()
+
+
+def _times(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The product of two optional weight tensors (None: all ones)."""
+    return b if a is None else a if b is None else a * b
 
 
 def score_pass(learner: Learner, batch: TokenBatch, *, reference: bool = False) -> Scores:
@@ -78,9 +88,11 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
     several updates on the batch; None = the single on-policy update, where pi_old is the policy
     being differentiated (ratio 1, its log-probs detached) and this pass's detached log-probs
     serve the parity metrics: no extra forward. ``returns`` [S, C]: PPO's value targets
-    (``trainer.rl.critic.ppo_targets``). ``weights`` [S, C]: the correction weights of these rows
-    (``correction_weights`` of the whole batch, from ``old``); None = computed here per micro-batch
-    from pi_old (a batch-level correction needs them given). With ``parity.correction.bypass`` the
+    (``trainer.rl.critic.ppo_targets``). ``weights`` [S, C]: the weights of these rows from the
+    rules on pi_old (``correction_weights(..., policy="old")`` of the whole batch, from ``old``);
+    None = computed here per micro-batch from pi_old (a batch-level correction needs them given).
+    The rules on the current policy (OPSM) are computed here, per micro-batch, from this pass's own
+    log-probs (detached): the policy as this update finds it. With ``parity.correction.bypass`` the
     loss's pi_old is the engine's log-probs; with ``unbiased_kl`` its KL term is weighted by
     pi_theta / pi_rollout. Gradients are left summed over the ranks on return.
     """
@@ -111,7 +123,9 @@ def policy_gradient_pass(learner: Learner, batch: TokenBatch, advantages: torch.
             ref_lp = reference_logprobs(model, micro, temperature=temperature, chunk_size=chunk_size, exact=exact,
                                         pack_sequences=pack)
         adv = advantages[rows, :c]
-        is_w = weights[rows, :c] if weights is not None else correction_weights(cfg, old_lp, micro, adv)
+        is_w = weights[rows, :c] if weights is not None else correction_weights(cfg, old_lp, micro, adv, policy="old")
+        if correction.plan.reads_current_policy:
+            is_w = _times(is_w, correction_weights(cfg, lp.detach(), micro, adv, policy="current"))
         critic = {} if learner.value_head is None else {"values": values, "old_values": old.values[rows, :c],
                                                          "returns": returns[rows, :c], "entropy": ent}
         out = loss_fn(LossInputs(logprobs=lp, old_logprobs=micro.rollout_logprobs if correction.bypass else old_lp,
@@ -151,8 +165,9 @@ def several_updates(learner: Learner, batch: TokenBatch, advantages: torch.Tenso
     scores (with one update: pi_theta before its step, on every row).
     """
     cfg = learner.cfg
-    # pi_old is fixed for the batch: the correction weights are computed once, on the whole batch
-    weights = correction_weights(cfg, old.logprobs, batch, advantages, all_sum=learner.dp.all_sum)
+    # pi_old is fixed for the batch: its rules' weights are computed once, on the whole batch; a rule on the current
+    # policy (OPSM) is computed by each update's pass from its own forward, since the policy moves between updates
+    weights = correction_weights(cfg, old.logprobs, batch, advantages, all_sum=learner.dp.all_sum, policy="old")
     sums: dict[str, float] = {}
     for epoch in range(cfg.algorithm.epochs):
         for idx in mini_batch_rows(len(batch), cfg, step, epoch):

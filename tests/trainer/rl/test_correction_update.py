@@ -5,9 +5,12 @@ A float32 Qwen2-shaped model with random LoRA weights, and "engine" log-probs = 
 ratios are far from 1 and every correction acts. Each pass's gradient is checked against the same loss written out
 by hand on one whole-batch forward (summation order differs: float32 tolerances).
 """
+import copy
+
 import pytest
 import torch
 
+import trainer.rl.update as update
 from parity.corrections import CorrectionInputs
 from trainer.algorithms import ADVANTAGES, AdvantageInputs, LossInputs, LossNormalizer, grpo_loss
 from trainer.builtin.zoo import ensure_arch_model
@@ -151,7 +154,6 @@ def test_several_updates_compute_the_weights_once_on_the_whole_batch(setup, monk
     model, batch, rewards = setup
     cfg = _cfg("algorithm.mini_batches=2", "parity.correction.rule=token_tis", "parity.correction.batch_normalize=true")
     adv = _advantages(cfg, batch, rewards)
-    import trainer.rl.update as update
 
     calls = []
     real = update.correction_weights
@@ -190,3 +192,67 @@ def test_without_a_rule_the_raw_ratios_are_still_reported(setup):
     metrics, tables = correction_report(cfg.parity.correction, batch, scores, adv, DataParallel())
     assert tables == {} and metrics["correction/frac_masked"] == 0 and metrics["correction/ess"] == pytest.approx(1)
     assert metrics["correction/raw/ratio_max"] > 1.5 and metrics["correction/raw/chi2_token"] > 0.1
+
+
+def test_opsm_is_recomputed_at_every_update_from_the_policy_being_updated(setup, monkeypatch):
+    """DeepSeek-V3.2's mask compares the engine with pi_theta, the policy being updated: with two updates on one
+    batch, the second update's mask is the one the moved policy gives, computed here by hand, not pi_old's."""
+
+    import trainer.rl.update as update
+
+    model, batch, rewards = setup
+    delta = 0.05
+    cfg = _cfg("algorithm.epochs=2", "train.micro_batch_size=8", "parity.correction.rule=opsm",
+               f"parity.correction.opsm.delta={delta}")
+    adv = _advantages(cfg, batch, rewards)
+    with torch.no_grad():
+        lp_old, _ = completion_logprobs(model, batch, temperature=1.0)
+    # every sequence's mean(lp_r - lp_old) sits 1e-3 above or below delta, in turn: a policy moving the mean by more
+    # than that flips a negative-advantage sequence's mask
+    b = copy.copy(batch)
+    b.rollout_logprobs = (lp_old + delta + 1e-3 * torch.tensor([1.0, -1.0] * 4)[:, None]) * batch.mask
+    negative = adv[:, 0] < 0
+
+    def by_hand(lp, micro, a):
+        """Keep a row unless its advantage is negative and its mean_t(lp_r - lp) exceeds delta."""
+        m = micro.mask > 0
+        gap = ((micro.rollout_logprobs - lp) * m).sum(1) / m.sum(1)
+        return ~((a[:, 0] < 0) & (gap > delta))
+
+    seen = []
+    real = update.correction_weights
+
+    def spy(cfg_, logprobs, micro, a, *args, **kwargs):
+        w = real(cfg_, logprobs, micro, a, *args, **kwargs)
+        if kwargs.get("policy") == "current":
+            with torch.no_grad():
+                now, _ = completion_logprobs(model, micro, temperature=1.0)  # the policy at this update
+            seen.append((w, by_hand(now.double(), micro, a), micro.mask > 0))
+        return w
+
+    monkeypatch.setattr(update, "correction_weights", spy)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in trainable]
+    opt = torch.optim.SGD(trainable, lr=2.0)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+        return 0.0
+
+    learner = Learner(cfg=cfg, model=model, backward=lambda loss: loss.backward(), step=step)
+    try:
+        model.zero_grad()
+        several_updates(learner, b, adv, score_pass(learner, b), step=1)
+    finally:
+        with torch.no_grad():
+            for p, s in zip(trainable, saved):
+                p.copy_(s)
+        model.zero_grad()
+    assert len(seen) == 2  # one micro-batch per update, two updates
+    (w1, hand1, m1), (w2, hand2, m2) = seen
+    for w, hand, m in seen:
+        assert torch.equal(w, (hand[:, None] & m).float())  # 1 on the kept rows' tokens, 0 on the dropped rows'
+    # the first update's policy is pi_old: its mask drops the negative-advantage rows placed above delta
+    assert int((~hand1).sum()) >= 1 and bool(negative.any())
+    assert not torch.equal(hand1, hand2)  # the policy moved: the second update's mask is another
