@@ -24,6 +24,7 @@ the engine's inputs, have chosen the engine's experts", layer by layer. ``replay
 """
 from __future__ import annotations
 
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -140,22 +141,27 @@ class RoutingReplay:
         return stats
 
     def _wrapped(self, router: torch.nn.Module, layer: int):
+        """The router's replaying forward, bound to the router: it reads the router's own weights and the
+        ``RoutingReplay`` attached to it (``ATTR``), so that ``copy.deepcopy`` of the model (which rebinds a bound
+        method to the copied module and copies the attribute) gives a copy that routes with its own weights and
+        routes, e.g. the same weights cast to a wider dtype."""
         rule = ROUTERS[type(router).__name__]
 
-        def forward(hidden_states: torch.Tensor):
+        def forward(router: torch.nn.Module, hidden_states: torch.Tensor):
+            replay = getattr(router, ATTR)
             hidden = hidden_states.reshape(-1, router.hidden_dim)
             logits = F.linear(hidden, router.weight)
             probs = torch.softmax(logits.float(), dim=-1)
             top, own = torch.topk(probs, router.top_k, dim=-1)
-            self.own[layer] = own.detach()
-            if self.routes is not None:
-                given = self.routes[:, :, layer].reshape(-1, router.top_k).to(own.device)
+            replay.own[layer] = own.detach()
+            if replay.routes is not None:
+                given = replay.routes[:, :, layer].reshape(-1, router.top_k).to(own.device)
                 if given.shape[0] != own.shape[0]:
                     raise ValueError(f"routes hold {given.shape[0]} tokens for MoE layer {layer}, whose input has "
                                      f"{own.shape[0]}: the routes must be laid out as the model's input_ids")
-            if self.routes is not None and self.replay:
+            if replay.routes is not None and replay.replay:
                 missing = (given < 0).any(-1, keepdim=True)
-                self.unrouted += int((given == NO_ROUTE).any(-1).sum())
+                replay.unrouted += int((given == NO_ROUTE).any(-1).sum())
                 own = torch.where(missing, own, given.long())
                 top = probs.gather(-1, own)  # differentiable in the router's weight: the router keeps learning
             if rule.normalize is None or getattr(router, rule.normalize):
@@ -164,4 +170,4 @@ class RoutingReplay:
                 top = top.to(logits.dtype)
             return logits, top, own
 
-        return forward
+        return types.MethodType(forward, router)

@@ -1,5 +1,6 @@
 """Rollout routing replay on the Hugging Face MoE families (trainer/models/routing_replay.py) and the routing parity
 metrics (parity/routing.py). Tiny random models at std 0.2, so routers have near-ties and a wrong gather shows."""
+import copy
 import math
 from dataclasses import replace
 
@@ -13,7 +14,7 @@ from rollout.routes import NO_ROUTE
 from rollout.types import Rollouts
 from trainer.measurement.scoring import forward, score_batch
 from trainer.models.batch import batch_from_rollouts
-from trainer.models.routing_replay import PAD, RoutingReplay, UnsupportedRouting, moe_routers
+from trainer.models.routing_replay import PAD, RoutingReplay, UnsupportedRouting, attached_replay, moe_routers
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
@@ -202,3 +203,23 @@ def test_gradient_checkpointings_recompute_replays_the_same_routes():
     assert grads[0].keys() == grads[1].keys() and any("gate" in n for n in grads[0])
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_a_deep_copy_of_a_replayed_model_routes_with_its_own_weights_and_routes():
+    """copy.deepcopy (the doctor's noise floor: the same weights in a wider dtype) gives a model whose routers read
+    the copy's weights and the copy's RoutingReplay, not the original's."""
+
+    model = build("qwen3_moe").to(torch.bfloat16)
+    replay = RoutingReplay(model)
+    reference = model(IDS).logits
+    wide = copy.deepcopy(model).to(torch.float32)
+    assert attached_replay(wide) is not replay and attached_replay(model) is replay
+    assert wide(IDS).logits.dtype == torch.float32  # the router's GEMM ran in the copy's float32 weights
+    attached_replay(wide).set_routes(torch.zeros(2, 7, 2, 2, dtype=torch.long) + torch.tensor([0, 1]))
+    assert replay.routes is None
+    with RouterTap(wide) as tap:
+        wide(IDS)
+    assert all((c[0].sort(-1).values == torch.tensor([0, 1])).all() for c in tap.calls)  # the copy replays its routes
+    with RouterTap(model) as tap:
+        assert torch.equal(model(IDS).logits, reference)  # the original neither replays them nor changed
+    assert not all((c[0].sort(-1).values == torch.tensor([0, 1])).all() for c in tap.calls)
