@@ -20,7 +20,14 @@ from trainer.algorithms import (  # noqa: F401  (register the rest)
     rloo,
 )
 from trainer.algorithms.aggregation import AGG_MODES, LossNormalizer, aggregate
-from trainer.algorithms.distill import OPDConfig, add_distillation, distill_rewards, opd_advantages, reverse_kl
+from trainer.algorithms.distill import (
+    OPDConfig,
+    add_distillation,
+    distill_returns,
+    distill_rewards,
+    opd_advantages,
+    reverse_kl,
+)
 from trainer.algorithms.dr_grpo import DrGRPOConfig, dr_grpo_advantages, dr_grpo_loss
 from trainer.algorithms.filters import groups_with_signal
 from trainer.algorithms.grpo import GRPOConfig, clipped_surrogate, grpo_advantages, grpo_loss
@@ -82,6 +89,7 @@ __all__ = [
     "aggregate",
     "clipped_surrogate",
     "clipped_value_loss",
+    "distill_returns",
     "distill_rewards",
     "dr_grpo_advantages",
     "dr_grpo_loss",

@@ -40,7 +40,7 @@ PAPER_DEFAULTS = {
                 reward_kl_coef=0.05, reward_kl_target=None, reward_kl_horizon=10000, reward_kl_estimator="k1"),
     # On-policy distillation (Thinking Machines 2025; Tinker cookbook): no baseline, discount 0, GRPO's clipped loss
     # with PPO's clip 0.2, no reference KL (the teacher is the anchor), token mean (GKD's per-token objective).
-    "opd": dict(group_baseline=False, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, loss_agg="token_mean"),
+    "opd": dict(gamma=0.0, group_baseline=False, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, loss_agg="token_mean"),
 }
 
 

@@ -60,6 +60,13 @@ def test_opd_refuses_its_own_coefficient_and_bad_teacher_keys():
     assert "teacher.dtype" in refused(OPD, "teacher.dtype=int8")
 
 
+def test_opd_discount_key():
+    assert load_recipe(OPD, check_paths=False).algorithm.options.gamma == 0.0  # the per-token surrogate
+    assert load_recipe(OPD, ["algorithm.gamma=1"], check_paths=False).algorithm.options.gamma == 1.0
+    assert "algorithm.gamma = 1.5: expected a number in [0, 1]" in refused(OPD, "algorithm.gamma=1.5")
+    assert "algorithm.gamma" in refused(OPD, "algorithm.gamma=yes")
+
+
 def test_unknown_builtin_teacher_is_refused_with_the_key(tmp_path):
     with pytest.raises(RecipeError, match=r"teacher.path = 'builtin:nope': unknown built-in model"):
         load_recipe(OPD, ["teacher.path=builtin:nope"])
