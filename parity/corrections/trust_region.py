@@ -13,8 +13,13 @@ seq_sum_k* | seq_mean_k* | seq_max_k*`` (rollout_corr_helper.py), with these pre
   log space, as its definition (TRL's "geometric sequence masking", huggingface/trl PR 4891; GSPO's length
   normalisation; TRL issue 5814 is about a sum shipped where this mean was meant). Unlike the product it neither
   shrinks nor grows with length. Defaults 0.999, 1.001: verl's ``decoupled_geo_rs()``.
-* ``seq_sum_k2``, ``seq_sum_k3``: keep sum_t k <= max_kl. No published default: ln 2 nats, the sequence analogue of
-  the [0.5, 2] band (|sum_t d_t| <= ln 2 is seq_sum_k1's default band).
+* ``seq_sum_k2``, ``seq_sum_k3``: keep sum_t k <= max_kl. No published default (the TRM paper gives no threshold for
+  the sum, verl no preset): ln 2 nats, a budget of summed per-token KL estimates per sequence. What it bounds,
+  computed (tests/parity/corrections/test_rules.py): a one-token sequence is kept for a ratio in [0.30808, 3.24596]
+  under k2 (|d| <= sqrt(2 ln 2) = 1.17741) and in [0.23196, 2.67835] under k3 (rho - 1 - d <= ln 2); a sequence of
+  L tokens with one common ratio, under k2, for |d| <= sqrt(2 ln 2 / L): [0.88892, 1.12495] at L = 100. It is not the
+  analogue of seq_sum_k1's [0.5, 2] band, which bounds |sum_t d_t| <= ln 2, a sum of log-ratios that can cancel;
+  here every term is >= 0, so the same budget tightens per token as the sequence grows.
 * ``seq_mean_k2``, ``seq_mean_k3``: keep mean_t k <= max_kl; 0.01: verl's ``decoupled_k3_rs()``.
 * ``seq_max_k2``, ``seq_max_k3``: keep max_t k <= max_kl: any one token out of the region masks its sequence (the
   TRM paper's max criterion; slime's per-token "veto"). Defaults: the k of a ratio of 2 (``token_reject``), so
@@ -57,7 +62,8 @@ class SeqSumK1Options:
 
 @dataclass(frozen=True)
 class SeqSumK2Options:
-    """max_kl: the largest kept sum_t d_t**2 / 2, > 0 (ln 2 nats; no published default)."""
+    """max_kl: the largest kept sum_t d_t**2 / 2, > 0 (ln 2 nats; no published default: the module docstring says
+    what it bounds)."""
 
     max_kl: float = LN2
 
@@ -67,7 +73,8 @@ class SeqSumK2Options:
 
 @dataclass(frozen=True)
 class SeqSumK3Options:
-    """max_kl: the largest kept sum_t (rho_t - 1 - d_t), > 0 (ln 2 nats; no published default)."""
+    """max_kl: the largest kept sum_t (rho_t - 1 - d_t), > 0 (ln 2 nats; no published default: the module docstring
+    says what it bounds)."""
 
     max_kl: float = LN2
 

@@ -108,6 +108,27 @@ def test_seq_sum_k2_and_k3_order_the_rows_differently():
     assert_weights(run("seq_sum_k3", max_kl=0.55), ROW1, masked=ROW0)  # 0.564440 > 0.55
 
 
+def _kept_with_ratio(name, ratio, length=1):
+    """Whether the rule on its defaults keeps a sequence of ``length`` tokens, each with the ratio ``ratio``."""
+    d = torch.full((1, length), math.log(ratio), dtype=torch.float64)
+    out = get_rule(name).run(CorrectionInputs.of(d, torch.zeros_like(d), torch.ones_like(d, dtype=torch.bool)))
+    return bool(out.weights.all())
+
+
+@pytest.mark.parametrize("name, low, high, length", [
+    # each bound rounded inwards to 4 digits: kept there, dropped 2e-4 further out
+    ("seq_sum_k2", 0.3081, 3.2459, 1),  # d^2 / 2 <= ln 2: |d| <= sqrt(2 ln 2) = 1.17741, ratio in [0.30808, 3.24596]
+    ("seq_sum_k3", 0.2320, 2.6783, 1),  # e^d - 1 - d = ln 2 at d = -1.46119 and 0.98520: [0.23196, 2.67835]
+    ("seq_sum_k2", 0.8890, 1.1249, 100),  # 100 d^2 / 2 <= ln 2: |d| <= 0.117741, ratio in [0.888920, 1.124953]
+])
+def test_the_ln2_default_keeps_the_ratios_its_docstring_states(name, low, high, length):
+    # the bounds parity/corrections/trust_region.py states for the ln 2 default (not seq_sum_k1's [0.5, 2] band)
+    assert _kept_with_ratio(name, low, length) and _kept_with_ratio(name, high, length)
+    assert not _kept_with_ratio(name, low - 2e-4, length) and not _kept_with_ratio(name, high + 2e-4, length)
+    if length == 1:  # wider than seq_sum_k1's [0.5, 2]: ratios 0.4 and 2.5 are kept
+        assert _kept_with_ratio(name, 0.4) and _kept_with_ratio(name, 2.5)
+
+
 def test_seq_mean_k1_is_the_geometric_mean_not_the_product():
     # default [0.999, 1.001]: 1.305605 and 0.449329 both out
     assert_weights(run("seq_mean_k1"), NONE, masked=ALL)
