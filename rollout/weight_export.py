@@ -16,6 +16,10 @@ every sync. The arithmetic is done in float32 and rounded to ``dtype`` once,
 which is exactly what a merged checkpoint (``merge_and_unload`` in float32,
 then saved in BF16) would hold.
 
+Names: the checkpoint's (``rollout.checkpoint_names``): Transformers 5 fuses
+an MoE model's routed experts into one tensor per layer in memory, while the
+engine, started from the checkpoint, loads them per expert.
+
 Fused modules: vLLM stores q/k/v as one ``qkv_proj`` and gate/up as one
 ``gate_up_proj``, and its in-place reload rebuilds a fused module from
 whatever shards it is given (the missing shards come back as uninitialised
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 from parity.lora import merged_lora_weight
+from rollout.checkpoint_names import checkpoint_named
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 Gather = Callable[[Sequence[nn.Parameter]], ContextManager]
@@ -140,7 +145,7 @@ def iter_merged_lora_weights(
                 continue  # this architecture does not have that sibling
             done.add(member)
             with torch.no_grad(), gather(_module_params(module)):
-                yield from _effective_weights(member, module, dtype)
+                yield from checkpoint_named(root, _effective_weights(member, module, dtype))
 
 
 _LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
@@ -242,12 +247,14 @@ def full_weights(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> Na
     """Every parameter of a plain Transformers model, under its HF name, cast to ``dtype``.
 
     Tied parameters appear once (under the first name, usually the input
-    embedding), which is what vLLM expects for tied checkpoints.
+    embedding), which is what vLLM expects for tied checkpoints. Named as the
+    checkpoint holds them (``rollout.checkpoint_names``: an MoE model's fused
+    experts split per expert).
     """
     if hasattr(model, "peft_config"):
         raise TypeError("model: this is a PEFT model; use merged_lora_weights() to get base-model names")
     with torch.no_grad():
-        return [(name, p.detach().to(dtype)) for name, p in model.named_parameters()]
+        return checkpoint_named(model, [(name, p.detach().to(dtype)) for name, p in model.named_parameters()])
 
 
 def payload_bytes(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

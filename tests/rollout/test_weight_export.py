@@ -204,3 +204,33 @@ def test_payload_bytes():
     named = [("a", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(4))]
     assert payload_bytes(named) == 28
     assert payload_bytes([]) == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_fused_experts_are_exported_as_the_checkpoint_holds_them(arch):
+    """Transformers 5 fuses each layer's routed experts into mlp.experts.gate_up_proj / down_proj (and renames
+    Mixtral's block_sparse_moe): what an engine loads are the checkpoint's per-expert tensors, so the export must
+    give exactly the checkpoint's names and values, whether the model came from the checkpoint or from a config."""
+    from safetensors.torch import load_file
+
+    from rollout.model_files import checkpoint_shapes
+    from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update
+    from trainer.builtin.zoo import ensure_arch_model
+
+    model_dir = ensure_arch_model(arch)
+    saved = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert any(n.endswith("experts.gate_up_proj") for n, _ in model.named_parameters())  # fused in memory
+    built = transformers.AutoModelForCausalLM.from_config(model.config).to(torch.float32)  # no conversion record
+    built.load_state_dict(model.state_dict())
+    for exported in (full_weights(model, dtype=torch.float32), full_weights(built, dtype=torch.float32)):
+        assert sorted(n for n, _ in exported) == sorted(saved)
+        assert all(torch.equal(t, saved[n]) for n, t in exported)
+    check_update(exported, checkpoint_shapes(model_dir), str(model_dir), DEFAULT_PACKED_MODULES)
+
+    # a LoRA policy's merged sync (attention and any dense MLP; routed experts are not Linear layers) is named as
+    # the checkpoint is, and leaves the experts alone
+    policy = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"]))
+    _randomise_lora(policy)
+    merged = merged_lora_weights(policy, dtype=torch.float32)
+    assert merged and all(n in saved and ".experts." not in n for n, _ in merged)
