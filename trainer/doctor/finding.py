@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+from trainer.precision.verdict import FAIL, PASS, WARN, verdict
+
+SKIP = "SKIP"
 VERDICTS = (PASS, WARN, FAIL, SKIP)
 
 
@@ -36,14 +38,11 @@ class Finding:
 
 def at_most(check: str, item: str, figure: float, limit: float, cause: str, *, warn_factor: Optional[float] = None,
             details: Optional[dict[str, Any]] = None) -> Finding:
-    """PASS when ``figure <= limit``; with ``warn_factor`` a figure up to ``warn_factor * limit`` is a WARN; FAIL
-    beyond (a NaN fails). ``cause``: the likely cause, said when it does not pass."""
-    expected = f"<= {limit:.3g}"
-    if figure == figure and figure <= limit:
-        return Finding(check, item, float(figure), expected, PASS, details=details)
-    if warn_factor is not None and figure == figure and figure <= warn_factor * limit:
-        return Finding(check, item, float(figure), expected, WARN, cause, details)
-    return Finding(check, item, float(figure), expected, FAIL, cause, details)
+    """The verdict of ``trainer.precision.verdict`` (PASS when ``figure <= limit``; with ``warn_factor`` a figure up to
+    ``warn_factor * limit`` is a WARN; FAIL beyond, a NaN fails). ``cause``: the likely cause, said when it does not
+    pass."""
+    found = verdict(figure, limit, warn_factor)
+    return Finding(check, item, float(figure), f"<= {limit:.3g}", found, "" if found == PASS else cause, details)
 
 
 def skipped(check: str, item: str, why: str) -> Finding:
