@@ -165,24 +165,28 @@ CUDA_DEVICE = "cuda"  # a name, so the table code can be dry-run on CPU with sma
 def _cuda_variants():
     """name -> fn(hidden, weight, targets, entropy: None | "grad" | "detached") -> (logprob, entropy or None)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import parity.logprobs as lpmod  # late: after the sys.path insert, as child() does
+    # late: after the sys.path insert, as child() does
+    import parity.logprobs.fused as fused  # fused_logprobs looks its backend up here
+    from parity.logprobs import fused_logprobs, naive_logprobs
+    from parity.logprobs.optional_triton import logprobs_triton
+    from parity.logprobs.torch_path import _ChunkedLogProbs
 
     def naive(h, w, t, ent):
-        return lpmod.naive_logprobs(h, w, t, return_entropy=ent is not None)
+        return naive_logprobs(h, w, t, return_entropy=ent is not None)
 
     def ours(backend):
         def run(h, w, t, ent):
-            saved = lpmod._backend_for
-            lpmod._backend_for = lambda _h: backend  # pin the backend for this variant
+            saved = fused._backend_for
+            fused._backend_for = lambda _h: backend  # pin the backend for this variant
             try:
-                return lpmod.fused_logprobs(h, w, t, return_entropy=ent is not None, entropy_grad=ent == "grad")
+                return fused_logprobs(h, w, t, return_entropy=ent is not None, entropy_grad=ent == "grad")
             finally:
-                lpmod._backend_for = saved
+                fused._backend_for = saved
         return run
 
-    out = {"naive": naive, "torch": ours(lpmod._ChunkedLogProbs)}
-    if lpmod.logprobs_triton is not None:
-        out["triton"] = ours(lpmod.logprobs_triton.TritonLogProbs)
+    out = {"naive": naive, "torch": ours(_ChunkedLogProbs)}
+    if logprobs_triton is not None:
+        out["triton"] = ours(logprobs_triton.TritonLogProbs)
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 

@@ -1,9 +1,9 @@
 """Triton backend of ``parity.logprobs``: fused lm_head + log-softmax tiles for CUDA.
 
-Same contract as the chunked torch implementation in ``parity/logprobs.py`` (which stays
+Same contract as the chunked torch implementation in ``parity/logprobs/torch_path.py`` (which stays
 the CPU path and the reference): per-token log-probs, optional entropy, temperature,
 logit softcap and scale, bias, float32/bfloat16/float16 inputs with float32 statistics.
-``parity.logprobs._backend_for`` picks this module for CUDA tensors; on CPU tensors it
+``parity.logprobs.dispatch._backend_for`` picks this module for CUDA tensors; on CPU tensors it
 runs only under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is
 imported, since ``@triton.jit`` reads it when the kernels are defined), which is how the
 tests check it without a GPU. ``tests/parity/test_triton_compile.py`` compiles every

@@ -6,8 +6,9 @@ import warnings
 import pytest
 import torch
 
-import parity.logprobs as lpmod
-from parity.logprobs import fused_logprobs, naive_logprobs
+import parity.logprobs.sizing as sizing
+import parity.logprobs.torch_path as torch_path  # the passes look the tiles up here
+from parity.logprobs import fused_gather_logprobs, fused_logprobs, naive_logprobs
 
 
 def _inputs(n=19, h=4, v=23, dtype=torch.float64, seed=0, bias=True):
@@ -112,7 +113,7 @@ def test_frozen_lm_head_backward_does_no_tile_work(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("backward tile called on the frozen-lm_head path")
 
-    monkeypatch.setattr(lpmod, "_backward_tile", boom)
+    monkeypatch.setattr(torch_path, "_backward_tile", boom)
     lp.sum().backward()
     ref_h = hidden.detach().clone().requires_grad_()
     naive_logprobs(ref_h, weight, targets, bias=bias)[0].sum().backward()
@@ -129,7 +130,7 @@ def test_detached_entropy_keeps_the_frozen_shortcut(monkeypatch):
                                      chunk_size=8)
     (g * lp_ref).sum().backward()
 
-    monkeypatch.setattr(lpmod, "_backward_tile", lambda *a, **k: pytest.fail("backward tile on the frozen path"))
+    monkeypatch.setattr(torch_path, "_backward_tile", lambda *a, **k: pytest.fail("backward tile on the frozen path"))
     h = hidden.clone().requires_grad_()
     lp, ent = fused_logprobs(h, weight, targets, bias=bias, temperature=0.8, return_entropy=True,
                              entropy_grad=False, chunk_size=8)
@@ -287,7 +288,7 @@ def test_output_dtype_is_float32_for_bf16():
 
 
 def _inject_oom(monkeypatch, name, max_rows, exc):
-    real = getattr(lpmod, name)
+    real = getattr(torch_path, name)
     seen = []
 
     def flaky(h, *args, **kwargs):
@@ -296,7 +297,7 @@ def _inject_oom(monkeypatch, name, max_rows, exc):
             raise exc
         return real(h, *args, **kwargs)
 
-    monkeypatch.setattr(lpmod, name, flaky)
+    monkeypatch.setattr(torch_path, name, flaky)
     return seen
 
 
@@ -349,25 +350,25 @@ def test_other_runtime_errors_are_not_swallowed(monkeypatch):
 
 def test_auto_chunk_from_budget():
     # 64 MiB / (4 bytes * 32768) = 512 rows; / (4 * 131072) = 128 rows; tiny budgets floor at 16.
-    assert lpmod._auto_chunk_rows(32768, 64 * 2**20) == 512
-    assert lpmod._auto_chunk_rows(131072, 64 * 2**20) == 128
-    assert lpmod._auto_chunk_rows(10**9, 64 * 2**20) == lpmod.MIN_CHUNK_ROWS
+    assert sizing._auto_chunk_rows(32768, 64 * 2**20) == 512
+    assert sizing._auto_chunk_rows(131072, 64 * 2**20) == 128
+    assert sizing._auto_chunk_rows(10**9, 64 * 2**20) == sizing.MIN_CHUNK_ROWS
     # weight-gradient accumulator: 64 MiB / 4 / (4 bytes * 1024) = 4096 vocab rows; floor 1024.
-    assert lpmod._auto_vocab_block(1024, 64 * 2**20) == 4096
-    assert lpmod._auto_vocab_block(8192, 64 * 2**20) == 1024
+    assert sizing._auto_vocab_block(1024, 64 * 2**20) == 4096
+    assert sizing._auto_vocab_block(8192, 64 * 2**20) == 1024
 
 
 def test_backward_tile_shape():
     # Tile budget 32 MiB = 2**23 floats. N = 4096 -> all rows in one tile, 2**23 / 4096 = 2048 vocab.
-    assert lpmod._backward_tile_shape(4096, 32768, 1024, 0, 0) == (4096, 2048)
-    assert lpmod._backward_tile_shape(2048, 131072, 1024, 0, 0) == (2048, 4096)
-    assert lpmod._backward_tile_shape(100, 500, 64, 0, 0) == (100, 500)  # small: one tile
+    assert sizing._backward_tile_shape(4096, 32768, 1024, 0, 0) == (4096, 2048)
+    assert sizing._backward_tile_shape(2048, 131072, 1024, 0, 0) == (2048, 4096)
+    assert sizing._backward_tile_shape(100, 500, 64, 0, 0) == (100, 500)  # small: one tile
     # N = 16384 would leave 512 vocab rows: use the accumulator instead,
     # block 2**24 / 4 / 4096 = 4096 vocab (H = 1024), 2**23 / 4096 = 2048 rows.
-    assert lpmod._backward_tile_shape(16384, 32768, 1024, 0, 0) == (2048, 4096)
+    assert sizing._backward_tile_shape(16384, 32768, 1024, 0, 0) == (2048, 4096)
     # Explicit sizes are honoured (vocab block capped at V, rows at N).
-    assert lpmod._backward_tile_shape(100, 500, 64, 16, 0) == (16, 500)
-    assert lpmod._backward_tile_shape(100, 500, 64, 0, 50) == (100, 50)
+    assert sizing._backward_tile_shape(100, 500, 64, 16, 0) == (16, 500)
+    assert sizing._backward_tile_shape(100, 500, 64, 0, 50) == (100, 50)
 
 
 @pytest.mark.parametrize(
@@ -439,8 +440,6 @@ def test_no_op_materialises_more_than_one_tile(frozen):
 # ---- fused_gather_logprobs (the trainer side of the top-k KL) --------------------------------------
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
 def test_gather_logprobs_equal_the_full_log_softmax(dtype, atol):
-    from parity.logprobs import fused_gather_logprobs
-
     g = torch.Generator().manual_seed(0)
     n, h, v, k = 37, 16, 101, 6
     hidden = torch.randn(2, n, h, generator=g).to(dtype)
@@ -457,8 +456,6 @@ def test_gather_logprobs_equal_the_full_log_softmax(dtype, atol):
 def test_gather_logprobs_agree_with_fused_logprobs_bitwise():
     # Same tile code: a target's value is identical in both functions (bf16 included),
     # so the top-k KL and the sampled-token metrics see one trainer distribution.
-    from parity.logprobs import fused_gather_logprobs, fused_logprobs
-
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(50, 32, generator=g).bfloat16()
     weight = torch.randn(300, 32, generator=g).bfloat16()
@@ -469,8 +466,6 @@ def test_gather_logprobs_agree_with_fused_logprobs_bitwise():
 
 
 def test_gather_logprobs_refuses_bad_ids():
-    from parity.logprobs import fused_gather_logprobs
-
     hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
     with pytest.raises(ValueError, match="outside"):
         fused_gather_logprobs(hidden, weight, torch.full((4, 2), 10))
@@ -530,8 +525,8 @@ def test_transform_matches_naive_and_gather(kwargs):
     assert torch.allclose(lp, ref, atol=1e-6) and torch.allclose(ent, ref_ent, atol=1e-6)
     plain, _ = naive_logprobs(hidden, weight, targets, bias=bias, temperature=0.9)
     assert (plain - ref).abs().max() > 0.05
-    top = lpmod.fused_gather_logprobs(hidden, weight, targets.unsqueeze(1), bias=bias, temperature=0.9, chunk_size=8,
-                                      **kwargs)
+    top = fused_gather_logprobs(hidden, weight, targets.unsqueeze(1), bias=bias, temperature=0.9, chunk_size=8,
+                                **kwargs)
     assert torch.equal(top.squeeze(1), lp)
 
 

@@ -13,7 +13,10 @@ import pytest
 import torch
 from interpreter_tier import run_interpreter_tier  # this folder is on sys.path (pytest rootdir-less import)
 
-import parity.logprobs as lpmod
+import parity.logprobs.dispatch as dispatch  # where _backend_for looks up its check, its memo and the Triton module
+import parity.logprobs.self_check as self_check
+import parity.logprobs.sizing as sizing
+from parity.logprobs.torch_path import _ChunkedLogProbs
 
 lt = pytest.importorskip("parity.logprobs_triton")
 
@@ -30,19 +33,19 @@ def _fake(device_type: str, dtype: torch.dtype):
 def checked(monkeypatch):
     """The kernels' self-check (which needs the device) answers as the test says; the per-process memo is fresh."""
     answers, calls = {}, []
-    monkeypatch.setattr(lpmod, "_TRITON_CHECKED", {})
+    monkeypatch.setattr(dispatch, "_TRITON_CHECKED", {})
 
     def check(device, dtype):
         calls.append((str(device), dtype))
         return answers.get(dtype)
 
-    monkeypatch.setattr(lpmod, "_triton_self_check", check)
+    monkeypatch.setattr(dispatch, "_triton_self_check", check)
     return answers, calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_tensors_go_to_triton(dtype, checked):
-    assert lpmod._backend_for(_fake("cuda", dtype)) is lt.TritonLogProbs
+    assert dispatch._backend_for(_fake("cuda", dtype)) is lt.TritonLogProbs
 
 
 def test_kernels_that_fail_their_check_leave_the_torch_path_with_one_warning(checked):
@@ -50,33 +53,33 @@ def test_kernels_that_fail_their_check_leave_the_torch_path_with_one_warning(che
     answers[torch.bfloat16] = "CompilationError: out of shared memory"
     with pytest.warns(UserWarning, match=r"failed their check on cuda:0 in torch.bfloat16 \(CompilationError: out of "
                                           r"shared memory\); the chunked torch path runs instead"):
-        assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lpmod._ChunkedLogProbs
+        assert dispatch._backend_for(_fake("cuda", torch.bfloat16)) is _ChunkedLogProbs
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # checked once per device and dtype: no second warning
-        assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lpmod._ChunkedLogProbs
-        assert lpmod._backend_for(_fake("cuda", torch.float16)) is lt.TritonLogProbs
+        assert dispatch._backend_for(_fake("cuda", torch.bfloat16)) is _ChunkedLogProbs
+        assert dispatch._backend_for(_fake("cuda", torch.float16)) is lt.TritonLogProbs
     assert calls == [("cuda:0", torch.bfloat16), ("cuda:0", torch.float16)]
 
 
 def test_cpu_float64_and_no_triton_go_to_torch(monkeypatch):
-    assert lpmod._backend_for(torch.zeros(2, 3)) is lpmod._ChunkedLogProbs
-    assert lpmod._backend_for(torch.zeros(2, 3, dtype=torch.bfloat16)) is lpmod._ChunkedLogProbs
-    assert lpmod._backend_for(_fake("cuda", torch.float64)) is lpmod._ChunkedLogProbs
-    monkeypatch.setattr(lpmod, "logprobs_triton", None)
-    assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lpmod._ChunkedLogProbs
+    assert dispatch._backend_for(torch.zeros(2, 3)) is _ChunkedLogProbs
+    assert dispatch._backend_for(torch.zeros(2, 3, dtype=torch.bfloat16)) is _ChunkedLogProbs
+    assert dispatch._backend_for(_fake("cuda", torch.float64)) is _ChunkedLogProbs
+    monkeypatch.setattr(dispatch, "logprobs_triton", None)
+    assert dispatch._backend_for(_fake("cuda", torch.bfloat16)) is _ChunkedLogProbs
 
 
 def test_memory_budget_cpu_is_unchanged_and_cuda_follows_free_memory(monkeypatch):
-    assert lpmod._memory_budget(torch.device("cpu")) == lpmod.DEFAULT_MEMORY_BUDGET_BYTES
+    assert sizing._memory_budget(torch.device("cpu")) == sizing.DEFAULT_MEMORY_BUDGET_BYTES
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GiB, 80 * GiB))
-    assert lpmod._memory_budget(cuda) == lpmod.CUDA_MEMORY_BUDGET_BYTES
+    assert sizing._memory_budget(cuda) == sizing.CUDA_MEMORY_BUDGET_BYTES
     # 640 MiB of float32 at V = 152064: 1103 -> 1088 rows (multiple of 16)
-    assert lpmod._auto_chunk_rows(152064, lpmod._memory_budget(cuda)) == 1088
+    assert sizing._auto_chunk_rows(152064, sizing._memory_budget(cuda)) == 1088
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * GiB, 80 * GiB))
-    assert lpmod._memory_budget(cuda) == 256 * 2**20  # free / 8
+    assert sizing._memory_budget(cuda) == 256 * 2**20  # free / 8
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**20, 80 * GiB))
-    assert lpmod._memory_budget(cuda) == lpmod.DEFAULT_MEMORY_BUDGET_BYTES  # never below the CPU budget
+    assert sizing._memory_budget(cuda) == sizing.DEFAULT_MEMORY_BUDGET_BYTES  # never below the CPU budget
 
 
 def test_triton_backward_chunk_rows(monkeypatch):
@@ -134,9 +137,9 @@ def test_interpreter_plan_exercises_merge_and_groups():
 
 
 def test_a_self_check_that_ran_out_of_memory_is_tried_again(monkeypatch):
-    monkeypatch.setattr(lpmod, "_TRITON_CHECKED", {})
-    monkeypatch.setattr(lpmod, "_TRITON_CHECK_OOM", set())
-    answers = [lpmod._CheckOutOfMemory("CUDA out of memory. Tried to allocate 2.00 MiB"), None]
+    monkeypatch.setattr(dispatch, "_TRITON_CHECKED", {})
+    monkeypatch.setattr(dispatch, "_TRITON_CHECK_OOM", set())
+    answers = [self_check._CheckOutOfMemory("CUDA out of memory. Tried to allocate 2.00 MiB"), None]
 
     def check(device, dtype):
         answer = answers.pop(0)
@@ -144,10 +147,10 @@ def test_a_self_check_that_ran_out_of_memory_is_tried_again(monkeypatch):
             raise answer
         return answer
 
-    monkeypatch.setattr(lpmod, "_triton_self_check", check)
+    monkeypatch.setattr(dispatch, "_triton_self_check", check)
     with pytest.warns(UserWarning, match="ran out of memory .*until a later call can check them"):
-        assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lpmod._ChunkedLogProbs
-    assert lpmod._backend_for(_fake("cuda", torch.bfloat16)) is lt.TritonLogProbs
+        assert dispatch._backend_for(_fake("cuda", torch.bfloat16)) is _ChunkedLogProbs
+    assert dispatch._backend_for(_fake("cuda", torch.bfloat16)) is lt.TritonLogProbs
     assert answers == []
 
 
@@ -156,8 +159,8 @@ def test_the_self_check_turns_out_of_memory_into_a_retry(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
 
     monkeypatch.setattr(lt.TritonLogProbs, "apply", oom)
-    with pytest.raises(lpmod._CheckOutOfMemory, match="out of memory"):
-        lpmod._triton_self_check(torch.device("cpu"), torch.float32)
+    with pytest.raises(self_check._CheckOutOfMemory, match="out of memory"):
+        self_check._triton_self_check(torch.device("cpu"), torch.float32)
 
 
 def test_the_self_check_shape_forces_every_loop_of_the_kernels(monkeypatch):
@@ -165,7 +168,7 @@ def test_the_self_check_shape_forces_every_loop_of_the_kernels(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     for dtype in (torch.bfloat16, torch.float32):
         tiles = lt.tiles_for(torch.device("cuda"), dtype)
-        n, h, v, chunk = lpmod.self_check_shape("cuda", dtype)
+        n, h, v, chunk = self_check.self_check_shape("cuda", dtype)
         plan = lt.launch_plan(n, v, h, torch.tensor([], dtype=dtype).element_size(), tiles, sms=132,
                               l2_bytes=50 * 2**20)
         assert -(-n // tiles.block_m) >= 3 and n % tiles.block_m  # several row blocks, a ragged one

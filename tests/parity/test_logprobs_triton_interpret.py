@@ -19,7 +19,8 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import parity.logprobs as lpmod  # noqa: E402
+import parity.logprobs.fused as fused  # noqa: E402  (where fused_logprobs looks its backend up)
+import parity.logprobs.self_check as self_check  # noqa: E402
 import parity.logprobs_triton as lt  # noqa: E402
 from parity.logprobs import IGNORE_INDEX, fused_gather_logprobs, fused_logprobs, naive_logprobs  # noqa: E402
 
@@ -212,7 +213,7 @@ def test_gather_compiles_one_kernel_whatever_k(monkeypatch):
 def test_public_api_on_the_triton_backend_ignore_index_and_3d(monkeypatch):
     # fused_logprobs routes CPU tensors to torch; forcing the Triton backend checks the
     # wrapper's contract (ignored rows dropped and scattered back, [B, T] shapes) around it.
-    monkeypatch.setattr(lpmod, "_backend_for", lambda h: lt.TritonLogProbs)
+    monkeypatch.setattr(fused, "_backend_for", lambda h: lt.TritonLogProbs)
     hidden, weight, bias, targets = _inputs(seed=7, n=36)
     targets[[0, 5, 6, 35]] = IGNORE_INDEX
     h64, w64 = _leaves(torch.float64, hidden.reshape(4, 9, H), weight)
@@ -242,12 +243,12 @@ def test_public_api_on_the_triton_backend_ignore_index_and_3d(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_self_check_passes_the_kernels(dtype):
     """``_triton_self_check`` (what lets the Triton path run on a GPU), at this module's ragged shape."""
-    assert lpmod._triton_self_check(torch.device("cpu"), dtype) is None
+    assert self_check._triton_self_check(torch.device("cpu"), dtype) is None
 
 
 def test_the_self_check_names_a_broken_kernel(monkeypatch):
     def check():
-        return lpmod._triton_self_check(torch.device("cpu"), torch.float32, shape=(N, H, V, 16))
+        return self_check._triton_self_check(torch.device("cpu"), torch.float32, shape=(N, H, V, 16))
 
     real = lt.gather_logprobs_triton
     monkeypatch.setattr(lt, "gather_logprobs_triton", lambda *a, **k: real(*a, **k) - 0.5)
