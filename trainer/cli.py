@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -343,6 +344,18 @@ def _compare(args) -> int:
     return 0
 
 
+def level_line(mae: float, level: dict, dtype: str, precision: str) -> str:
+    """The mae's verdict against the healthy level (``summary.json``'s ``expected_level``), in one line."""
+    ratio = mae / level["parity/mae"] if level["parity/mae"] > 0 else math.inf
+    reading = {"PASS": "at or below the level",
+               "WARN": f"above the level, within {level['warn_factor']:g}x of it: a healthy setup can read this",
+               "FAIL": f"more than {level['warn_factor']:g}x the level: not rounding"}[level["verdict"]]
+    return (f"{level['verdict']}: mae {mae:.2e} against the level {level['parity/mae']:.1e} a healthy setup reads in "
+            f"{dtype}, precision {precision}, on a model of {level['num_layers']} layers ({ratio:.2g}x; "
+            f"docs/parity-metrics.md): {reading}"
+            + ("" if level["verdict"] == "PASS" else "; `parityrl doctor` says where the gap comes from"))
+
+
 def _compare_digest(summary: dict, out: str) -> str:
     m = summary["metrics"]
     fmt = lambda k, f=".3e": format(m[k], f) if k in m else "n/a"
@@ -359,9 +372,7 @@ def _compare_digest(summary: dict, out: str) -> str:
     level = summary.get("expected_level")
     if level and not summary["self_check"]:
         s = summary["settings"]
-        lines.append(f"{s['dtype']}, precision {s['precision']}: a healthy setup reaches mae ~{level['parity/mae']:.1e} "
-                     f"on a model of {level['num_layers']} layers (docs/parity-metrics.md); this one is "
-                     f"{m['parity/mae'] / level['parity/mae']:.2g}x that (`parityrl doctor` says where a gap comes from)")
+        lines.append(level_line(m["parity/mae"], level, s["dtype"], s["precision"]))
     if "routing" in summary:  # an MoE model: replayed, and the same tokens without replay
         r, u = summary["routing"], summary["routing"]["unreplayed"]
         lines.append(f"routing agree {r['parity/routing_agree']:.4f} (tokens differing in a layer "

@@ -57,6 +57,7 @@ from trainer.models.policy import load_base_model, load_tokenizer
 from trainer.models.routing_replay import RoutingReplay
 from trainer.precision import DEFAULT_RECIPE, recipe_for
 from trainer.precision.levels import parity_level
+from trainer.precision.verdict import MAE_WARN_FACTOR, verdict
 from trainer.sampling.engines import start_vllm
 
 __all__ = ["run_compare"]
@@ -151,6 +152,14 @@ def _routing_report(model, batch: TokenBatch, lp_r: torch.Tensor, mask: torch.Te
     one = DataParallel()  # one process: its sums are the totals
     return {**pooled_routing_metrics(routing, one),
             "unreplayed": {**unreplayed, **pooled_routing_metrics(own, one)}}
+
+
+def expected_level(mae: float, recipe, dtype: str, num_layers: int) -> dict:
+    """What a healthy setup reaches in this dtype and precision on a model this deep (``trainer.precision.levels``),
+    and the verdict on the measured mae against it (``trainer.precision.verdict``: the doctor's own rule)."""
+    level = parity_level(recipe, dtype, num_layers)
+    return {"parity/mae": level, "num_layers": num_layers, "warn_factor": MAE_WARN_FACTOR,
+            "verdict": verdict(mae, level, MAE_WARN_FACTOR)}
 
 
 # ----------------------------------------------------------------------------------
@@ -313,9 +322,8 @@ def run_compare(
         "self_check": bool(self_check),
         **({"self_check_result": self_check_result(metrics)} if self_check else {}),
         "metrics": metrics,
-        # what a healthy setup reaches in this dtype and precision on a model this deep (trainer.precision.levels)
-        "expected_level": {"parity/mae": parity_level(recipe_for(precision), dtype, hf.config.num_hidden_layers),
-                           "num_layers": int(hf.config.num_hidden_layers)},
+        "expected_level": expected_level(metrics["parity/mae"], recipe_for(precision), dtype,
+                                         int(hf.config.num_hidden_layers)),
         **({"routing": routing} if routing is not None else {}),
         **({"lora_sync": {"adapter_dir": str(adapter_dir), "served": served_mode,
                           **side_by_side(hf, both, tokenizer.pad_token_id, device, temperature=spec.temperature,
