@@ -6,7 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.doctor.battery import EXIT_ENGINE, EXIT_FAILED, EXIT_PASSED, exit_status, run_checks, select
+from trainer.doctor.battery import (
+    EXIT_ENGINE,
+    EXIT_FAILED,
+    EXIT_PASSED,
+    EXIT_UNCHECKED,
+    exit_status,
+    run_checks,
+    select,
+    summary,
+)
 from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.context import EngineCannotStart
 from trainer.doctor.finding import FAIL, PASS, SKIP, WARN, Finding, at_most, skipped
@@ -57,7 +66,25 @@ def test_the_battery_runs_every_check_whatever_the_others_did():
     clean = [f for f in found if f.check != "broken"]
     assert exit_status(clean, "vLLM cannot load the model m") == EXIT_ENGINE
     assert exit_status([f for f in clean if f.check in ("ok", "after")], None) == EXIT_PASSED
-    assert exit_status([skipped("c", "x", "no engine"), at_most("c", "y", 2, 1, "w", warn_factor=3)], None) == 0
+    assert exit_status([skipped("c", "x", "no engine"), at_most("c", "y", 0.5, 1, "w"),
+                        at_most("c", "z", 2, 1, "w", warn_factor=3)], None) == EXIT_PASSED
+
+
+def test_nothing_checked_is_never_a_pass_and_warnings_are_said_as_warnings():
+    skips = [skipped("layers", "-", "the HF engine runs Transformers' own model")]
+    warn = at_most("sampling", "generation_config", 2, 1, "a server would add a repetition penalty", warn_factor=3)
+    ok = at_most("tokens", "double BOS", 0, 0, "an extra BOS")
+    assert exit_status(skips, None) == EXIT_UNCHECKED == 9
+    assert exit_status([*skips, warn], None) == EXIT_UNCHECKED  # a warning alone passes nothing
+    assert exit_status([], None) == EXIT_UNCHECKED
+    assert exit_status(skips, "vLLM cannot load the model m") == EXIT_ENGINE  # the engine's reason says more
+    assert summary(skips, EXIT_UNCHECKED) == "nothing was checked: no check passed or failed (1 SKIP)"
+    assert summary([ok, warn, *skips], EXIT_PASSED) == ("no check failed (1 PASS, 1 WARN, 1 SKIP); 1 warning "
+                                                        "(sampling: generation_config)")
+    assert summary([ok], EXIT_PASSED) == "every check that ran passed (1 PASS)"
+    failed = at_most("layers", "logits", 9, 1, "softcap")
+    assert summary([failed, warn], EXIT_FAILED) == ("a check failed (1 WARN, 1 FAIL); 1 warning "
+                                                    "(sampling: generation_config)")
 
 
 def test_only_selects_checks_by_name_and_refuses_unknown_ones():
@@ -95,3 +122,18 @@ def test_bad_input_is_refused_with_status_2_before_anything_loads(tmp_path, caps
     assert main(["doctor", "recipes/grpo_tiny.yaml", "--out", str(full)]) == 2
     assert "already exists and is not empty" in capsys.readouterr().err and (full / "mine.txt").read_text() == "keep"
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_battery_where_every_check_skips_says_nothing_was_checked_and_exits_9(tmp_path, capsys):
+    """`parityrl doctor recipes/grpo_tiny.yaml --set rollout.engine=hf --only layers`: the layers check cannot compare
+    the HF engine (the trainer's own model) with the trainer."""
+    from trainer.cli import main
+
+    out = tmp_path / "doc"
+    status = main(["doctor", "recipes/grpo_tiny.yaml", "--set", "rollout.engine=hf", "--set",
+                   f"logging.run_dir={tmp_path / 'run'}", "--only", "layers", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert status == EXIT_UNCHECKED, printed
+    assert "nothing was checked: no check passed or failed (1 SKIP); exit status 9" in printed
+    assert "passed (" not in printed.splitlines()[-1].split(":")[0]
+    assert json.loads((out / "doctor.json").read_text())["exit_status"] == EXIT_UNCHECKED

@@ -1,7 +1,7 @@
 """`parityrl doctor RECIPE` (or `--model PATH`): the recipe's engine and trainer on its model, precision and data,
 the battery of checks (``trainer.doctor``), one table, ``doctor.json`` and plots in ``--out``, and an exit status a
-CI can gate on (docs/doctor.md): 0 every check passed or warned, 2 the input was refused, 4 the engine cannot load
-the model, 8 a check failed."""
+CI can gate on (docs/doctor.md): 0 something passed and nothing failed, 2 the input was refused, 4 the engine cannot
+load the model, 8 a check failed, 9 nothing was checked (no check passed or failed)."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from parity.report import check_out_dir
 from trainer.config import RecipeError
-from trainer.doctor.battery import exit_status, run_checks, select
+from trainer.doctor.battery import exit_status, run_checks, select, summary
 from trainer.doctor.context import Doctor
 from trainer.doctor.report import table, write_json
 from trainer.io import third_party_output
@@ -59,6 +59,5 @@ def run_doctor(recipe: Optional[str], overrides: Sequence[str] = (), *, model: O
     print(table(findings))
     if doc.engine_error:
         print(f"the engine cannot load this model: {doc.engine_error}")
-    verdict = {0: "every check passed", 4: "the engine cannot load this model", 8: "a check failed"}[status]
-    print(f"{verdict} (exit status {status}); report {path}")
+    print(f"{summary(findings, status)}; exit status {status}; report {path}")
     return status

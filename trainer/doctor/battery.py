@@ -12,12 +12,13 @@ from typing import Iterable, Optional, Sequence
 from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.checks import CHECKS
 from trainer.doctor.context import Doctor, EngineCannotStart, engine_reason
-from trainer.doctor.finding import FAIL, Finding, skipped
+from trainer.doctor.finding import FAIL, PASS, SKIP, WARN, Finding, skipped
 
 # Exit statuses (docs/doctor.md; docs/runs-and-checkpoints.md lists every command's).
-EXIT_PASSED = 0  # every check passed or warned (a SKIP is said, not failed)
+EXIT_PASSED = 0  # something passed, nothing failed (a SKIP is said, not failed; WARN rows are summed up as warnings)
 EXIT_ENGINE = 4  # the engine cannot load this model (and nothing failed): the reason is printed
 EXIT_FAILED = 8  # at least one check failed
+EXIT_UNCHECKED = 9  # nothing was checked: no PASS and no FAIL (every row skipped or warned); never a pass
 
 
 def select(only: Optional[Sequence[str]]) -> list[Check]:
@@ -52,6 +53,24 @@ def run_checks(doc: Doctor, checks: Iterable[Check]) -> tuple[list[Finding], dic
 
 
 def exit_status(findings: Sequence[Finding], engine_error: Optional[str]) -> int:
+    """FAIL anywhere: 8; else an engine that cannot load the model: 4; else no PASS at all (nothing was checked to a
+    verdict, e.g. every check skipped on this engine): 9; else 0."""
     if any(f.verdict == FAIL for f in findings):
         return EXIT_FAILED
-    return EXIT_ENGINE if engine_error else EXIT_PASSED
+    if engine_error:
+        return EXIT_ENGINE
+    return EXIT_PASSED if any(f.verdict == PASS for f in findings) else EXIT_UNCHECKED
+
+
+def summary(findings: Sequence[Finding], status: int) -> str:
+    """The battery's last line: what its exit status means, with the warnings and skips counted (a WARN is never
+    summed up as a pass, nor a battery of skips as one)."""
+    count = {v: sum(f.verdict == v for f in findings) for v in (PASS, WARN, FAIL, SKIP)}
+    tally = ", ".join(f"{n} {v}" for v, n in count.items() if n)
+    warned = [f"{f.check}: {f.item}" for f in findings if f.verdict == WARN]
+    head = {EXIT_FAILED: "a check failed",
+            EXIT_ENGINE: "the engine cannot load this model",
+            EXIT_UNCHECKED: "nothing was checked: no check passed or failed",
+            EXIT_PASSED: "no check failed" if warned else "every check that ran passed"}[status]
+    warnings = f"; {len(warned)} warning{'s' if len(warned) > 1 else ''} ({'; '.join(warned)})" if warned else ""
+    return f"{head} ({tally or 'no rows'}){warnings}"

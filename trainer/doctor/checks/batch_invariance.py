@@ -34,6 +34,7 @@ from trainer.config.validate import sequence_length
 from trainer.doctor.check import Check
 from trainer.doctor.context import Doctor
 from trainer.doctor.finding import Finding, at_most
+from trainer.precision.verdict import MAE_WARN_FACTOR
 
 NAME = "batch_invariance"
 BATCH = 64  # the large batch: the watched sequences among fillers
@@ -98,7 +99,7 @@ def _worst(spreads: dict[str, dict]) -> float:
 def _finding(item: str, spreads: dict[str, dict], mismatch: dict[str, float], level: float, cause: str) -> Finding:
     worst = _worst(spreads)
     share = worst / mismatch["mean"] if mismatch["mean"] > 0 else None
-    return at_most(NAME, item, worst, level, cause, warn_factor=3.0,
+    return at_most(NAME, item, worst, level, cause, warn_factor=MAE_WARN_FACTOR,
                    details={"spread": spreads, "mismatch_engine_vs_trainer": mismatch, "spread_over_mismatch": share})
 
 

@@ -39,6 +39,7 @@ from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.context import Doctor
 from trainer.doctor.finding import Finding, at_most
 from trainer.models.policy import load_base_model
+from trainer.precision.verdict import MAE_WARN_FACTOR
 
 NAME = "prefix_cache"
 GROUP = 4  # samples per prompt (a GRPO group sharing its prompt's KV blocks)
@@ -183,7 +184,7 @@ def run(doc: Doctor) -> list[Finding]:
         doc.say(f"  {leg}: {hits} prompt tokens read from the cache; vs off: mean |dlp| {d['mean']:.3g}, max "
                 f"{d['max']:.3g}, {d['samples_parted']} samples parted")
         out.append(at_most(NAME, f"{leg} vs cache off: mean |dlp|", d["mean"], level, CAUSES.get(leg, CAUSE),
-                           warn_factor=3.0, details={**d, "cached_prompt_tokens": hits,
+                           warn_factor=MAE_WARN_FACTOR, details={**d, "cached_prompt_tokens": hits,
                                                      "block_size": block}))
     return out
 

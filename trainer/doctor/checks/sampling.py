@@ -3,8 +3,9 @@ the trainer applies it: logits / T before the softmax; ``processed_logprobs``), 
 ``generation_config.json`` changes that distribution behind the recipe's back.
 
 - ``temperature``: the same tokens sampled at T = 0.7 are scored by the trainer at 0.7 and at 1; the engine's
-XX
-  ``logprobs_mode``) or applies no temperature to them.
+  log-probs must match the scores at 0.7 within the dtype's parity level, and at most a third of their mismatch with
+  the scores at 1. A FAIL means the engine returns the untempered distribution's log-probs (a ``logprobs_mode``
+  other than ``processed_logprobs``) or applies no temperature to them.
 - ``generation_config``: sampling fields a vLLM server applies by default (``--generation-config auto``) to any
   request that does not set them; parityrl's requests set temperature, top-p, top-k and min-p, so the others
   (repetition, presence and frequency penalties) would change what a server samples.
