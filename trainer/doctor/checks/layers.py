@@ -1,8 +1,8 @@
 """Where it diverges, layer by layer: the hidden states of the engine's model and of the trainer's on the same token
 ids, one prefill each, compared point by point in forward order (embedding; for each decoder layer its attention
 output, its MLP output and the residual stream after it; the final norm; the logits before and after the
-architecture's transform). The first point whose relative error leaves the dtype's band is named, with the likely
-cause of a divergence that starts there.
+architecture's transform). The first point whose relative error leaves its band (a factor over the model's own noise
+floor at that point, ``trainer.doctor.noise_floor``) is named, with the likely cause of a divergence that starts there.
 
 Engine side: forward hooks on the colocated vLLM engine's own ``nn.Module`` (``LLM.apply_model``, in this process),
 recording while ``engine.score`` runs one sequence's prefill (one request per call, so the engine's flattened rows
@@ -33,6 +33,7 @@ does not. The copies then live on the GPU and are moved to the CPU per sequence.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -42,21 +43,14 @@ from rollout.vllm_engine import VLLMEngine
 from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.context import Doctor, relative_error
 from trainer.doctor.finding import FAIL, PASS, Finding, at_most
+from trainer.doctor.noise_floor import FACTOR, WIDER, bands, measure
 
 NAME = "layers"
 NUM_SEQUENCES = 4  # the first sequences of the fixed batch: ~25 positions each on the tiny model
 
-# The band a healthy point stays in, per dtype: the relative error ‖engine − trainer‖ / ‖trainer‖ over every
-# position of the sequences. Measured (CPU, vLLM 0.32, 4 sequences of the fixed batch), the largest healthy point:
-# - bfloat16: 6.0e-3 on the built-in tiny model (4 layers; `parityrl doctor recipes/grpo_tiny.yaml --only layers`),
-#   1.5e-2 on the zoo's Qwen3 (2 layers, std-0.2 weights: larger activations, tests/doctor/test_layers.py). About
-#   1.5 x 2^-8 per op: both sides round every op to bf16 at other points (fused vs separate q/k/v GEMMs, RMSNorm,
-#   RoPE tables, SDPA vs the engine's attention). Band 4e-2: 2.7x the worst healthy point; a planted difference
-#   must move a point by more than that (a few percent) to be seen in bf16.
-# - float32: 3.1e-7 on the tiny model (float32 rounding ~1e-7 per op); band 1e-5, 30x.
-# - float16: not measured (vLLM's CPU build computes in bf16/float32); 2^-3 times the bf16 band, by its 3 more
-#   mantissa bits.
-BANDS = {"bfloat16": 4e-2, "float16": 5e-3, "float32": 1e-5}
+# A point is healthy within its band: ``noise_floor.FACTOR`` times the model's own noise floor there (the trainer's
+# forward in the run's dtype against the same weights in a wider dtype, ``trainer.doctor.noise_floor``), so the band
+# grows with depth and width as the two sides' rounding does, on every model.
 CAUSES = {
     "embedding": "the token ids or the embedding weights differ (a sync that left embed_tokens out, a resized "
                  "vocabulary, an embedding scale one side applies)",
@@ -273,16 +267,17 @@ def compare_points(pts: list[Point], engine: list[dict], trainer: list[dict]) ->
     return rows
 
 
-def first_divergence(rows: list[dict[str, Any]], band: float) -> Optional[dict[str, Any]]:
-    """The first row (in forward order) whose relative error leaves the band (a NaN leaves it)."""
+def first_divergence(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The first row (in forward order) whose relative error leaves its own band, ``row["band"]`` (a NaN leaves it)."""
     for r in rows:
-        if not r["rel_error"] <= band:
+        if not r["rel_error"] <= r["band"]:
             return r
     return None
 
 
-def plot(path, rows: list[dict[str, Any]], band: float, title: str) -> bool:
-    """Relative error against depth (log scale), the band as a line. False: matplotlib is not installed."""
+def plot(path, rows: list[dict[str, Any]], title: str) -> bool:
+    """Relative error against depth (log scale), the model's noise floor and the band over it as lines. False:
+    matplotlib is not installed."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # late: optional (the `reports` extra)
         from matplotlib.figure import Figure  # late: optional
@@ -299,7 +294,9 @@ def plot(path, rows: list[dict[str, Any]], band: float, title: str) -> bool:
             ax.scatter([r["depth"] for r in sel], [max(r["rel_error"], floor) for r in sel], marker=marker,
                        label=kind)
     ax.plot([r["depth"] for r in rows], [max(r["rel_error"], floor) for r in rows], color="grey", lw=0.8)
-    ax.axhline(band, color="red", ls="--", lw=1, label=f"band {band:.0e}")
+    depth = [r["depth"] for r in rows]
+    ax.plot(depth, [max(r["floor"], floor) for r in rows], color="black", ls=":", lw=1, label="noise floor")
+    ax.plot(depth, [r["band"] for r in rows], color="red", ls="--", lw=1, label=f"band ({FACTOR:g} x floor)")
     ax.set_yscale("log")
     ax.set_xlabel("depth (decoder layers)")
     ax.set_ylabel("‖engine − trainer‖ / ‖trainer‖")
@@ -312,12 +309,21 @@ def plot(path, rows: list[dict[str, Any]], band: float, title: str) -> bool:
 
 
 # ---- the check ----------------------------------------------------------------------------------
+def precision_refusal(precision, dtype: str) -> Optional[str]:
+    """Why this check cannot judge a precision recipe (a ``PrecisionRecipe``) in ``dtype``; None: it can. The
+    recipes check asks it before suggesting this check as the follow-up of a recipe above its level."""
+    if dtype not in WIDER:
+        return f"model.dtype {dtype!r}: the noise floor is measured for {', '.join(WIDER)}"
+    if precision.block_fp8_on_cuda:  # the records whose engine runs FP8 GEMMs (emulated on CPU)
+        return (f"precision {precision.name!r}: the engine's FP8 GEMMs leave the {dtype} band at the first quantized "
+                f"layer by design; the noise floor is an un-quantized forward's")
+    return None
+
+
 def _refuse(doc: Doctor) -> None:
-    if doc.dtype not in BANDS:
-        raise CheckCannotRun(f"model.dtype {doc.dtype!r}: the layer bands are measured for {', '.join(BANDS)}")
-    if "fp8" in doc.precision.name:
-        raise CheckCannotRun(f"precision {doc.precision.name!r}: the engine's FP8 GEMMs leave the {doc.dtype} band "
-                             f"at the first quantized layer by design; the bands hold for un-quantized forwards")
+    why = precision_refusal(doc.precision, doc.dtype)
+    if why is not None:
+        raise CheckCannotRun(why)
     engine = doc.engine
     if not isinstance(engine, VLLMEngine):
         if type(engine).__name__ == "HFEngine":
@@ -330,35 +336,48 @@ def _refuse(doc: Doctor) -> None:
                              "with enforce_eager to compare layer by layer")
 
 
+def with_bands(rows: list[dict[str, Any]], floor: dict[str, float], dtype: str) -> list[dict[str, Any]]:
+    """Each row with the model's noise floor at its point and the band over it (``trainer.doctor.noise_floor``)."""
+    band = bands(floor, dtype)
+    return [{**r, "floor": floor[r["point"]], "band": band[r["point"]]} for r in rows]
+
+
 def run(doc: Doctor) -> list[Finding]:
     _refuse(doc)
-    band = BANDS[doc.dtype]
     batch = doc.batch()
     seqs = [list(p) + list(c) for p, c in zip(batch.prompt_ids[:NUM_SEQUENCES], batch.completion_ids[:NUM_SEQUENCES])]
     model = doc.model
     pts = points(len((model.get_decoder() if hasattr(model, "get_decoder") else model.model).layers),
                  _transformed(model, _engine_module(doc.engine)))
     names = [p.name for p in pts]
-    rows = compare_points(pts, engine_states(doc.engine, seqs, names), trainer_states(model, seqs, names))
+    trainer = trainer_states(model, seqs, names)
+    floor = measure(model, doc.dtype, seqs, names, trainer_states, low=trainer)
+    rows = with_bands(compare_points(pts, engine_states(doc.engine, seqs, names), trainer), floor, doc.dtype)
     for r in rows:
-        doc.say(f"  {r['point']:<22} rel {r['rel_error']:.3e}  worst position {r['max_position_error']:.3e}")
-    first = first_divergence(rows, band)
-    details = {"band": band, "dtype": doc.dtype, "sequences": len(seqs), "positions": sum(len(s) for s in seqs),
-               "points": rows}
-    if plot(doc.out_dir / "layers.png", rows, band, f"engine vs trainer, {doc.dtype}, {len(seqs)} sequences"):
+        doc.say(f"  {r['point']:<22} rel {r['rel_error']:.3e}  floor {r['floor']:.3e}  "
+                f"worst position {r['max_position_error']:.3e}")
+    first = first_divergence(rows)
+    details = {"factor": FACTOR, "dtype": doc.dtype, "floor_against": str(WIDER[doc.dtype]).replace("torch.", ""),
+               "sequences": len(seqs), "positions": sum(len(s) for s in seqs), "points": rows}
+    if plot(doc.out_dir / "layers.png", rows, f"engine vs trainer, {doc.dtype}, {len(seqs)} sequences"):
         details["plot"] = "layers.png"
-    expected = f"every point <= {band:.0e}"
-    if first is None:
-        worst = max(rows, key=lambda r: r["rel_error"])
-        found = Finding(NAME, "first divergence", worst["rel_error"], expected, PASS,
+
+    def expected(r):
+        return f"<= {r['band']:.2g} ({FACTOR:g} x floor)"
+
+    if first is None:  # the figure shown: the point nearest its band
+        worst = max(rows, key=lambda r: r["rel_error"] / r["band"])
+        found = Finding(NAME, "first divergence", worst["rel_error"], expected(worst), PASS,
                         details={**details, "largest": worst["point"]})
     else:
-        found = Finding(NAME, f"first divergence: {first['point']}", first["rel_error"], expected, FAIL,
-                        f"{first['point']} leaves the band first: {CAUSES[first['kind']]}", details)
+        found = Finding(NAME, f"first divergence: {first['point']}", first["rel_error"], expected(first), FAIL,
+                        f"{first['point']} leaves its band first ({first['rel_error'] / first['floor']:.3g} x its "
+                        f"noise floor): {CAUSES[first['kind']]}", details)
     logits = rows[-1]
-    return [found, at_most(NAME, "logits: relative error", logits["rel_error"], band,
-                           CAUSES["logits"] if first is None else f"carried from {first['point']}",
-                           details={"max_position_error": logits["max_position_error"]})]
+    last = at_most(NAME, "logits: relative error", logits["rel_error"], logits["band"],
+                   CAUSES["logits"] if first is None else f"carried from {first['point']}",
+                   details={"max_position_error": logits["max_position_error"], "floor": logits["floor"]})
+    return [found, dataclasses.replace(last, expected=expected(logits))]
 
 
 CHECK = Check(NAME, "where do the engine's hidden states first leave the trainer's, layer by layer?", run)

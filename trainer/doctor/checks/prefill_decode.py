@@ -10,9 +10,11 @@ from __future__ import annotations
 from parity.metrics import compare
 from rollout.types import Rollouts
 from trainer.doctor.check import Check
+from trainer.doctor.checks.layers import precision_refusal
 from trainer.doctor.context import Doctor
 from trainer.doctor.finding import at_most
 from trainer.models.batch import batch_from_rollouts
+from trainer.precision.verdict import MAE_WARN_FACTOR
 
 NAME = "prefill_decode"
 
@@ -34,16 +36,18 @@ def run(doc: Doctor) -> list:
     lp_p = batch_from_rollouts(prefilled, pad, "cpu").rollout_logprobs.float()
     lp_t, mask = doc.trainer_logprobs(decoded, temperature=1.0)
     level = doc.mae_level()
+    why = precision_refusal(doc.precision, doc.dtype)  # where to look next: the layers check, where it runs
+    where = "see the layers check" if why is None else "the layers check cannot say where (" + why + ")"
     pairs = {"decode vs prefill (engine)": (lp_d, lp_p, "the engine's decode path (paged attention, KV cache dtype, "
                                                         "decode kernels) computes what its own prefill does not"),
              "decode vs trainer": (lp_d, lp_t, "the engine's sampled log-probs differ from the trainer's beyond "
-                                               "this dtype's level: see the layers check"),
-             "prefill vs trainer": (lp_p, lp_t, "the engine's model differs from the trainer's on one prefill: "
-                                                "see the layers check")}
+                                               f"this dtype's level: {where}"),
+             "prefill vs trainer": (lp_p, lp_t, f"the engine's model differs from the trainer's on one prefill: "
+                                                f"{where}")}
     out = []
     for item, (a, b, cause) in pairs.items():
         m = compare(a * mask, b * mask, mask)
-        out.append(at_most(NAME, f"{item}: mae", m["parity/mae"], level, cause, warn_factor=3.0,
+        out.append(at_most(NAME, f"{item}: mae", m["parity/mae"], level, cause, warn_factor=MAE_WARN_FACTOR,
                            details={"max_abs": m["parity/max_abs"], "kl_k3": m["parity/kl_k3"],
                                     "tokens": int(mask.sum())}))
     return out

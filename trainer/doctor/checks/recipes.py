@@ -18,6 +18,7 @@ from trainer.config import RecipeError
 from trainer.config.validate import sequence_length
 from trainer.distributed.data_parallel import DataParallel
 from trainer.doctor.check import Check, CheckCannotRun
+from trainer.doctor.checks.layers import precision_refusal
 from trainer.doctor.context import Doctor, engine_reason
 from trainer.doctor.finding import Finding, at_most, skipped
 from trainer.measurement.routing_parity import pooled_routing_metrics
@@ -30,6 +31,7 @@ from trainer.precision.checks import check_model_config, cuda_rule, dtype_rule, 
 from trainer.precision.levels import parity_level
 from trainer.precision.record import PrecisionRecipe
 from trainer.precision.registry import RECIPES
+from trainer.precision.verdict import MAE_WARN_FACTOR
 from trainer.sampling.engines import start_vllm
 
 NAME = "recipes"
@@ -86,8 +88,18 @@ def _row(doc: Doctor, recipe: PrecisionRecipe) -> Finding:
     if scores.routing is not None:
         details.update(pooled_routing_metrics(scores.routing, DataParallel()))
     return at_most(NAME, f"{recipe.name}: mae", m["parity/mae"], level,
-                   f"precision recipe {recipe.name} runs above its own level on this model: see the layers check "
-                   "with --set precision.recipe=" + recipe.name, warn_factor=3.0, details=details)
+                   f"precision recipe {recipe.name} runs above its own level on this model: {follow_up(doc, recipe)}",
+                   warn_factor=MAE_WARN_FACTOR, details=details)
+
+
+def follow_up(doc: Doctor, recipe: PrecisionRecipe) -> str:
+    """The doctor run that says where a recipe's gap comes from, as one that runs with it: the layers check where it
+    can judge the recipe, else prefill_decode (the recipe's own engine, decode vs prefill vs the trainer)."""
+    why = precision_refusal(recipe, doc.dtype)
+    if why is None:
+        return f"rerun with `--set precision.recipe={recipe.name} --only layers` (where it leaves its noise floor)"
+    return (f"rerun with `--set precision.recipe={recipe.name} --only prefill_decode` (its engine's decode and "
+            f"prefill against the trainer; the layers check does not run it: {why})")
 
 
 def run(doc: Doctor) -> list[Finding]:
