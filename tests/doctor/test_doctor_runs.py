@@ -24,10 +24,12 @@ def test_every_check_passes_on_the_tiny_model(tiny_engine, tmp_path, capsys):
     report = json.loads((tmp_path / "doc" / "doctor.json").read_text())
     assert status == 0 and report["exit_status"] == 0, printed
     assert {f["verdict"] for f in report["findings"]} == {PASS, SKIP}, printed
-    # the only skip: a precision recipe that runs in another dtype (fp16 in float16)
-    assert [f["item"] for f in report["findings"] if f["verdict"] == SKIP] == ["fp16"], printed
-    assert {f["check"] for f in report["findings"]} == {"layers", "prefill_decode", "batch_invariance", "prefix_cache",
-                                                        "weight_sync", "tokens", "sampling", "recipes"}
+    # the only skips: routing (a dense model has no router) and a precision recipe that runs in another dtype (fp16
+    # in float16)
+    assert [(f["check"], f["item"]) for f in report["findings"] if f["verdict"] == SKIP] == [("routing", "-"),
+                                                                                           ("recipes", "fp16")], printed
+    assert {f["check"] for f in report["findings"]} == {"layers", "routing", "prefill_decode", "batch_invariance",
+                                                        "prefix_cache", "weight_sync", "tokens", "sampling", "recipes"}
     assert {f["check"] for f in report["findings"]} == set(report["seconds"])
 
 

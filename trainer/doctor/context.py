@@ -1,6 +1,8 @@
 """What every check of the doctor shares: the recipe's model, tokenizer and prompts, one engine started as training
 starts it, one trainer model in the recipe's precision, one fixed batch of sampled tokens, and the levels a healthy
-setup reaches in this dtype.
+setup reaches in this dtype. An MoE model runs with the recipe's ``parity.routing_replay`` as training resolves it
+(``routing``): with replay or measure the engine returns its routes and the trainer's routers are wrapped, so that
+every check's trainer forward replays the engine's experts where training would.
 
 Everything is built on first use, once: a check that needs no engine (the tokens check) runs without one, and an
 engine that cannot start is said once (``EngineCannotStart``) and every check that needs it is skipped with that
@@ -21,12 +23,14 @@ from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RunConfig
 from trainer.config.validate import sequence_length
 from trainer.data.datasets import encode_prompts, load_prompt_dataset
+from trainer.measurement.routing_parity import install_routing
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import batch_from_rollouts
 from trainer.models.policy import load_base_model, load_tokenizer
+from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.levels import FLOOR_DEPTH, parity_level
-from trainer.sampling.engines import make_engine
+from trainer.sampling.engines import local_config, make_engine
 
 # A fixed batch small enough for the whole battery to run in under two minutes on two CPU cores with the tiny model,
 # large enough that a mean over it is steady (8 x 24 tokens).
@@ -50,6 +54,7 @@ class Doctor:
         self.tokenizer = load_tokenizer(self.model_dir)
         self._engine, self._engine_error, self._owns_engine = engine, None, engine is None
         self._model = None
+        self._routing: Optional[str] = None
         self._batch: Optional[Rollouts] = None
         self._prompt_ids: Optional[list[list[int]]] = None
 
@@ -83,7 +88,8 @@ class Doctor:
                 raise EngineCannotStart(self._engine_error)
             self.say(f"starting the {self.cfg.rollout.engine} engine on {self.model_dir}")
             try:
-                self._engine = make_engine(self.cfg, self.model_dir, max_model_len=sequence_length(self.cfg))
+                self._engine = make_engine(self.cfg, self.model_dir, max_model_len=sequence_length(self.cfg),
+                                           return_routes=self.routing != "off")
             except Exception as e:  # noqa: BLE001 - any refusal of the engine is this model's diagnosis
                 self._engine_error = engine_reason(e)
                 raise EngineCannotStart(self._engine_error) from None
@@ -94,8 +100,20 @@ class Doctor:
         """The trainer's model in the recipe's dtype and precision (the base weights, eval mode)."""
         if self._model is None:
             self.say(f"loading the trainer's model ({self.dtype}, precision {self.precision.name})")
-            self._model = self.precision.transform(load_base_model(self.model_dir, self.dtype, self.device)).eval()
+            model = self.precision.transform(load_base_model(self.model_dir, self.dtype, self.device)).eval()
+            install_routing(self.cfg, model)  # training's: the routers replay (or measure) the routes a batch carries
+            self._model = model
         return self._model
+
+    @property
+    def routing(self) -> str:
+        """``parity.routing_replay`` resolved for this model as training resolves it: replay | measure | off (a dense
+        model, or replay turned off), read from the model's config before anything loads."""
+        if self._routing is None:
+            config = local_config(self.model_dir)
+            self._routing = "off" if config is None else routing_mode(self.cfg.parity.routing_replay, config,
+                                                                       where=f"recipe {self.cfg.name!r}")
+        return self._routing
 
     def batch(self) -> Rollouts:
         """One fixed batch sampled by the engine (prompts x 1, the recipe's sampling), the same for every check."""

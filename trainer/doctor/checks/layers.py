@@ -22,10 +22,11 @@ are that sequence's positions, in order; rows past its length would be padding).
   the processor transforms the logits (``soft_cap``, ``scale``), the raw logits are the processor's own
   ``_get_logits`` re-run in the hook on the same input.
 
-Trainer side: ``doc.model`` (HF, the recipe's dtype and precision) with hooks on the same points, one sequence per
-forward (no padding): the embedding, ``self_attn`` (its first output), ``mlp``, each decoder layer's output, the
-final norm, ``lm_head``'s output (raw logits) and the model's logits (after ``final_logit_softcapping`` or a logit
-scale).
+Trainer side: ``doc.model`` (HF, the recipe's dtype and precision; an MoE model with the recipe's routing replay,
+``routing.trainer_routing``, and a divergence at or after a layer whose experts differ from the engine's named as
+routing's) with hooks on the same points, one sequence per forward (no padding): the embedding, ``self_attn`` (its
+first output), ``mlp``, each decoder layer's output, the final norm, ``lm_head``'s output (raw logits) and the model's
+logits (after ``final_logit_softcapping`` or a logit scale).
 
 On CUDA (written, not run here): forward hooks do not fire inside a replayed CUDA graph, nor inside vLLM's
 ``torch.compile``d forward, so the engine must run eagerly (``enforce_eager``); the check refuses an engine that
@@ -41,6 +42,7 @@ import torch
 
 from rollout.vllm_engine import VLLMEngine
 from trainer.doctor.check import Check, CheckCannotRun
+from trainer.doctor.checks.routing import trainer_routing
 from trainer.doctor.context import Doctor, relative_error
 from trainer.doctor.finding import FAIL, PASS, Finding, at_most
 from trainer.doctor.noise_floor import FACTOR, WIDER, bands, measure
@@ -350,7 +352,8 @@ def run(doc: Doctor) -> list[Finding]:
     pts = points(len((model.get_decoder() if hasattr(model, "get_decoder") else model.model).layers),
                  _transformed(model, _engine_module(doc.engine)))
     names = [p.name for p in pts]
-    trainer = trainer_states(model, seqs, names)
+    with trainer_routing(doc, seqs) as routes:  # an MoE model: the recipe's routing replay, the experts used read
+        trainer = trainer_states(model, seqs, names)
     floor = measure(model, doc.dtype, seqs, names, trainer_states, low=trainer)
     rows = with_bands(compare_points(pts, engine_states(doc.engine, seqs, names), trainer), floor, doc.dtype)
     for r in rows:
@@ -372,7 +375,7 @@ def run(doc: Doctor) -> list[Finding]:
     else:
         found = Finding(NAME, f"first divergence: {first['point']}", first["rel_error"], expected(first), FAIL,
                         f"{first['point']} leaves its band first ({first['rel_error'] / first['floor']:.3g} x its "
-                        f"noise floor): {CAUSES[first['kind']]}", details)
+                        f"noise floor): {(routes and routes.cause(first['depth'])) or CAUSES[first['kind']]}", details)
     logits = rows[-1]
     last = at_most(NAME, "logits: relative error", logits["rel_error"], logits["band"],
                    CAUSES["logits"] if first is None else f"carried from {first['point']}",
