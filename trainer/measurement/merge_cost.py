@@ -2,7 +2,10 @@
 ``sync/merge_update_error`` and ``sync/merge_unchanged_frac`` (``parity.merge_cost``).
 
 With ``merged`` they say how much of the trainer's update the engine does not get; with ``adapter`` what merging
-would have cost (the evidence for the choice). On a sample of the LoRA layers, fixed for the run: every
+would have cost (the evidence for the choice). In what the engine stores: the sync's dtype (``model.dtype``), and
+with an FP8 engine (``fp8``: the precision recipes whose engine runs block-FP8 linear layers) the block-FP8 values
+of each layer it quantizes (``rollout.fp8_weights.is_fp8_target``), through ``parity.precision.fake_quant_weight``,
+the one quantizer both phases call. On a sample of the LoRA layers, fixed for the run: every
 ``stride``-th layer in model order, the stride chosen so that the sample's base weights hold at most
 ``MERGE_COST_ELEMENTS`` elements (all of them for a model up to ~2 decoder layers of a 7B; one gate_proj of a 7B
 is 68 M elements, so there the sample is a handful of modules spread over the depth). The same modules every sync,
@@ -23,7 +26,9 @@ from torch import nn
 
 from parity.lora import merged_lora_weight
 from parity.merge_cost import MERGE_COST_KEYS, merge_cost_metrics, merge_cost_sums
+from parity.precision import fake_quant_weight
 from rollout.adapters import lora_modules
+from rollout.fp8_weights import is_fp8_target
 
 MERGE_COST_ELEMENTS = 1 << 24
 # The relative error above which a merged sync is said to lose the update: at 0.25 a quarter of the update's
@@ -40,24 +45,28 @@ def _base_numel(module: nn.Module) -> int:
 
 
 class MergeCost:
-    """The merge's cost on a fixed sample of the policy's LoRA layers, in the engine's ``dtype``."""
+    """The merge's cost on a fixed sample of the policy's LoRA layers, in what the engine stores: ``dtype`` (the
+    sync's), and with ``fp8`` the block-FP8 values of the layers an FP8 engine quantizes."""
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype, *, gather: Optional[Gather] = None,
-                 budget: int = MERGE_COST_ELEMENTS) -> None:
-        modules = [m for _, m in lora_modules(policy)]
-        total = sum(_base_numel(m) for m in modules)
-        self.stride = max(1, math.ceil(total / budget)) if modules else 1
-        self.sample = modules[::self.stride]
+                 budget: int = MERGE_COST_ELEMENTS, fp8: bool = False) -> None:
+        named = lora_modules(policy)
+        total = sum(_base_numel(m) for _, m in named)
+        self.stride = max(1, math.ceil(total / budget)) if named else 1
+        # PEFT names end in the HF module name (base_model.model.model.layers.0.self_attn.q_proj)
+        self.sample = [(m, fake_quant_weight if fp8 and is_fp8_target(f"{n}.weight") else None)
+                       for n, m in named[::self.stride]]
         self.dtype = dtype
+        self.stored_as = str(dtype).removeprefix("torch.") + (" then block FP8" if fp8 else "")
         self.gather = gather or (lambda params: contextlib.nullcontext())
         self._warned_at: Optional[int] = None
 
     def __call__(self) -> dict[str, float]:
         sums = dict.fromkeys(MERGE_COST_KEYS, 0.0)
-        for module in self.sample:
+        for module, store in self.sample:
             with torch.no_grad(), self.gather(list(module.parameters())):
                 for k, v in merge_cost_sums(module.get_base_layer().weight, merged_lora_weight(module),
-                                            self.dtype).items():
+                                            self.dtype, store).items():
                     sums[k] += v
         return merge_cost_metrics(sums)
 
@@ -72,6 +81,6 @@ class MergeCost:
         self._warned_at = step
         return (f"warning: step {step}: the merged sync loses {err:.0%} of the update (sync/merge_update_error; "
                 f"{m.get('sync/merge_unchanged_frac', float('nan')):.0%} of the sampled weights did not move in "
-                f"{str(self.dtype).removeprefix('torch.')}): the engine samples from a coarser policy than the one "
+                f"{self.stored_as}): the engine samples from a coarser policy than the one "
                 "trained; rollout.lora_sync: adapter serves the update itself (docs/precision.md \"LoRA in the "
                 "engine\")")

@@ -259,7 +259,10 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     if precision.engine_logprobs:
         run.exact = run.probe.exact = ExactLogprobs(run.engine, policy, getattr(torch, cfg.model.dtype))
     run.sync = policy_sync(cfg, run.engine, policy, dp, gather=run.gather, announce=run.is_main, model_dir=model_dir)
-    run.merge_cost = MergeCost(policy, getattr(torch, cfg.model.dtype), gather=run.gather)
+    # an FP8 engine (the record's block_fp8_on_cuda: block-FP8 layers on CUDA, their emulation by the same quantizer on
+    # CPU) multiplies by the block-FP8 values of what the sync sends: the merge's cost is measured there
+    run.merge_cost = MergeCost(policy, getattr(torch, cfg.model.dtype), gather=run.gather,
+                               fp8=precision.block_fp8_on_cuda)
     # Always align the engine with the policy being trained (fresh adapter = base weights,
     # resumed adapter = its weights), so a reused engine never carries another run's weights.
     run.sync(run.engine)
