@@ -10,15 +10,21 @@ this client needs nothing but the API every vLLM server has, and it only scores 
   the server read come back and must be the ones sent: a server that truncated or re-encoded them is refused).
 - Answer (``CompletionResponse``): one choice per prompt, ``index`` in prompt order; ``choices[i].prompt_logprobs``
   has one entry per prompt token, ``null`` at position 0 (nothing to condition on), else ``{"<id>": {"logprob",
-  "rank", "decoded_token"}}`` holding the prompt's own token whatever its rank, and the top ``k`` by rank. They are
-  log_softmax of the raw logits (vLLM applies no sampling processor to prompt tokens): temperature 1, whatever the
-  server's ``--logprobs-mode`` or generation config; ``-inf`` comes as -9999.0 (``clamp_prompt_logprobs``).
+  "rank", "decoded_token"}}`` holding the prompt's own token whatever its rank, and the top ``k`` by rank. vLLM
+  applies no sampling processor to prompt tokens, so whatever the server's generation config they are taken at
+  temperature 1 -- but what they are depends on the server's ``--logprobs-mode``: log_softmax of the logits with
+  ``raw_logprobs`` (the default) or ``processed_logprobs``, the logits THEMSELVES with ``raw_logits`` or
+  ``processed_logits`` (``gpu_model_runner._get_prompt_logprobs_dict``: ``scores = logits.to(torch.float32)`` in
+  those modes; ``v1/worker/gpu/sample/prompt_logprob.py``: ``logits_mode``). Such a server is refused
+  (``logits_problem``). ``-inf`` comes as -9999.0 (``clamp_prompt_logprobs``).
 - Start: ``GET /health`` until it answers (``wait_for_health``), then ``GET /v1/models``: the served model (its
-  ``root``: the path or hub id the server loaded) and its ``max_model_len``, which must hold the caller's sequences.
+  ``root``: the path or hub id the server loaded) and its ``max_model_len``, which must hold the caller's sequences;
+  then one scoring request of a short probe, whose values must be log-probs (``logits_problem``).
   What the server runs (its weights, dtype) cannot be read through this API: the caller checks the model's name.
 """
 from __future__ import annotations
 
+import math
 import urllib.parse
 from typing import Any, Sequence
 
@@ -29,6 +35,20 @@ from rollout.server_engine import MalformedAnswer, ServerEngineError, ServerKeys
 from rollout.types import Scored
 
 _CLAMPED = -9999.0  # vLLM's floor for -inf prompt log-probs in JSON (clamp_prompt_logprobs)
+
+# How a server in a logits mode is told from one returning log-probs. Its mode is not in any production endpoint
+# (/v1/models has no such field; /server_info, which dumps the config, exists only with VLLM_SERVER_DEV_MODE=1), and
+# the two differ only by each position's normaliser, logsumexp over the whole vocabulary, which the API does not
+# return (prompt_logprobs is capped by the server's --max-logprobs, 20 by default). What does hold for any answer:
+# the returned values belong to DISTINCT ids of one position, so as log-probs their probabilities sum to at most 1
+# (vLLM's float32 log_softmax: within ~1e-6). That bound never refuses a log-prob server; logits break it as soon as
+# the returned logits at one position have a logsumexp above 0, i.e. whenever a language model's top logit there is
+# positive (the connect probe asks for the top-1, so each position's largest logit is among the values). A model
+# whose logits are all <= 0 at every position scored would pass unnoticed; the check runs on every answer, not
+# only at connect, so one such position anywhere in a run is enough to stop it.
+_MASS_SLACK = 1e-3  # in log space: exp(1e-3) - 1 = 0.1 % over a mass of 1, far above float32 rounding
+_PROBE = list(range(8))  # ids every vocabulary has
+_LOGITS_MODES = "`--logprobs-mode raw_logits` or `processed_logits`"
 
 
 def endpoint_url_problem(url: str) -> str | None:
@@ -65,6 +85,23 @@ def unclamp(x: float) -> float:
     return -float("inf") if x == _CLAMPED else float(x)
 
 
+def logits_problem(positions: Sequence) -> str | None:
+    """Why the values of one sequence's prompt log-prob ``positions`` (``{id: (value, rank)}`` per position, None at
+    0) cannot be log-probs, or None: at some position the ids' probabilities sum to more than 1 (``_MASS_SLACK``)."""
+    for t, pos in enumerate(positions):
+        values = [v for v, _ in (pos or {}).values() if v > -math.inf]
+        if not values:
+            continue
+        top = max(values)
+        lse = top + math.log(sum(math.exp(v - top) for v in values))
+        if lse > _MASS_SLACK:
+            return (f"position {t}: the values of {len(values)} distinct ids ({', '.join(f'{v:.4g}' for v in values[:4])}"
+                    f"{', ...' if len(values) > 4 else ''}) are probabilities summing to {math.exp(lse):.4g} > 1 "
+                    f"as log-probs: they are logits, as vLLM returns them with {_LOGITS_MODES}; start the server "
+                    "without --logprobs-mode (raw_logprobs, the default) or with processed_logprobs")
+    return None
+
+
 def read_completion_scores(resp: Any, sequences: Sequence[Sequence[int]], topk: int, bad) -> Scored:
     """``Scored`` from a ``/v1/completions`` answer to ``completion_body(..., sequences, topk)``; ``bad(msg)`` builds
     the exception for an answer that does not fit the request."""
@@ -85,6 +122,9 @@ def read_completion_scores(resp: Any, sequences: Sequence[Sequence[int]], topk: 
         positions = [None if pos is None else {int(tid): (unclamp(e["logprob"]), e.get("rank"))
                                                for tid, e in pos.items()}
                      for pos in plp] if isinstance(plp, list) else None
+        problem = None if positions is None else logits_problem(positions)
+        if problem:
+            raise bad_k(problem)
         rows.append(read_prompt_logprobs(seq, positions, topk, bad_k))
     return Scored.from_rows(rows)
 
@@ -117,6 +157,7 @@ class CompletionsScorer:
             if not isinstance(self.max_model_len, int) or (max_model_len and self.max_model_len < max_model_len):
                 raise UnusableServer(f"vLLM server at {self.url}: max_model_len = {self.max_model_len!r}, expected an "
                                      f"integer >= {max_model_len} (the longest sequence scored, + the one token sampled)")
+            self._check_logprobs_mode()
         except BaseException:
             self.close()
             raise
@@ -130,6 +171,17 @@ class CompletionsScorer:
             raise UnusableServer(f"vLLM server at {self.url}: GET /v1/models answered {out!r:.300}; expected one "
                                  "served model (a vLLM OpenAI-compatible server)")
         return cards[0]
+
+    def _check_logprobs_mode(self) -> None:
+        """UnusableServer naming --logprobs-mode unless a probe's prompt log-probs (with each position's top-1) are
+        log-probs (``logits_problem``)."""
+        body = completion_body(self.model, [_PROBE], 1)
+        resp = self._call("POST", "/v1/completions", "score a probe (log-probs, not logits)", json=body)
+
+        def bad(msg: str) -> UnusableServer:
+            return UnusableServer(f"vLLM server at {self.url}: its prompt log-probs of ids {_PROBE}: {msg}")
+
+        read_completion_scores(resp, [_PROBE], 1, bad)
 
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (``RolloutEngine.score``)."""

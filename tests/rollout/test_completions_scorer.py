@@ -8,13 +8,17 @@ a real ``vllm serve``.
 import json
 import math
 import threading
+import typing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 from starlette.responses import JSONResponse
+from vllm.config.model import LogprobsMode
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse, CompletionResponseChoice
 from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, UsageInfo
 from vllm.logprobs import Logprob
+from vllm.v1.sample.sampler import Sampler
 
 from rollout.base import EngineUnavailable
 from rollout.completions_scorer import CompletionsScorer, completion_body, endpoint_url_problem, read_completion_scores
@@ -25,18 +29,35 @@ VOCAB = 50
 KEYS = ServerKeys(url="my.url", timeout="my.timeout_s", connect_timeout="my.connect_timeout_s", start="`vllm serve m`")
 
 
+def true_logits(prefix: list[int]) -> torch.Tensor:
+    """The stand-in model's logits [VOCAB] after ``prefix``, float32: positive at the top, as a language model's
+    (token 7 impossible after 3)."""
+    v = torch.arange(VOCAB)
+    logits = (3.0 - ((v * 13 + len(prefix) * 5 + prefix[-1]) % 17) / 4.0).float()
+    if prefix[-1] == 3:
+        logits[7] = -math.inf
+    return logits
+
+
+def scores(prefix: list[int], mode: str = "raw_logprobs") -> torch.Tensor:
+    """What vLLM returns as the prompt "log-probs" of the position after ``prefix`` under ``--logprobs-mode mode``
+    (gpu_model_runner._get_prompt_logprobs_dict): the logits in float32 in a logits mode, else the sampler's
+    log_softmax (no sampling processor on prompt tokens)."""
+    logits = true_logits(prefix)[None]
+    return (logits.to(torch.float32) if mode in ("raw_logits", "processed_logits")
+            else Sampler.compute_logprobs(logits))[0]
+
+
 def true_logprob(prefix: list[int], token: int) -> float:
-    """The stand-in model: a distribution over VOCAB ids that depends on the prefix (token 7 impossible after 3)."""
-    if prefix[-1] == 3 and token == 7:
-        return -math.inf
-    return -0.5 - ((token * 13 + len(prefix) * 5 + prefix[-1]) % 17) / 4.0
+    return float(scores(prefix)[token])
 
 
-def vllm_prompt_logprobs(ids: list[int], k: int) -> list:
+def vllm_prompt_logprobs(ids: list[int], k: int, mode: str = "raw_logprobs") -> list:
     """vLLM's ``RequestOutput.prompt_logprobs`` for ``ids``: None, then the actual token and the top k by rank."""
     out = [None]
     for t in range(1, len(ids)):
-        lps = {v: true_logprob(ids[:t], v) for v in range(VOCAB)}
+        s = scores(ids[:t], mode)
+        lps = {v: float(s[v]) for v in range(VOCAB)}
         order = sorted(lps, key=lambda v: (-lps[v], v))
         keep = set(order[:k]) | {ids[t]}
         out.append({v: Logprob(logprob=lps[v], rank=order.index(v) + 1, decoded_token=f"<{v}>") for v in keep})
@@ -48,7 +69,7 @@ def vllm_json(model) -> dict:
     return json.loads(JSONResponse(content=model.model_dump()).body)
 
 
-def completion_answer(body: dict, *, drop_prompt_logprobs=False, read_ids=None) -> dict:
+def completion_answer(body: dict, *, drop_prompt_logprobs=False, read_ids=None, mode="raw_logprobs") -> dict:
     from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
 
     req = CompletionRequest.model_validate(body)  # the request must be one vLLM accepts ...
@@ -57,7 +78,7 @@ def completion_answer(body: dict, *, drop_prompt_logprobs=False, read_ids=None) 
     prompts = req.prompt if isinstance(req.prompt[0], list) else [req.prompt]
     choices = [CompletionResponseChoice(
         index=i, text="x", finish_reason="length",
-        prompt_logprobs=None if drop_prompt_logprobs else clamp_prompt_logprobs(vllm_prompt_logprobs(p, req.prompt_logprobs)),
+        prompt_logprobs=None if drop_prompt_logprobs else clamp_prompt_logprobs(vllm_prompt_logprobs(p, req.prompt_logprobs, mode)),
         prompt_token_ids=read_ids or p if req.return_token_ids else None, token_ids=[1])
         for i, p in enumerate(prompts)]
     return vllm_json(CompletionResponse(model=req.model, choices=choices[::-1],  # the index, not the order, counts
@@ -150,7 +171,8 @@ def test_the_scorer_against_a_stand_in_server(stand_in):
     assert (scorer.model, scorer.max_model_len, scorer.served["root"]) == ("teacher", 64, "/models/teacher")
     scored = scorer.score(SEQS, topk=0)
     assert scored.logprobs == [expected(s) for s in SEQS] and scored.topk_ids == [[], []]
-    assert server.requests == [completion_body("teacher", SEQS, 0)]  # one request for the batch
+    # the connect probe (its top-1 too: log-probs, not logits), then one request for the batch
+    assert server.requests == [completion_body("teacher", [list(range(8))], 1), completion_body("teacher", SEQS, 0)]
     scorer.close()
     scorer.close()
 
@@ -158,9 +180,13 @@ def test_the_scorer_against_a_stand_in_server(stand_in):
 def test_a_server_with_a_short_context_or_no_prompt_logprobs_is_refused(stand_in):
     with pytest.raises(UnusableServer, match=r"max_model_len = 32, expected an integer >= 129"):
         CompletionsScorer(stand_in(max_model_len=32).url, timeout_s=5, max_model_len=129, keys=KEYS)
-    scorer = CompletionsScorer(stand_in(drop_prompt_logprobs=True).url, timeout_s=5, keys=KEYS)
-    with pytest.raises(ServerEngineError, match="/v1/completions with prompt_logprobs: sequence 0: None prompt log-prob"):
-        scorer.score(SEQS)
+    # refused at connect: the probe that checks log-probs against logits gets none
+    with pytest.raises(UnusableServer, match=r"its prompt log-probs of ids \[0, 1, .*: sequence 0: None prompt log-prob"):
+        CompletionsScorer(stand_in(drop_prompt_logprobs=True).url, timeout_s=5, keys=KEYS)
+    # ... and an answer without them later is refused as a failed request
+    body = completion_body("teacher", SEQS, 0)
+    with pytest.raises(ServerEngineError, match="sequence 0: None prompt log-prob"):
+        read_completion_scores(completion_answer(body, drop_prompt_logprobs=True), SEQS, 0, ServerEngineError)
 
 
 def test_a_url_where_nothing_listens_is_unavailable():
@@ -179,3 +205,30 @@ def test_endpoint_urls():
     assert "without /v1" in endpoint_url_problem("http://h:8000/v1")
     for bad in ("127.0.0.1:8000", "ftp://h:1", "http://h:x", "", "http://h:1/?a=b"):
         assert endpoint_url_problem(bad).startswith("http(s)://HOST[:PORT]"), bad
+
+
+@pytest.mark.parametrize("mode", typing.get_args(LogprobsMode))
+def test_a_server_returning_logits_is_refused_at_connect_naming_the_flag(stand_in, mode):
+    server = stand_in(mode=mode)
+    if mode in ("raw_logprobs", "processed_logprobs"):
+        scorer = CompletionsScorer(server.url, timeout_s=5, keys=KEYS)
+        assert scorer.score(SEQS, topk=2).logprobs == [expected(s) for s in SEQS]
+        scorer.close()
+        return
+    with pytest.raises(UnusableServer, match=rf"vLLM server at {server.url}: its prompt log-probs of ids .*: "
+                                             r"sequence 0: position 1: .* summing to .* > 1 as log-probs: they are "
+                                             r"logits, as vLLM returns them with `--logprobs-mode raw_logits` or "
+                                             r"`processed_logits`"):
+        CompletionsScorer(server.url, timeout_s=5, keys=KEYS)
+
+
+def test_every_answer_is_checked_and_a_whole_distribution_passes():
+    # an answer in a logits mode is refused wherever it comes, not only at connect
+    body = completion_body("teacher", SEQS, 2)
+    with pytest.raises(ValueError, match="sequence 0: position 1: .* are logits"):
+        read_completion_scores(completion_answer(body, mode="raw_logits"), SEQS, 2, ValueError)
+    # log-probs of every id of a position sum to 1 up to float32 rounding: the bound does not refuse them
+    whole = completion_body("teacher", SEQS, VOCAB)
+    scored = read_completion_scores(completion_answer(whole), SEQS, VOCAB, ValueError)
+    mass = [math.fsum(math.exp(x) for x in row) for rows in scored.topk_logprobs for row in rows]
+    assert all(abs(m - 1) < 1e-5 for m in mass) and max(mass) > 1 - 1e-6
