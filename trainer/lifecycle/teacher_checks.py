@@ -1,8 +1,18 @@
 """What a teacher must be before training starts: a model that reads the student's ids as the student does.
 
 The distillation signal log pi_s(y_t) - log pi_t(y_t) compares the two models' probabilities of the same id; if an
-id names another string for the teacher (another vocabulary), or the teacher has no row for it (another vocab
+id names another string for the teacher (another vocabulary), or the teacher has no row for it (a smaller vocab
 size), the difference is meaningless. Both are refused with the reason, before any engine starts.
+
+A teacher with MORE rows than the student (Qwen2.5-7B and larger: 152,064; 0.5B-3B: 151,936; one tokenizer of
+151,665 entries) is accepted when the tokenizers agree: the student samples ids below its own vocab size, every one
+of which the teacher has a row for, and the rows beyond are padding no tokenizer string maps to. The teacher's
+log-probs stay normalised over its own vocabulary, so whatever mass it puts on those padding rows (close to none in
+a trained model) is mass the student cannot match: the per-token reward is then the reverse KL to the teacher
+restricted to the student's ids, off by log(teacher mass on them) <= 0, a function of the prefix only. With the
+default discount 0 that term is a baseline of each token (it leaves the expected gradient, the one toward the
+teacher renormalised over the student's ids, unchanged); with a discount > 0 later tokens' terms enter a token's
+return (``distill/reverse_kl`` counts it either way).
 """
 from __future__ import annotations
 
@@ -21,7 +31,8 @@ def _vocab_size(model_dir: str):
 
 def check_same_tokenizer(student_dir: str, teacher_dir: str, teacher_path: str, where: str = "<recipe>") -> None:
     """RecipeError naming ``teacher.path`` unless the teacher's tokenizer maps every string to the id the student's
-    does (same vocabulary, same special tokens) and its model has the student's vocab size (lm_head rows)."""
+    does (same vocabulary, same special tokens) and its model has at least the student's vocab size (lm_head rows:
+    a row for every id the student can sample; more are padding, module docstring)."""
     s_tok, t_tok = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
     s_vocab, t_vocab = s_tok.get_vocab(), t_tok.get_vocab()
     if s_vocab != t_vocab:
@@ -37,9 +48,10 @@ def check_same_tokenizer(student_dir: str, teacher_dir: str, teacher_path: str, 
         raise RecipeError(f"{where}: teacher.path = {teacher_path!r}: special token ids {got}; expected the "
                           f"student's {want}")
     s_size, t_size = _vocab_size(student_dir), _vocab_size(teacher_dir)
-    if s_size != t_size:
+    if t_size != s_size and not (isinstance(s_size, int) and isinstance(t_size, int) and t_size > s_size):
         raise RecipeError(f"{where}: teacher.path = {teacher_path!r}: vocab_size {t_size} in its config.json; "
-                          f"expected the student's {s_size} (the teacher must score every id the student samples)")
+                          f"expected at least the student's {s_size} (the teacher must score every id the student "
+                          "samples)")
 
 
 def check_teacher_at_hand(cfg: RunConfig, where: str) -> None:

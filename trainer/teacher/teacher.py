@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -183,6 +184,9 @@ class Teacher:
             self.model = load_base_model(self.teacher_dir, teacher_dtype(self.cfg), self.device).eval()
             self.model.requires_grad_(False)
         p = self.cfg
+        # the teacher's engine scores its full softmax at temperature 1 (prompt log-probs skip the sampling
+        # processors): the student's truncated-sampling sets and top-k ids are not the teacher's
+        batch = replace(batch, support=None, topk_ids=None, topk_logprobs=None)
         trainer_lp = score_batch(self.model, batch, micro_batch_size=p.train.micro_batch_size, temperature=1.0,
                                  chunk_size=p.parity.chunk_size, entropy=False,
                                  pack_sequences=p.train.pack_sequences).logprobs

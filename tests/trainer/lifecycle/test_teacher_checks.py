@@ -1,5 +1,6 @@
 """A teacher must read the student's ids as the student does (trainer/lifecycle/teacher_checks.py): another vocabulary, other
-special tokens or another vocab size are refused naming teacher.path, before any engine starts."""
+special tokens or a smaller vocab size are refused naming teacher.path, before any engine starts; a larger vocab size
+(padding rows) is accepted."""
 import json
 import shutil
 from pathlib import Path
@@ -40,15 +41,21 @@ def test_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
         check_same_tokenizer(tiny_model_dir, teacher, "my-teacher", "where")
 
 
-def test_another_vocab_size_is_refused(tiny_model_dir, tmp_path):
+def test_a_smaller_vocab_size_is_refused_and_a_larger_accepted(tiny_model_dir, tmp_path):
+    def narrower(cfg):
+        cfg["vocab_size"] -= 64
+
     def wider(cfg):
         cfg["vocab_size"] += 64
 
-    teacher = teacher_copy(tiny_model_dir, tmp_path, edit_config=wider)
-    size = json.loads((tmp_path / "teacher" / "config.json").read_text())["vocab_size"]
-    with pytest.raises(RecipeError, match=f"teacher.path = 't': vocab_size {size} in its config.json; expected the "
-                                          f"student's {size - 64}"):
+    teacher = teacher_copy(tiny_model_dir, tmp_path / "narrow", edit_config=narrower)
+    size = json.loads((tmp_path / "narrow" / "teacher" / "config.json").read_text())["vocab_size"]
+    with pytest.raises(RecipeError, match=f"teacher.path = 't': vocab_size {size} in its config.json; expected at "
+                                          f"least the student's {size + 64}"):
         check_same_tokenizer(tiny_model_dir, teacher, "t")
+    # more rows than the student's, the same tokenizer: padding rows (Qwen2.5-7B's 152,064 beside 1.5B's 151,936);
+    # a teacher model of that shape is built and scored in tests/trainer/teacher/test_wider_teacher.py
+    check_same_tokenizer(tiny_model_dir, teacher_copy(tiny_model_dir, tmp_path / "wide", edit_config=wider), "t")
 
 
 def test_print_config_refuses_a_teacher_of_another_vocabulary(tiny_model_dir, tmp_path, capsys):
