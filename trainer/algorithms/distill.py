@@ -12,8 +12,8 @@ gradient E_y[sum_t A_t grad log pi_s(y_t | y_<t)] is, by the score-function iden
 - gamma = 1: exactly -grad KL(pi_s(y) || pi_t(y)), the reverse KL of whole sequences. Its gradient weights each
   token's score by the KL terms of that token and of every later one (reward-to-go: a token also pays for the
   prefixes it leads the student into); earlier terms drop out in expectation. This is MiniLLM's sequence-level
-  objective (Gu et al., arXiv 2306.08543: its policy gradient with R_t = sum_{t' >= t} log(q_theta / p),
-  without its length normalisation, clipping and teacher-mixed sampling).
+  objective (Gu et al., arXiv 2306.08543: its policy gradient with R_t = sum_{t' >= t} log(p / q_theta), p the
+  teacher and q_theta the student, without its length normalisation, clipping and teacher-mixed sampling).
 - gamma = 0 (the default): only the token's own term, so the expectation is -grad of the per-token surrogate
   sum_t E_{y_<t ~ pi_s, not differentiated}[KL(pi_s(. | y_<t) || pi_t(. | y_<t))]: each position's next-token
   reverse KL pushed down given the prefix, the prefix distribution held fixed. It is NOT the sequence KL's
