@@ -1,12 +1,15 @@
 """Learning per step, parityrl vs TRL's GRPOTrainer at the demo's settings (issue 48): the reward's rise per seed.
 
-    PYTHONPATH=. python bench/bench_learning_vs_trl.py --seeds 0 1 2 3 4 --steps 40   # TRL: pip install --no-deps trl
+    PYTHONPATH=. python bench/bench_learning_vs_trl.py --seeds 0 1 2 3 4 --steps 40 --schedule constant
+    # TRL: pip install --no-deps 'trl==1.16.*'
 
 The settings (recipes/grpo_tiny.yaml's, in float32): the built-in tiny model, LoRA r 16 alpha 32 on every linear
 layer, the built-in arithmetic task's 64-problem pool (generated from the seed, as parityrl does) rendered with the
 chat template, 16 prompts x 8 completions x 24 new tokens at temperature 1, lr 2e-3, no KL; TRL with loss_type
 dapo (its default; parityrl's token_mean is the same normaliser) and HF generate, parityrl with its vLLM engine.
 Everything else is each trainer's default: the point is what a user of either gets. Held-out evaluation is off.
+The learning-rate schedule is the one default in which the two differ (TRL: Transformers' linear decay to 0,
+parityrl: constant; docs/algorithms.md): ``--schedule constant|linear`` gives both trainers the same one.
 
 Each run is a process of its own. The rise is the mean reward of the last 5 steps minus that of the first 5.
 """
@@ -32,23 +35,25 @@ from trainer.models.policy import load_tokenizer
 PROMPTS, GROUP, TOKENS, POOL, WINDOW = 16, 8, 24, 64, 5
 
 
-def parityrl_rewards(seed: int, steps: int, work: Path, extra: Sequence[str] = ()) -> list[float]:
+def parityrl_rewards(seed: int, steps: int, work: Path, extra: Sequence[str] = (),
+                     schedule: str | None = None) -> list[float]:
     sets = [f"train.steps={steps}", f"train.seed={seed}", "model.dtype=float32", "checkpoint.every=0",
-            f"name=learning-vs-trl-{seed}", *extra]
+            f"name=learning-vs-trl-{seed}", *([f"train.lr_schedule={schedule}"] if schedule else []), *extra]
     rows = run_parityrl(sets, work / f"parityrl-{seed}", log=work / f"parityrl-{seed}.log")
     return [r["reward/mean"] for r in rows if "reward/mean" in r]
 
 
-def trl_rewards(seed: int, steps: int, work: Path) -> list[float]:
+def trl_rewards(seed: int, steps: int, work: Path, schedule: str | None = None) -> list[float]:
     """TRL in a process of its own (this script with --trl-worker); its per-step mean reward."""
     out = work / f"trl-{seed}.json"
     with open(work / f"trl-{seed}.log", "w") as log:
-        subprocess.run([sys.executable, __file__, "--trl-worker", str(out), "--seeds", str(seed), "--steps", str(steps)],
+        subprocess.run([sys.executable, __file__, "--trl-worker", str(out), "--seeds", str(seed), "--steps", str(steps)]
+                       + (["--schedule", schedule] if schedule else []),
                        check=True, stdout=log, stderr=subprocess.STDOUT)
     return json.loads(out.read_text())
 
 
-def trl_worker(seed: int, steps: int, out: Path) -> None:
+def trl_worker(seed: int, steps: int, out: Path, schedule: str | None = None) -> None:
     """One TRL run; writes the list of its steps' mean rewards to ``out``."""
     from transformers import TrainerCallback
 
@@ -67,7 +72,7 @@ def trl_worker(seed: int, steps: int, out: Path) -> None:
     trl_grpo(out.parent, data, steps=steps, batch=PROMPTS * GROUP, tokens=TOKENS, seed=seed, callbacks=[Rewards()],
              lora={"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
              # recomputing activations changes no number, only the time
-             gradient_checkpointing=False).train()
+             gradient_checkpointing=False, **({"lr_scheduler_type": schedule} if schedule else {})).train()
     out.write_text(json.dumps(rewards))
 
 
@@ -82,15 +87,19 @@ def main() -> None:
     p.add_argument("--only", choices=["parityrl", "trl"], help="run one trainer only")
     p.add_argument("--work", type=Path, help="keep each run's log and per-step rewards (<trainer>-<seed>.json) here "
                    "instead of a temporary directory")
+    p.add_argument("--schedule", choices=["constant", "linear"],
+                   help="the learning-rate schedule of both trainers (TRL's lr_scheduler_type, parityrl's "
+                   "train.lr_schedule; no warm-up); default: each trainer's own (TRL linear, parityrl constant)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for parityrl's runs (repeatable), e.g. train.lr_schedule=linear")
     p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_worker:
-        return trl_worker(args.seeds[0], args.steps, args.trl_worker)
+        return trl_worker(args.seeds[0], args.steps, args.trl_worker, args.schedule)
     if args.steps < 2 * WINDOW:
         p.error(f"--steps must be at least {2 * WINDOW} (the first and last {WINDOW} steps)")
-    runs = {"parityrl": partial(parityrl_rewards, extra=args.set), "TRL": trl_rewards}
+    runs = {"parityrl": partial(parityrl_rewards, extra=args.set, schedule=args.schedule),
+            "TRL": partial(trl_rewards, schedule=args.schedule)}
     if args.only:
         runs = {k: v for k, v in runs.items() if k.lower() == args.only}
     try:
@@ -101,7 +110,8 @@ def main() -> None:
             runs.pop("TRL")
         trl = None
     print(f"{PROMPTS} prompts x {GROUP} completions x {TOKENS} tokens, tiny model fp32, LoRA r 16 all-linear, lr 2e-3, "
-          f"{args.steps} steps; rise = mean reward of the last {WINDOW} steps - the first {WINDOW}"
+          f"{args.steps} steps, lr schedule {args.schedule or 'each trainer default (TRL linear, parityrl constant)'}; "
+          f"rise = mean reward of the last {WINDOW} steps - the first {WINDOW}"
           + (f"; parityrl with {' '.join(args.set)}" if args.set else "")
           + (f"; TRL {trl.__version__}" if trl else ""), flush=True)
     rises: dict[str, list[float]] = {k: [] for k in runs}
