@@ -9,7 +9,7 @@ fault (as tests/doctor/test_layers.py plants them):
 - ``rope``: the trainer's RoPE frequencies those of theta 1e6 while the engine reads the config's theta.
 
 Printed per run: the doctor's table, and for the healthy run the largest ratio engine-vs-trainer / floor over the
-points (what ``trainer.doctor.noise_floor.FACTOR`` must stay above).
+points (what ``trainer.diagnostics.noise_floor.FACTOR`` must stay above).
 
 Models: ``tiny`` (builtin:tiny), ``qwen3`` (the zoo's 2-layer Qwen3), ``qwen3-48`` (the zoo's Qwen3 config with 48
 layers, std-0.2 weights: ``trainer.builtin.zoo.build_arch_model(..., overrides={"num_hidden_layers": 48})``),

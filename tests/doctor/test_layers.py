@@ -125,7 +125,7 @@ def qwen3_48(tmp_path_factory):
 @pytest.mark.slow
 def test_a_healthy_48_layer_qwen3_passes_and_each_planted_fault_fails_where_it_is(qwen3_48, make_doctor):
     from rollout.vllm_engine import VLLMEngine
-    from trainer.doctor.noise_floor import FACTOR
+    from trainer.diagnostics.noise_floor import FACTOR
 
     with VLLMEngine(str(qwen3_48), dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 * 1024**2) as eng:
         doc = make_doctor(f"model.path={qwen3_48}", engine=eng)

@@ -1,12 +1,12 @@
-"""The model's own noise floor (trainer.doctor.noise_floor), without an engine: the band arithmetic by hand, the floor
+"""The model's own noise floor (trainer.diagnostics.noise_floor), without an engine: the band arithmetic by hand, the floor
 measured on random zoo Qwen3s (std-0.2 weights, as the zoo builds them) growing with depth, the doctor's model left as
 it was, and a float32 model's floor against float64 at float32's rounding."""
 import pytest
 import torch
 
 from trainer.builtin.zoo import build_arch_model
+from trainer.diagnostics.noise_floor import FACTOR, UNIT_ROUNDOFF, bands, measure, wide_copy
 from trainer.doctor.checks.layers import first_divergence, points, trainer_states, with_bands
-from trainer.doctor.noise_floor import FACTOR, UNIT_ROUNDOFF, bands, measure, wide_copy
 
 SEQS = [[1, 40, 77, 301, 9, 12, 250, 33, 4, 5, 6, 7], [1, 3, 9, 500, 4, 66, 71, 80]]
 

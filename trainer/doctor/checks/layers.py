@@ -2,7 +2,7 @@
 ids, one prefill each, compared point by point in forward order (embedding; for each decoder layer its attention
 output, its MLP output and the residual stream after it; the final norm; the logits before and after the
 architecture's transform). The first point whose relative error leaves its band (a factor over the model's own noise
-floor at that point, ``trainer.doctor.noise_floor``) is named, with the likely cause of a divergence that starts there.
+floor at that point, ``trainer.diagnostics.noise_floor``) is named, with the likely cause of a divergence that starts there.
 
 Engine side: forward hooks on the colocated vLLM engine's own ``nn.Module`` (``LLM.apply_model``, in this process),
 recording while ``engine.score`` runs one sequence's prefill (one request per call, so the engine's flattened rows
@@ -41,17 +41,17 @@ from typing import Any, Optional
 import torch
 
 from rollout.vllm_engine import VLLMEngine
+from trainer.diagnostics.noise_floor import FACTOR, WIDER, bands, measure
 from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.checks.routing import trainer_routing
 from trainer.doctor.context import Doctor, relative_error
 from trainer.doctor.finding import FAIL, PASS, Finding, at_most
-from trainer.doctor.noise_floor import FACTOR, WIDER, bands, measure
 
 NAME = "layers"
 NUM_SEQUENCES = 4  # the first sequences of the fixed batch: ~25 positions each on the tiny model
 
 # A point is healthy within its band: ``noise_floor.FACTOR`` times the model's own noise floor there (the trainer's
-# forward in the run's dtype against the same weights in a wider dtype, ``trainer.doctor.noise_floor``), so the band
+# forward in the run's dtype against the same weights in a wider dtype, ``trainer.diagnostics.noise_floor``), so the band
 # grows with depth and width as the two sides' rounding does, on every model.
 CAUSES = {
     "embedding": "the token ids or the embedding weights differ (a sync that left embed_tokens out, a resized "
@@ -339,7 +339,7 @@ def _refuse(doc: Doctor) -> None:
 
 
 def with_bands(rows: list[dict[str, Any]], floor: dict[str, float], dtype: str) -> list[dict[str, Any]]:
-    """Each row with the model's noise floor at its point and the band over it (``trainer.doctor.noise_floor``)."""
+    """Each row with the model's noise floor at its point and the band over it (``trainer.diagnostics.noise_floor``)."""
     band = bands(floor, dtype)
     return [{**r, "floor": floor[r["point"]], "band": band[r["point"]]} for r in rows]
 

@@ -1,5 +1,6 @@
 """The model's own noise floor, point by point: what its dtype alone does to its hidden states, measured on the model
 itself, so that "is this engine-vs-trainer gap normal?" is judged against this model and not against a constant.
+The doctor's layers check judges by it; it lives in the room the doctor shares with `parityrl compare`.
 
 The floor at a point is the relative error ‖low − wide‖ / ‖wide‖ between the trainer's forward in the run's dtype
 (``low``: the model the doctor holds) and the *same weights* cast up to a wider dtype (``wide``: float32 for bf16 and
@@ -25,8 +26,6 @@ import copy
 from typing import Callable, Mapping
 
 import torch
-
-from trainer.doctor.context import relative_error
 
 WIDER = {"bfloat16": torch.float32, "float16": torch.float32, "float32": torch.float64}
 # One rounding to the dtype, relative (2^-p for p explicit mantissa bits + 1): the smallest band a point can have,
@@ -55,8 +54,13 @@ def measure(model: torch.nn.Module, dtype: str, seqs: list[list[int]], names: li
         wide = states(wide_model, seqs, names)
     finally:
         del wide_model
-    return {n: relative_error(torch.cat([s[n] for s in low]), torch.cat([s[n].double() for s in wide]))
-            for n in names}
+    return {n: _relative_error(torch.cat([s[n] for s in low]), torch.cat([s[n] for s in wide])) for n in names}
+
+
+def _relative_error(low: torch.Tensor, wide: torch.Tensor) -> float:
+    """‖low − wide‖ / ‖wide‖ in float64 (0 where both are zero)."""
+    num, denom = float((low.double() - wide.double()).norm()), float(wide.double().norm())
+    return num / denom if denom > 0 else (0.0 if num == 0 else float("inf"))
 
 
 def bands(floor: Mapping[str, float], dtype: str) -> dict[str, float]:
