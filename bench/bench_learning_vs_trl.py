@@ -11,7 +11,11 @@ Everything else is each trainer's default: the point is what a user of either ge
 The learning-rate schedule is the one default in which the two differ (TRL: Transformers' linear decay to 0,
 parityrl: constant; docs/algorithms.md): ``--schedule constant|linear`` gives both trainers the same one.
 
-Each run is a process of its own. The rise is the mean reward of the last 5 steps minus that of the first 5.
+Each run is a process of its own. The rise is the mean reward of the last 5 steps minus that of the first 5. A step
+sees 16 of the pool's 64 problems, and which 16 moves its mean reward by about 0.07, so the rise of one run carries
+that noise from its first and last windows' extra step; the epoch rise (the last 4 steps minus the first 4: whole
+passes over the pool, so the problems' difficulty cancels) and the mean reward over all steps are printed beside it.
+``--summarize`` prints the same from the per-step rewards a ``--work`` directory kept, without running anything.
 """
 from __future__ import annotations
 
@@ -80,6 +84,15 @@ def rise(rewards: list[float]) -> float:
     return statistics.mean(rewards[-WINDOW:]) - statistics.mean(rewards[:WINDOW])
 
 
+def epoch_rise(rewards: list[float]) -> float:
+    """The mean reward of the last pass over the pool minus the first's (``POOL // PROMPTS`` steps each)."""
+    n = POOL // PROMPTS
+    return statistics.mean(rewards[-n:]) - statistics.mean(rewards[:n])
+
+
+STATISTICS = {"rise": rise, "epoch rise": epoch_rise, "mean reward": statistics.mean}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -92,20 +105,26 @@ def main() -> None:
                    "train.lr_schedule; no warm-up); default: each trainer's own (TRL linear, parityrl constant)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for parityrl's runs (repeatable), e.g. train.lr_schedule=linear")
+    p.add_argument("--summarize", action="store_true",
+                   help="read each run's per-step rewards from --work instead of running")
     p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_worker:
         return trl_worker(args.seeds[0], args.steps, args.trl_worker, args.schedule)
+    if args.summarize and not args.work:
+        p.error("--summarize reads the runs of a --work directory: give it")
     if args.steps < 2 * WINDOW:
         p.error(f"--steps must be at least {2 * WINDOW} (the first and last {WINDOW} steps)")
     runs = {"parityrl": partial(parityrl_rewards, extra=args.set, schedule=args.schedule),
             "TRL": partial(trl_rewards, schedule=args.schedule)}
     if args.only:
         runs = {k: v for k, v in runs.items() if k.lower() == args.only}
+    if args.summarize:
+        runs = {name: partial(saved_rewards, name=name) for name in runs}
     try:
         import trl
     except ImportError:
-        if "TRL" in runs:
+        if "TRL" in runs and not args.summarize:
             print("TRL is not installed (pip install --no-deps trl): TRL's runs are skipped")
             runs.pop("TRL")
         trl = None
@@ -114,7 +133,7 @@ def main() -> None:
           f"rise = mean reward of the last {WINDOW} steps - the first {WINDOW}"
           + (f"; parityrl with {' '.join(args.set)}" if args.set else "")
           + (f"; TRL {trl.__version__}" if trl else ""), flush=True)
-    rises: dict[str, list[float]] = {k: [] for k in runs}
+    values: dict[str, dict[str, list[float]]] = {stat: {k: [] for k in runs} for stat in STATISTICS}
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -123,12 +142,26 @@ def main() -> None:
             for name, fn in runs.items():
                 r = fn(seed, args.steps, work)
                 (work / f"{name.lower()}-{seed}.json").write_text(json.dumps(r))
-                rises[name].append(rise(r))
-                line.append(f"{name} {r[0]:.2f}..{r[-1]:.2f} rise {rises[name][-1]:+.3f}")
+                for stat, f in STATISTICS.items():
+                    values[stat][name].append(f(r))
+                line.append(f"{name} {r[0]:.2f}..{r[-1]:.2f} rise {rise(r):+.3f} (epoch rise {epoch_rise(r):+.3f}, "
+                            f"mean {statistics.mean(r):.3f})")
             print("  ".join(line), flush=True)
-    means = {k: statistics.mean(v) for k, v in rises.items()}
-    print("mean rise: " + "  ".join(f"{k} {means[k]:+.3f}{standard_error(v)}" for k, v in rises.items())
-          + (f"  parityrl / TRL {means['parityrl'] / means['TRL']:.2f}" if len(means) == 2 else ""))
+    for stat, by_trainer in values.items():
+        means = {k: statistics.mean(v) for k, v in by_trainer.items()}
+        print(f"{stat}: " + "  ".join(f"{k} {means[k]:+.3f}{standard_error(v)}" for k, v in by_trainer.items())
+              + (f"  parityrl / TRL {means['parityrl'] / means['TRL']:.2f}" if len(means) == 2 else ""))
+
+
+def saved_rewards(seed: int, steps: int, work: Path, name: str) -> list[float]:
+    """The per-step rewards a run of ``name`` (parityrl, TRL) with ``seed`` left in ``work``."""
+    path = work / f"{name.lower()}-{seed}.json"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such run (run it first with --work {work})")
+    r = json.loads(path.read_text())
+    if len(r) != steps:
+        raise SystemExit(f"{path}: {len(r)} steps, expected --steps {steps}")
+    return r
 
 
 def standard_error(values: list[float]) -> str:
