@@ -4,12 +4,13 @@ Same interface and conventions as ``rollout.vllm_engine.VLLMEngine``: token ids
 in, group-contiguous ``Rollouts`` out, and for every sampled token the log-prob
 under the distribution it was sampled from:
 
-    log_softmax(mask_{top-k, top-p}(logits / temperature))[token]
+    log_softmax(mask_{top-k, top-p}(mask_{min-p}(logits / temperature)))[token]
 
-i.e. HF's processed ``scores`` (temperature, then top-k, then top-p: masked
-tokens at -inf, the kept ones renormalised). That is vLLM's
-``logprobs_mode="processed_logprobs"`` too, so with top-k/top-p off both are
-log_softmax(logits / T).
+i.e. vLLM's ``logprobs_mode="processed_logprobs"``: temperature, then min-p, then
+top-k and top-p, masked tokens at -inf and the kept ones renormalised, in vLLM's
+order rather than Transformers' own (temperature, top-k, top-p, min-p), which
+keeps another set when min-p and top-p are both on (``rollout.hf_sampling``).
+With truncation off both are log_softmax(logits / T).
 
 Prompts are left-padded into one batch (chunked by ``max_batch_size``); the
 model's own generation_config is set aside during the call so that defaults
@@ -29,6 +30,7 @@ import torch
 from rollout.adapters import LoraAdapter
 from rollout.base import InProcessEngine
 from rollout.hf_routes import RouterTap, generation_routes
+from rollout.hf_sampling import VLLMOrderWarper
 from rollout.moe_config import route_shape
 from rollout.requests import sample_seed, validate_request
 from rollout.support import Support
@@ -147,11 +149,12 @@ class HFEngine(InProcessEngine):
         return scored
 
     def _generation_config(self, spec: SamplingSpec):
+        """Sampling with Transformers' own warpers off: ``VLLMOrderWarper`` (given to ``generate``) applies the
+        temperature and the truncation, in vLLM's order."""
         from transformers import GenerationConfig
 
         return GenerationConfig(
-            do_sample=True, num_beams=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-            min_p=spec.min_p or None,
+            do_sample=True, num_beams=1, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
             max_new_tokens=spec.max_new_tokens, min_new_tokens=0, eos_token_id=self.eos_ids or None,
             pad_token_id=self.pad_id, output_scores=True, return_dict_in_generate=True, use_cache=True,
         )
@@ -164,6 +167,8 @@ class HFEngine(InProcessEngine):
         (if ``return_routes``) the routes of every row, and (if ``spec.truncated``) each row's kept sets: the finite
         entries of the processed scores its token was sampled from.
         """
+        from transformers import LogitsProcessorList
+
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -177,8 +182,11 @@ class HFEngine(InProcessEngine):
             with torch.random.fork_rng(devices=devices), (RouterTap(self.model) if self.return_routes
                                                            else contextlib.nullcontext()) as tap:
                 torch.manual_seed(seed)
+                warper = VLLMOrderWarper(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
+                                         min_p=spec.min_p)
                 out = self.model.generate(input_ids=input_ids.to(self.device),
-                                          attention_mask=attention_mask.to(self.device))
+                                          attention_mask=attention_mask.to(self.device),
+                                          logits_processor=LogitsProcessorList([warper]))
         finally:
             self.model.generation_config = saved_config
         new = out.sequences[:, width:]                            # [B, T]
