@@ -32,6 +32,7 @@ from server_health import wait_healthy
 
 from rollout.base import EngineUnavailable
 from rollout.server_engine import ServerEngine, ServerEngineError, parse_server_url
+from rollout.server_engine.answers import parse_prompt_logprobs, parse_sample
 from rollout.types import SamplingSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -300,12 +301,12 @@ class _Producer:
 def test_an_nccl_push_waits_for_the_current_stream_before_the_producer_reads(monkeypatch):
     """vLLM's packed NCCL producer packs on streams of its own, which do not wait for the one the merged weights
     were written on (weight_transfer/packed_tensor.py): each chunk's push waits for it first."""
-    import rollout.server_engine as se
+    import rollout.server_engine.weight_transfer as weight_transfer  # where nccl_ready reads NCCL_DEVICE
     from rollout.vllm_plugins.server_transfer import ListWeightSource
 
     log = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream(log))
-    monkeypatch.setattr(se, "NCCL_DEVICE", "cpu")  # the move to the GPU, made here a no-op
+    monkeypatch.setattr(weight_transfer, "NCCL_DEVICE", "cpu")  # the move to the GPU, made here a no-op
     engine = ServerEngine.__new__(ServerEngine)
     engine.pushes_weights, engine.backend, engine.torch_dtype = True, "nccl", torch.bfloat16
     engine._version_tag, engine._version_n = "t", 0
@@ -321,9 +322,12 @@ def test_an_nccl_push_waits_for_the_current_stream_before_the_producer_reads(mon
                    "/update_weight_version", "/reset_prefix_cache"]
 
 
+PARSER_URL = "http://test:1"
+
+
 def _parser():
-    engine = object.__new__(ServerEngine)  # only the response parser is exercised
-    engine.url = "http://test:1"
+    engine = object.__new__(ServerEngine)  # no server: only what needs none is exercised
+    engine.url = PARSER_URL
     return engine
 
 
@@ -341,19 +345,19 @@ def test_response_parser_recovers_the_top_k_and_refuses_bad_answers():
                _entry(2, -9999.0, [(2, -9999.0, 9)] + [(1, -0.1, 1), (7, -0.2, 2)])]
     resp = {"choices": [{"finish_reason": "stop", "token_ids": [9, 5, 2], "logprobs": {"content": content},
                          "weight_versions": [{"version": v, "start": 0, "end": 3}]}]}
-    ids, lps, reason, t_ids, t_lps = _parser()._parse(0, resp, 2, v)
+    ids, lps, reason, t_ids, t_lps = parse_sample(PARSER_URL, 0, resp, 2, v)
     assert ids == [9, 5, 2] and reason == "stop"
     assert lps[:2] == [-3.0, -1.2] and lps[2] == float("-inf")  # the route's -9999 floor means -inf
     assert t_ids == [[4, 6], [8, 5], [1, 7]] and t_lps == [[-0.5, -1.0], [-0.4, -1.2], [-0.1, -0.2]]
     with pytest.raises(ServerEngineError, match="weight version"):
-        _parser()._parse(0, resp, 2, "parityrl-x-2")
+        parse_sample(PARSER_URL, 0, resp, 2, "parityrl-x-2")
     bad = json.loads(json.dumps(resp))
     bad["choices"][0]["token_ids"] = [9, 4, 2]
     with pytest.raises(ServerEngineError, match="position 1 is for token 5"):
-        _parser()._parse(0, bad, 2, v)
+        parse_sample(PARSER_URL, 0, bad, 2, v)
     bad["choices"][0]["finish_reason"] = "abort"
     with pytest.raises(ServerEngineError, match="'abort'"):
-        _parser()._parse(0, bad, 2, v)
+        parse_sample(PARSER_URL, 0, bad, 2, v)
 
 
 def test_a_sample_of_another_adapter_version_is_refused():
@@ -364,16 +368,16 @@ def test_a_sample_of_another_adapter_version_is_refused():
     choice = {"finish_reason": "stop", "token_ids": [9], "logprobs": {"content": [_entry(9, -1.0, [])]},
               "weight_versions": [{"version": v, "start": 0, "end": 1}]}
     resp = {"model": v, "choices": [choice]}
-    assert _parser()._parse(0, resp, 0, v, v)[0] == [9]
+    assert parse_sample(PARSER_URL, 0, resp, 0, v, v)[0] == [9]
     with pytest.raises(ServerEngineError, match=r"generated with 'parityrl-x-1', but this trainer serves the adapter "
                                                 r"'parityrl-x-2'"):
-        _parser()._parse(0, {**resp, "model": "parityrl-x-1"}, 0, v, v)
+        parse_sample(PARSER_URL, 0, {**resp, "model": "parityrl-x-1"}, 0, v, v)
     with pytest.raises(ServerEngineError, match="serves the adapter"):  # the base model answered
-        _parser()._parse(0, {**resp, "model": "/models/tiny"}, 0, v, v)
+        parse_sample(PARSER_URL, 0, {**resp, "model": "/models/tiny"}, 0, v, v)
     scored = {"model": "parityrl-x-1", "prompt_logprobs": [None, {"9": {"logprob": -1.0, "rank": 1}}],
               "choices": [choice]}
     with pytest.raises(ServerEngineError, match="scored sequence 0: generated with 'parityrl-x-1'"):
-        _parser()._parse_prompt_logprobs(0, [1, 9], scored, 0, v, v)
+        parse_prompt_logprobs(PARSER_URL, 0, [1, 9], scored, 0, v, v)
 
 
 def test_a_batch_is_checked_against_the_adapter_it_was_launched_with():
@@ -540,18 +544,18 @@ def test_prompt_logprob_parser_reads_the_sequence_tokens_and_the_top_k():
     resp = {"prompt_logprobs": [None, pos((9, -3.0, 7), (4, -0.5, 1), (6, -1.0, 2)),
                                 pos((5, -9999.0, 2), (8, -0.4, 1))],
             "choices": [{"token_ids": [3], "weight_versions": [{"version": v, "start": 0, "end": 1}]}]}
-    lps, t_ids, t_lps = _parser()._parse_prompt_logprobs(0, [1, 9, 5], resp, 2, v)
+    lps, t_ids, t_lps = parse_prompt_logprobs(PARSER_URL, 0, [1, 9, 5], resp, 2, v)
     assert lps == [-3.0, float("-inf")]
     assert t_ids == [[4, 6], [8, 5]] and t_lps == [[-0.5, -1.0], [-0.4, float("-inf")]]
-    assert _parser()._parse_prompt_logprobs(0, [1, 9, 5], resp, 0, v) == ([-3.0, float("-inf")], [], [])
+    assert parse_prompt_logprobs(PARSER_URL, 0, [1, 9, 5], resp, 0, v) == ([-3.0, float("-inf")], [], [])
     with pytest.raises(ServerEngineError, match="weight version"):
-        _parser()._parse_prompt_logprobs(0, [1, 9, 5], resp, 2, "parityrl-x-2")
+        parse_prompt_logprobs(PARSER_URL, 0, [1, 9, 5], resp, 2, "parityrl-x-2")
     with pytest.raises(ServerEngineError, match="position 2 has no log-prob for its token 7"):
-        _parser()._parse_prompt_logprobs(0, [1, 9, 7], resp, 2, v)
+        parse_prompt_logprobs(PARSER_URL, 0, [1, 9, 7], resp, 2, v)
     with pytest.raises(ServerEngineError, match="3 prompt log-prob positions for 4 tokens"):
-        _parser()._parse_prompt_logprobs(0, [1, 9, 5, 2], resp, 2, v)
+        parse_prompt_logprobs(PARSER_URL, 0, [1, 9, 5, 2], resp, 2, v)
     with pytest.raises(ServerEngineError, match="position 1: 2 top log-probs, expected 3"):
-        _parser()._parse_prompt_logprobs(0, [1, 9, 5], resp, 3, v)
+        parse_prompt_logprobs(PARSER_URL, 0, [1, 9, 5], resp, 3, v)
 
 
 class _StandInModel(torch.nn.Module):
@@ -1096,7 +1100,7 @@ def test_a_dead_engine_core_behind_a_live_front_end_is_an_unavailable_server():
     reached the core before the front end): that stops the run as a dead server does; another 500 stays an error."""
     import http.server
 
-    from rollout.server_engine import _Http
+    from rollout.server_engine.http_channel import _Http
 
     bodies = iter([
         b'{"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the root cause.",'

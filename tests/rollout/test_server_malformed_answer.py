@@ -6,14 +6,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rollout.base import EngineUnavailable
-from rollout.server_engine import (
-    MalformedAnswer,
-    ServerEngine,
-    ServerEngineError,
-    UnusableServer,
-    _Http,
-    _run_coroutine,
-)
+from rollout.server_engine import MalformedAnswer, ServerEngine, ServerEngineError, UnusableServer
+from rollout.server_engine.engine import _run_coroutine
+from rollout.server_engine.http_channel import _Http
 
 CUT = b'{"results": [{"logprobs_mode": "processed_lo'  # a JSON answer that stops mid-string
 

@@ -402,7 +402,7 @@ class TeacherConfig:
     path: Optional[str] = None
     # Who scores it: vllm (a second colocated vLLM engine: prompt log-probs, one prefill per sequence), hf
     # (a Transformers forward, the reference), server (a `parityrl serve` of the teacher at server_url, scored
-    # through the same client and route as rollout.mode server: rollout/server_engine.py) or vllm_url (any vLLM
+    # through the same client and route as rollout.mode server: rollout/server_engine/) or vllm_url (any vLLM
     # OpenAI-compatible server at server_url, e.g. `vllm serve <teacher>`: /v1/completions with prompt_logprobs,
     # rollout/completions_scorer.py; it must have loaded teacher.path's model, whose tokenizer is the one checked).
     engine: Literal["vllm", "hf", "server", "vllm_url"] = "vllm"
