@@ -44,7 +44,7 @@ def _by_item(found):
 def test_an_adapter_sync_delivers_every_module_and_the_engine_is_left_without_it(tiny_engine, make_doctor):
     doc = make_doctor(engine=tiny_engine)
     found = run(doc)
-    assert [f.verdict for f in found] == [PASS], [(f.item, f.figure, f.cause) for f in found]
+    assert [f.verdict for f in found] == [PASS, PASS], [(f.item, f.figure, f.cause) for f in found]
     head = found[0]
     assert head.details["mode"] == "adapter" and head.details["modules"] == 28  # 4 layers x 7 linears
     assert head.figure == 0.0 and tiny_engine.adapter_version is None
@@ -52,7 +52,7 @@ def test_an_adapter_sync_delivers_every_module_and_the_engine_is_left_without_it
 
 def test_a_merged_sync_delivers_bit_for_bit_and_restores_the_engine(tiny_engine, make_doctor):
     found = run(make_doctor("rollout.lora_sync=merged", engine=tiny_engine))
-    assert [f.verdict for f in found] == [PASS, PASS], [(f.item, f.figure, f.cause) for f in found]
+    assert [f.verdict for f in found] == [PASS, PASS, PASS], [(f.item, f.figure, f.cause) for f in found]
     assert found[0].details["mode"] == "merged" and found[0].details["modules"] == 28
 
 
@@ -64,6 +64,7 @@ def test_a_module_the_sync_leaves_out_fails_by_name(tiny_engine, make_doctor):
     named = _by_item(found)["model.layers.1.self_attn.o_proj: not delivered"]
     assert named.verdict == FAIL and named.figure > 0
     assert _by_item(found)["engine restored after the check (relative error vs before)"].verdict == PASS
+    assert _by_item(found)["engine's log-probs after the check vs before: max |dlp|"].verdict == PASS
 
 
 def test_half_a_fused_group_fails_as_partially_delivered(tiny_engine, make_doctor):
@@ -73,3 +74,4 @@ def test_half_a_fused_group_fails_as_partially_delivered(tiny_engine, make_docto
     partial = [f for f in found if f.item.startswith("model.layers.1.self_attn.k_proj: partially delivered")]
     assert len(partial) == 1 and "qkv_proj took q_proj, v_proj, not k_proj" in partial[0].item, found
     assert _by_item(found)["engine restored after the check (relative error vs before)"].verdict == PASS
+    assert _by_item(found)["engine's log-probs after the check vs before: max |dlp|"].verdict == PASS

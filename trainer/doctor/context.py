@@ -23,6 +23,7 @@ from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RunConfig
 from trainer.config.validate import sequence_length
 from trainer.data.datasets import encode_prompts, load_prompt_dataset
+from trainer.doctor.finding import Finding, at_most
 from trainer.measurement.routing_parity import install_routing
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import batch_from_rollouts
@@ -162,6 +163,25 @@ class Doctor:
 def engine_reason(e: BaseException) -> str:
     """One line: what the engine said when it refused (``EngineCannotLoad`` says it already)."""
     return str(e) if isinstance(e, EngineCannotLoad) else one_line(e)
+
+
+def engine_prefill(engine, rollouts: Rollouts, n: int = 2) -> torch.Tensor:
+    """The engine's prefill log-probs of the first ``n`` sequences of ``rollouts``, flattened (float64). Taken before
+    and after a check that loads weights into the engine and restores them, they say whether the engine computes what
+    it did: a layer's weights may read back restored while the state its kernel computes with is not (an MoE layer's
+    experts after vLLM 0.32's in-place reload on CPU, tests/doctor/moe_doctor_cases.py)."""
+    seqs = [list(p) + list(c) for p, c in zip(rollouts.prompt_ids[:n], rollouts.completion_ids[:n])]
+    return torch.tensor([x for lp in engine.score(seqs).logprobs for x in lp], dtype=torch.float64)
+
+
+def engine_restored(check: str, before: torch.Tensor, after: torch.Tensor) -> Finding:
+    """PASS when the engine's prefill log-probs after a check's load and restore are those before it, bit for bit
+    (the same requests on the same weights)."""
+    moved = float((after - before).abs().max()) if before.numel() else 0.0
+    return at_most(check, "engine's log-probs after the check vs before: max |dlp|", moved, 0.0,
+                   "the engine computes other log-probs after this check loaded weights and restored them: a weight "
+                   "load leaves it in another state than its weights say (on CPU, vLLM 0.32's in-place reload of an "
+                   "MoE model's experts); every check after this one runs on that engine", details={"tokens": before.numel()})
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,7 +21,10 @@ Reading back (``engine.llm.apply_model``, in the engine's own process):
 
 A module whose engine value is still the one it held before the sync is named "not delivered"; one shard of a fused
 module wrong while its siblings arrived, "partially delivered". Afterwards the engine is left as it was found: the
-merged modules pushed back with the values read before the sync (checked by a second read), the adapter dropped.
+merged modules pushed back with the values read before the sync (checked by a second read), the adapter dropped;
+and the engine's prefill log-probs of two of the fixed batch's sequences, taken before the sync and after the restore,
+must be the same bit for bit (``context.engine_restored``: weights that read back restored do not prove the engine
+computes as before).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from rollout.adapters import export_lora_adapter, lora_modules
 from rollout.weight_export import iter_merged_lora_weights
 from trainer.distributed.data_parallel import DataParallel
 from trainer.doctor.check import Check, CheckCannotRun
-from trainer.doctor.context import Doctor, relative_error
+from trainer.doctor.context import Doctor, engine_prefill, engine_restored, relative_error
 from trainer.doctor.finding import FAIL, Finding, at_most
 from trainer.models.policy import add_lora, load_base_model
 from trainer.precision.lora_sync import ADAPTER
@@ -216,7 +219,9 @@ def run(doc: Doctor) -> list[Finding]:
                              f"is {type(engine).__name__}")
     policy = trained_policy(doc)
     sync = policy_sync(doc.cfg, engine, policy, DataParallel(), announce=False, model_dir=doc.model_dir)
+    before = engine_prefill(engine, doc.batch())
     errors, state, extra = (_adapter if sync.mode == ADAPTER else _merged)(doc, engine, sync)
+    restored = engine_restored(NAME, before, engine_prefill(engine, doc.batch()))
     names = _engine_names(engine)
     # a wrong shard of a fused module whose siblings arrived: partially delivered
     bad = {m for m, s in state.items() if s != "delivered"}
@@ -243,7 +248,7 @@ def run(doc: Doctor) -> list[Finding]:
     elif not extra["adapter_dropped"]:
         out.append(Finding(NAME, "engine restored after the check", None, "no adapter", FAIL,
                            "the check's adapter is still served"))
-    return out
+    return out + [restored]
 
 
 CHECK = Check(NAME, "does a sync deliver every module the trainer exported, bit for bit?", run)
