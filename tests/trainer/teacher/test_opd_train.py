@@ -1,11 +1,16 @@
 """A few on-policy distillation steps with the real vLLM engines on the tiny models (slow tier): the session's
 student engine (tests/conftest.py, builtin:tiny) and a teacher engine this test starts for builtin:tiny-teacher."""
+import copy
 import math
 from pathlib import Path
 
 import pytest
+import torch
 
+from trainer.algorithms import ALGORITHMS, AdvantageInputs
+from trainer.algorithms.ppo import gae
 from trainer.lifecycle.preflight import load_recipe
+from trainer.rl import loop
 from trainer.rl.loop import train
 
 REPO = Path(__file__).resolve().parents[3]
@@ -39,9 +44,56 @@ def test_opd_steps_score_the_student_ids_with_the_teacher(tmp_path, vllm_engine)
     assert sum(h["distill/reverse_kl"] for h in res.history) > 0
 
 
+def capture_score_phase(monkeypatch):
+    """Records what the loop's score phase is given (the batch, the task rewards, the teacher's log-probs) and the
+    advantages it returns; with a critic, also what ppo_targets returns and what it returns without the teacher."""
+    seen = {}
+    real_score_phase, real_ppo_targets = loop.score_phase, loop.ppo_targets
+
+    def score_phase(run, step, batch, rewards, m, teacher_lp=None):
+        out = real_score_phase(run, step, batch, rewards, m, teacher_lp)
+        seen.update(batch=batch, rewards=rewards.detach().clone(), teacher_lp=teacher_lp, advantages=out[1],
+                    options=run.cfg.algorithm.options, group_size=run.cfg.algorithm.group_size)
+        return out
+
+    def ppo_targets(scored, rewards, mask, group_size, cfg, controller, all_sum=None, distill=None):
+        # the same targets without the teacher's term first, on a copy of the controller (its update is state)
+        seen["returns_without"] = real_ppo_targets(scored, rewards, mask, group_size, cfg, copy.deepcopy(controller),
+                                                   all_sum=all_sum, distill=None)[1]
+        out = real_ppo_targets(scored, rewards, mask, group_size, cfg, controller, all_sum=all_sum, distill=distill)
+        seen["returns"] = out[1]
+        return out
+
+    monkeypatch.setattr(loop, "score_phase", score_phase)
+    monkeypatch.setattr(loop, "ppo_targets", ppo_targets)
+    return seen
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: in each token's reward before the critic's GAE
-def test_distill_coef_beside_the_task_reward(tmp_path, vllm_engine, algorithm):
-    res = train(opd_cfg(tmp_path, f"{algorithm}_distill", f"algorithm.name={algorithm}", "algorithm.distill_coef=0.5",
-                        "teacher.engine=hf", "teacher.parity_every=0", "train.steps=1"), engine=vllm_engine)
+def test_distill_coef_beside_the_task_reward(tmp_path, vllm_engine, algorithm, monkeypatch):
+    seen = capture_score_phase(monkeypatch)
+    coef = 0.5
+    # the teacher: any model with the student's tokenizer; builtin:tiny-base (the student before its warm start) is
+    # built by the student's own build, and differs from it enough for the term to be visible
+    res = train(opd_cfg(tmp_path, f"{algorithm}_distill", f"algorithm.name={algorithm}", f"algorithm.distill_coef={coef}",
+                        "teacher.path=builtin:tiny-base", "teacher.engine=hf", "teacher.parity_every=0",
+                        "train.steps=1"), engine=vllm_engine)
     h = res.history[0]
     assert math.isfinite(h["distill/reverse_kl"]) and "teacher_parity/mae" not in h and h["train/grad_norm"] > 0
+    # the teacher's term, computed here from the batch: -(log pi_student (engine) - log pi_teacher) per sampled token
+    batch, mask = seen["batch"], seen["batch"].mask
+    valid = mask != 0
+    signal = torch.where(valid, -(batch.rollout_logprobs.double() - seen["teacher_lp"].double()), 0.0)
+    assert signal[valid].abs().max() > 1e-2  # a different model: the term is not negligible
+    if algorithm == "grpo":
+        # the advantages the update used = the task's (GRPO of the step's rewards) + coef x the teacher's term
+        task = ALGORITHMS.get("grpo").advantage(
+            AdvantageInputs(rewards=seen["rewards"], mask=mask, group_size=seen["group_size"]), seen["options"])
+        want = torch.where(valid, task.double() + coef * signal, 0.0)
+        assert torch.allclose(seen["advantages"].double(), want, atol=1e-5, rtol=0)
+    else:
+        # GAE is linear in the token rewards: the value targets move by GAE(coef x the term) with values 0
+        o = seen["options"]
+        moved = gae(coef * signal, torch.zeros_like(signal), mask, o.gamma, o.lam)[0]
+        got = (seen["returns"] - seen["returns_without"]).double()
+        assert torch.allclose(got, moved, atol=1e-5, rtol=0)
