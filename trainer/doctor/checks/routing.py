@@ -44,10 +44,10 @@ from trainer.models.routing_replay import attached_replay
 NAME = "routing"
 NUM_SEQUENCES = 4  # the layers check's sequences: its divergence and these agreements are read on the same tokens
 # A router's own top-k agreeing with the engine's on fewer than this share of a layer's tokens is not near-ties.
-# Healthy bf16 routers differ on a few percent of the tokens (the zoo's Qwen3-MoE, top-2 of 8 at std 0.2: 1 to 4% per
-# layer without replay, docs/doctor.md; R3, arXiv 2510.11370: about 10% of the router decisions of Qwen3-30B-A3B);
-# 0.8 is twice the largest of those, while a router whose weights differ by a quarter of their spread on one side
-# agrees on about half (tests/doctor/moe_doctor_cases.py).
+# Healthy bf16 routers differ on a few percent of the tokens (the zoo's Qwen3-MoE, top-2 of 8 at std 0.2, without
+# replay: 0 and 1.1% on its two layers, docs/doctor.md; R3, arXiv 2510.11370: about 10% of the router decisions of
+# Qwen3-30B-A3B); 0.8 leaves twice the largest of those, while a router whose weights differ by half their spread on
+# one side agrees on 0.57 (tests/doctor/moe_doctor_cases.py).
 OWN_LEVEL = 0.8
 MAX_LAYER_ROWS = 8  # a model with more MoE layers gets a summary row and the layers that did not pass
 
