@@ -35,6 +35,9 @@ MERGE_COST_ELEMENTS = 1 << 24
 # norm is rounding (the issue's 5e-5 LoRA run on the tiny model read 0.5-0.66; a 2e-3 one 0.02-0.03).
 LOSS_WARNING = 0.25
 AGAIN_AFTER = 50  # steps between repeated warnings
+# An FP8 engine needs the merged weight (the precision record's merged_sync), so serving the adapter is no remedy.
+FP8_REMEDY = ("an FP8 engine quantizes the merged weight, so the adapter cannot be served instead: larger updates "
+              "per sync, or a precision recipe without an FP8 engine, deliver more of it (docs/precision.md)")
 
 Gather = Callable[[Sequence[nn.Parameter]], ContextManager]
 
@@ -57,6 +60,7 @@ class MergeCost:
         self.sample = [(m, fake_quant_weight if fp8 and is_fp8_target(f"{n}.weight") else None)
                        for n, m in named[::self.stride]]
         self.dtype = dtype
+        self.fp8 = fp8
         self.stored_as = str(dtype).removeprefix("torch.") + (" then block FP8" if fp8 else "")
         self.gather = gather or (lambda params: contextlib.nullcontext())
         self._warned_at: Optional[int] = None
@@ -81,6 +85,6 @@ class MergeCost:
         self._warned_at = step
         return (f"warning: step {step}: the merged sync loses {err:.0%} of the update (sync/merge_update_error; "
                 f"{m.get('sync/merge_unchanged_frac', float('nan')):.0%} of the sampled weights did not move in "
-                f"{self.stored_as}): the engine samples from a coarser policy than the one "
-                "trained; rollout.lora_sync: adapter serves the update itself (docs/precision.md \"LoRA in the "
-                "engine\")")
+                f"{self.stored_as}): the engine samples from a coarser policy than the one trained; "
+                + (FP8_REMEDY if self.fp8 else "rollout.lora_sync: adapter serves the update itself "
+                   "(docs/precision.md \"LoRA in the engine\")"))

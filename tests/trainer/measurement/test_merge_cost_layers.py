@@ -68,4 +68,6 @@ def test_an_fp8_engine_is_measured_in_block_fp8_on_the_layers_it_quantizes(polic
 def test_the_warning_names_what_the_engine_stores(policy):
     cost = MergeCost(policy, torch.bfloat16, fp8=True)
     line = cost.warning(3, {"sync/merge_update_error": 0.5, "sync/merge_unchanged_frac": 0.25}, "merged")
-    assert "did not move in bfloat16 then block FP8" in line
+    assert "did not move in bfloat16 then block FP8" in line and "lora_sync: adapter" not in line
+    bf16 = MergeCost(policy, torch.bfloat16).warning(3, {"sync/merge_update_error": 0.5}, "merged")
+    assert "did not move in bfloat16)" in bf16 and "rollout.lora_sync: adapter" in bf16
