@@ -24,8 +24,8 @@ gradients 1.3e-6 of the largest element, its updates 3.6e-5 lr where |g| > 100 e
 updates 2.7e-4 and 1.7e-4. A real difference of setting shows at these levels: the negative control gives parityrl
 weight decay 0.01 (7e-6 = 3.6e-3 lr on step 1's update) and the comparison fails.
 
-Needs TRL 1.16 (``.venv/bin/pip install --no-deps 'trl==1.16.*'``: its dependencies are parityrl's own); skipped
-without it. It drives TRL's ``rollout_func`` hook (experimental in 1.16) and Transformers' ``Trainer._clip_grad_norm``.
+Needs TRL 1.16 (the ``dev`` extra; or ``.venv/bin/pip install --no-deps 'trl==1.16.*'``: its dependencies are
+parityrl's own); skipped without it. It drives TRL's ``rollout_func`` hook (experimental in 1.16) and Transformers' ``Trainer._clip_grad_norm``.
 """
 from __future__ import annotations
 
