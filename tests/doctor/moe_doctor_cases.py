@@ -11,7 +11,7 @@ import torch
 from rollout.weight_export import full_weights
 from trainer.builtin.zoo import ensure_arch_model
 from trainer.doctor.checks import layers, prefix_cache, routing, weight_sync
-from trainer.doctor.finding import FAIL, PASS, SKIP, WARN
+from trainer.doctor.records import FAIL, PASS, SKIP, WARN
 
 pytestmark = pytest.mark.slow
 

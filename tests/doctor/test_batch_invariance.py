@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainer.doctor.checks.batch_invariance import run
-from trainer.doctor.finding import FAIL, PASS
+from trainer.doctor.records import FAIL, PASS
 
 pytestmark = pytest.mark.slow
 

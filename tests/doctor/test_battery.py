@@ -16,9 +16,8 @@ from trainer.doctor.battery import (
     select,
     summary,
 )
-from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.context import EngineCannotStart
-from trainer.doctor.finding import FAIL, PASS, SKIP, WARN, Finding, at_most, skipped
+from trainer.doctor.records import FAIL, PASS, SKIP, WARN, Check, CheckCannotRun, Finding, at_most, skipped
 from trainer.doctor.report import table, write_json
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainer.doctor.battery import EXIT_ENGINE
-from trainer.doctor.finding import PASS, SKIP
+from trainer.doctor.records import PASS, SKIP
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "grpo_tiny.yaml"

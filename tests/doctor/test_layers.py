@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer.doctor.checks.layers import CAUSES, first_divergence, points, run
-from trainer.doctor.finding import FAIL, PASS
+from trainer.doctor.records import FAIL, PASS
 
 
 def _print(findings):
@@ -101,7 +101,7 @@ def test_qwen3_rope_theta_read_differently_is_named_at_layer_0_attention(make_do
 
 def test_the_hf_engine_is_skipped_with_its_reason(make_doctor, tiny_model_dir):
     from rollout.hf_engine import HFEngine
-    from trainer.doctor.check import CheckCannotRun
+    from trainer.doctor.records import CheckCannotRun
 
     doc = make_doctor(engine=HFEngine(tiny_model_dir, dtype="bfloat16"))
     with pytest.raises(CheckCannotRun, match="compare the trainer with itself"):

@@ -7,7 +7,7 @@ from rollout.vllm_engine import VLLMEngine
 from rollout.weight_updates import engine_named_tensors
 from trainer.doctor.battery import run_checks
 from trainer.doctor.checks.prefix_cache import CHECK, run
-from trainer.doctor.finding import FAIL, PASS, SKIP
+from trainer.doctor.records import FAIL, PASS, SKIP
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ the others within their own levels; a recipe the dtype refuses is a SKIP naming 
 import pytest
 
 from trainer.doctor.checks.recipes import run
-from trainer.doctor.finding import PASS, SKIP
+from trainer.doctor.records import PASS, SKIP
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import torch
 import transformers
 
 from rollout.routes import NO_ROUTE
-from trainer.doctor.check import CheckCannotRun
 from trainer.doctor.checks import CHECKS
 from trainer.doctor.checks.routing import (
     OWN_LEVEL,
@@ -21,7 +20,7 @@ from trainer.doctor.checks.routing import (
     layer_finding,
     run,
 )
-from trainer.doctor.finding import FAIL, PASS, SKIP, WARN
+from trainer.doctor.records import FAIL, PASS, SKIP, WARN, CheckCannotRun
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).resolve().parent / "moe_doctor_cases.py"

@@ -5,7 +5,7 @@ import pytest
 
 from rollout.weight_updates import engine_named_tensors, quiet_partial_reload
 from trainer.doctor.checks.weight_sync import run
-from trainer.doctor.finding import FAIL, PASS
+from trainer.doctor.records import FAIL, PASS
 
 pytestmark = pytest.mark.slow
 

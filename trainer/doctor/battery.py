@@ -9,10 +9,9 @@ from __future__ import annotations
 import time
 from typing import Iterable, Optional, Sequence
 
-from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.checks import CHECKS
 from trainer.doctor.context import Doctor, EngineCannotStart, engine_reason
-from trainer.doctor.finding import FAIL, PASS, SKIP, WARN, Finding, skipped
+from trainer.doctor.records import FAIL, PASS, SKIP, WARN, Check, CheckCannotRun, Finding, skipped
 
 # Exit statuses (docs/doctor.md; docs/runs-and-checkpoints.md lists every command's).
 EXIT_PASSED = 0  # something passed, nothing failed (a SKIP is said, not failed; WARN rows are summed up as warnings)

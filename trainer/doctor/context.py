@@ -23,7 +23,7 @@ from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RunConfig
 from trainer.config.validate import sequence_length
 from trainer.data.datasets import encode_prompts, load_prompt_dataset
-from trainer.doctor.finding import Finding, at_most
+from trainer.doctor.records import Finding, at_most
 from trainer.measurement.routing_parity import install_routing
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import batch_from_rollouts

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from trainer.doctor.finding import Finding
+from trainer.doctor.records import Finding
 
 
 def format_figure(x) -> str:

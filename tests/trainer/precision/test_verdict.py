@@ -1,7 +1,7 @@
 """The one PASS / WARN / FAIL rule `parityrl compare` and `parityrl doctor` judge a parity figure by."""
 import math
 
-from trainer.doctor.finding import at_most
+from trainer.doctor.records import at_most
 from trainer.precision.verdict import FAIL, MAE_WARN_FACTOR, PASS, WARN, verdict
 
 

@@ -31,9 +31,8 @@ import torch
 
 from rollout.types import Rollouts
 from trainer.config.validate import sequence_length
-from trainer.doctor.check import Check
 from trainer.doctor.context import Doctor
-from trainer.doctor.finding import Finding, at_most
+from trainer.doctor.records import Check, Finding, at_most
 from trainer.precision.verdict import MAE_WARN_FACTOR
 
 NAME = "batch_invariance"

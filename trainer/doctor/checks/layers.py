@@ -42,10 +42,9 @@ import torch
 
 from rollout.vllm_engine import VLLMEngine
 from trainer.diagnostics.noise_floor import FACTOR, WIDER, bands, measure
-from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.checks.routing import trainer_routing
 from trainer.doctor.context import Doctor, relative_error
-from trainer.doctor.finding import FAIL, PASS, Finding, at_most
+from trainer.doctor.records import FAIL, PASS, Check, CheckCannotRun, Finding, at_most
 
 NAME = "layers"
 NUM_SEQUENCES = 4  # the first sequences of the fixed batch: ~25 positions each on the tiny model

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from parity.metrics import compare
 from rollout.types import Rollouts
-from trainer.doctor.check import Check
 from trainer.doctor.checks.layers import precision_refusal
 from trainer.doctor.context import Doctor
-from trainer.doctor.finding import at_most
+from trainer.doctor.records import Check, at_most
 from trainer.models.batch import batch_from_rollouts
 from trainer.precision.verdict import MAE_WARN_FACTOR
 

@@ -35,9 +35,8 @@ import torch
 from rollout.requests import sample_seed
 from rollout.vllm_engine import VLLMEngine
 from rollout.weight_export import full_weights
-from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.context import Doctor
-from trainer.doctor.finding import Finding, at_most
+from trainer.doctor.records import Check, CheckCannotRun, Finding, at_most
 from trainer.models.policy import load_base_model
 from trainer.precision.verdict import MAE_WARN_FACTOR
 

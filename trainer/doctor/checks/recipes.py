@@ -17,10 +17,9 @@ from rollout.moe_config import moe_shape
 from trainer.config import RecipeError
 from trainer.config.validate import sequence_length
 from trainer.distributed.data_parallel import DataParallel
-from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.checks.layers import precision_refusal
 from trainer.doctor.context import Doctor, engine_reason
-from trainer.doctor.finding import Finding, at_most, skipped
+from trainer.doctor.records import Check, CheckCannotRun, Finding, at_most, skipped
 from trainer.measurement.routing_parity import pooled_routing_metrics
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import batch_from_rollouts

@@ -36,9 +36,8 @@ from parity.routing import routing_stats
 from rollout.hf_routes import RouterTap
 from rollout.moe_config import moe_shape
 from rollout.vllm_engine import VLLMEngine
-from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.context import Doctor
-from trainer.doctor.finding import FAIL, PASS, WARN, Finding, skipped
+from trainer.doctor.records import FAIL, PASS, WARN, Check, CheckCannotRun, Finding, skipped
 from trainer.models.routing_replay import attached_replay
 
 NAME = "routing"

@@ -16,9 +16,8 @@ import json
 from pathlib import Path
 
 from parity.metrics import compare
-from trainer.doctor.check import Check
 from trainer.doctor.context import Doctor
-from trainer.doctor.finding import PASS, WARN, Finding, at_most
+from trainer.doctor.records import PASS, WARN, Check, Finding, at_most
 from trainer.models.batch import batch_from_rollouts
 
 NAME = "sampling"

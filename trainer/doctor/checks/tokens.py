@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from rollout.model_files import eos_token_ids
 from trainer.data.datasets import chat_messages, load_prompt_dataset
-from trainer.doctor.check import Check
 from trainer.doctor.context import NUM_PROMPTS, Doctor, EngineCannotStart
-from trainer.doctor.finding import PASS, WARN, Finding, at_most, skipped
+from trainer.doctor.records import PASS, WARN, Check, Finding, at_most, skipped
 
 NAME = "tokens"
 

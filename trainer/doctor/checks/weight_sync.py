@@ -36,9 +36,8 @@ from parity.precision import fake_quant_weight
 from rollout.adapters import export_lora_adapter, lora_modules
 from rollout.weight_export import iter_merged_lora_weights
 from trainer.distributed.data_parallel import DataParallel
-from trainer.doctor.check import Check, CheckCannotRun
 from trainer.doctor.context import Doctor, engine_prefill, engine_restored, relative_error
-from trainer.doctor.finding import FAIL, Finding, at_most
+from trainer.doctor.records import FAIL, Check, CheckCannotRun, Finding, at_most
 from trainer.models.policy import add_lora, load_base_model
 from trainer.precision.lora_sync import ADAPTER
 from trainer.sampling.policy_sync import policy_sync

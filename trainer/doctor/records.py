@@ -1,9 +1,11 @@
-"""One line of the doctor's table: a check's figure, the level expected, the verdict and, when it is not a pass, the
-likely cause in one line."""
+"""The doctor's two records: a check (its name for ``--only``, what it asks in one line, whether it needs the engine,
+and the function that returns its findings; one file per check under ``checks/``, each exporting ``CHECK``) and a
+finding (one line of the doctor's table: a check's figure, the level expected, the verdict and, when it is not a
+pass, the likely cause in one line)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from trainer.precision.verdict import FAIL, PASS, WARN, verdict
 
@@ -47,3 +49,16 @@ def at_most(check: str, item: str, figure: float, limit: float, cause: str, *, w
 
 def skipped(check: str, item: str, why: str) -> Finding:
     return Finding(check, item, None, "-", SKIP, why)
+
+
+
+class CheckCannotRun(RuntimeError):
+    """A check that cannot run with this engine, model or recipe: skipped with this message as the reason."""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    question: str
+    run: Callable[..., list[Finding]]  # called with the battery's ``context.Doctor`` (which imports this module)
+    needs_engine: bool = True
