@@ -19,8 +19,11 @@ FP8_ENGINE = dict(
     block_fp8_on_cuda=True,
     # bench/RESULTS.md "Precision recipes", tiny model: fp8_rollout 5.9e-3 (compare), mean train-step
     # mae 5.5e-3 (both recipes); fp8_unified's probe rose to 1.8e-2 after step 6 of a healthy run
-    # with the engine's FP8 weights bitwise the trainer's. 1e-2: the level such a run reaches.
-    mae_floor={"bfloat16": MaeFloor(1e-2, any_depth=False)},
+    # with the engine's FP8 weights bitwise the trainer's; the doctor's fp8_rollout row reads 3.2e-3 on the tiny
+    # model built on an AMX host and 1.27e-2 on the one built on an AVX2-only host (the warm start's rounding
+    # makes another model there). 2e-2: the largest a healthy run reached, rounded up, so "normal" holds for
+    # every build of the model and the 3x WARN band above it still separates a broken FP8 path (docs/doctor.md).
+    mae_floor={"bfloat16": MaeFloor(2e-2, any_depth=False)},
     merged_sync="the FP8 engine quantizes the effective weight W + s·B·A into 128x128 blocks, which an adapter "
                 "served beside FP8 base weights does not reproduce",
     refuses={HF_ENGINE: "the HF engine has no FP8 path",
