@@ -24,9 +24,13 @@ run it.
 
 Levels (measured on CPU, tiny model, bf16 and float32, 2026-11-27): every leg equals ``off`` bit for bit (a cache hit
 replays the KV a recomputation computes; the CPU forward is batch-invariant, ``rollout/engine_forward.py``), while a
-sync without the reset moved the sampled tokens' log-probs by 2.7e-2 on average (max 0.63) in bf16. The band is the
-dtype's parity level (``Doctor.mae_level``): on CUDA a cached context runs other attention splits and may round
-differently, never by more than what a healthy engine-vs-trainer pair differs by.
+sync without the reset moved the sampled tokens' log-probs by 2.7e-2 on average (max 0.63) in bf16 on the tiny
+model built on an AMX host, and by 6.1e-3 (max 0.11) on the one built on an AVX2-only host. The first three legs'
+band is the dtype's parity level (``Doctor.mae_level``): on CUDA a cached context runs other attention splits and may
+round differently, never by more than what a healthy engine-vs-trainer pair differs by. The sync leg is judged
+against what the cache itself does on this engine instead: a healthy sync leaves "cached vs off" where the legs
+before it read (``SYNC_MARGIN`` times their largest mean; 0 where they are bit for bit), while stale prompt KV
+moves it by however much the pushed weights moved the model, which a fixed level cannot bound from below.
 """
 from __future__ import annotations
 
@@ -50,6 +54,10 @@ PROBE_KV_BYTES = 64 * 1024**2
 # which is why a sync that forgets the reset goes unseen in a run's parity).
 SYNC_NOISE = 0.1
 SYNC_SEED = 0
+# The sync leg's limit over the largest mean of the legs before it: rounding of the same cached-context kernels
+# (two roundings of one computation are about sqrt(2) apart, at most 2: trainer/diagnostics/noise_floor.py).
+SYNC_MARGIN = 2.0
+SYNC_LEG = "after a weight sync"
 
 
 def _block_size(engine: VLLMEngine) -> int:
@@ -152,10 +160,10 @@ def _legs(doc: Doctor, engine: VLLMEngine, prompts: list[list[int]]) -> dict:
     return {"cold (a group's samples share its prompt)": (cold, off, hits_cold),
             "cached": (cached, off, hits_cached),
             "after reset_prefix_cache": (after_reset, off, hits_reset),
-            "after a weight sync": (synced, synced_off, hits_synced)}
+            SYNC_LEG: (synced, synced_off, hits_synced)}
 
 
-CAUSES = {"after a weight sync": "prefix cache changes log-probs after a weight sync: the sync leaves the cache in "
+CAUSES = {SYNC_LEG: "prefix cache changes log-probs after a weight sync: the sync leaves the cache in "
                                  "place and prompt KV computed with the old weights is reused (reset_prefix_cache "
                                  "after every weight load)"}
 CAUSE = ("prefix cache changes log-probs: a prompt's KV read from the cache is not what recomputing it gives (KV "
@@ -177,14 +185,19 @@ def run(doc: Doctor) -> list[Finding]:
         if probe is not engine:  # closing one in-process engine leaves the others working (VLLMEngine.close)
             probe.close()
     level = doc.mae_level()
-    out = []
+    out, before_sync = [], 0.0
     for leg, (a, b, hits) in legs.items():
         d = _difference(a, b)
         doc.say(f"  {leg}: {hits} prompt tokens read from the cache; vs off: mean |dlp| {d['mean']:.3g}, max "
                 f"{d['max']:.3g}, {d['samples_parted']} samples parted")
-        out.append(at_most(NAME, f"{leg} vs cache off: mean |dlp|", d["mean"], level, CAUSES.get(leg, CAUSE),
-                           warn_factor=MAE_WARN_FACTOR, details={**d, "cached_prompt_tokens": hits,
-                                                     "block_size": block}))
+        details = {**d, "cached_prompt_tokens": hits, "block_size": block}
+        if leg == SYNC_LEG:  # dict order: the legs before the sync are measured first
+            out.append(at_most(NAME, f"{leg} vs cache off: mean |dlp|", d["mean"], SYNC_MARGIN * before_sync,
+                               CAUSES[leg], details={**details, "legs_before_sync_max_mean": before_sync}))
+            continue
+        before_sync = max(before_sync, d["mean"])
+        out.append(at_most(NAME, f"{leg} vs cache off: mean |dlp|", d["mean"], level, CAUSE,
+                           warn_factor=MAE_WARN_FACTOR, details=details))
     return out
 
 
