@@ -46,8 +46,9 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# --durations=30: CI's log lists the 30 slowest tests, so the suite's growth is seen in the run that causes it.
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
