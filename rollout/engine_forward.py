@@ -227,7 +227,7 @@ class EngineForward:
             return lps
         return lps, list(torch.cat(ent).split(counts)), list(torch.cat(top).split(counts))
 
-    # ---- the engine's ops (bench/exact_staircase.py swaps them for HF's, one piece at a time) ----
+    # ---- the engine's ops (bench/parity/exact_staircase.py swaps them for HF's, one piece at a time) ----
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from vllm import ir
 

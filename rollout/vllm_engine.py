@@ -215,7 +215,7 @@ class VLLMEngine(InProcessEngine):
         (``rollout.device_placement``).
     seed: the engine's global seed (samples use per-request seeds, see ``sample_seed``).
     enforce_eager: skip graph capture / torch.compile. None: eager on CPU (compiling costs more than it saves,
-        bench/bench_rollout.py), CUDA graphs on CUDA (a small model's decoding is launch-bound).
+        bench/speed/bench_rollout.py), CUDA graphs on CUDA (a small model's decoding is launch-bound).
     enable_prefix_caching: share the prompt's KV across a group's n samples.
     max_num_seqs: sequences per scheduler step.
     eos_ids: stop tokens; default: the model dir's generation_config / config EOS ids.

@@ -10,7 +10,7 @@ import torch
 # (chunk = budget / 4V: 512 rows at V = 32k, 128 at V = 128k) plus its input-dtype twin,
 # ~1.5x the budget. The backward tile gets half the budget (see _backward_tile_shape) and
 # a float32 weight-gradient accumulator, when one is needed, a quarter. Measured with
-# bench/bench_logprobs.py on the 2-core CPU: bf16 matmuls with >= 128 rows run at the
+# bench/speed/bench_logprobs.py on the 2-core CPU: bf16 matmuls with >= 128 rows run at the
 # full rate, and the peak extra memory stays near 1/10 of the naive version's at
 # N = 4096, V = 32k (107-166 MiB vs 1033-1547 MiB).
 DEFAULT_MEMORY_BUDGET_BYTES = 64 * 2**20

@@ -58,7 +58,7 @@ def kv_split(vllm_config) -> bool:
     the split depends on the whole batch: measured, a sequence's decode log-probs changed
     (1.3e-5 on SmolLM2, float32) from the step at which a sibling finished. Exact mode turns it
     off for its engine (``ExactCPUAttentionBuilder``). Measured cost at 8 prompts x 4 x 32 tokens
-    on SmolLM2 (``bench/bench_exact.py``): none (rollout time 0.98x of the default's); it would
+    on SmolLM2 (``bench/parity/bench_exact.py``): none (rollout time 0.98x of the default's); it would
     show where few long sequences leave threads idle.
     """
     from vllm import envs

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py on a machine without CUDA: runs what the CPU can, says what needs a GPU, exits 0."""
+"""bench/gpu/gpu_check.py on a machine without CUDA: runs what the CPU can, says what needs a GPU, exits 0."""
 import json
 import subprocess
 import sys
@@ -50,7 +50,7 @@ OLDER_GPU_ROWS = {"log-prob kernel speed": GPU, "FP8 GEMM verify": GPU, "FP8 GEM
 
 def _run(tmp_path, *args):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--json", str(out), *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "gpu_check.py"), "--json", str(out), *args], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(out.read_text())

@@ -1,10 +1,10 @@
-"""bench/shadow_table.py: a run's shadow tables averaged per rule, beside the raw-ratio statistics of those steps."""
+"""bench/parity/shadow_table.py: a run's shadow tables averaged per rule, beside the raw-ratio statistics of those steps."""
 import json
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench" / "parity"))
 
 import shadow_table  # noqa: E402
 

@@ -1,6 +1,6 @@
 """FP8 recipes, engine side: the emulated vLLM quantization method (CPU) and the CUDA weight format.
 
-The quantized engine runs in a SUBPROCESS (bench/bench_fp8_parity.py): a second vLLM engine in this
+The quantized engine runs in a SUBPROCESS (bench/parity/bench_fp8_parity.py): a second vLLM engine in this
 process would break the session's shared engine.
 
 Figures (builtin:tiny, T=0.7, 16 prompts x 2 samples x 32 tokens, seeds 0/1/2, initial / after a LoRA sync):
@@ -440,7 +440,7 @@ def test_quantized_engine_matches_the_quantized_trainer(tmp_path, tiny_model_dir
     policy.save_pretrained(adapter)
     out = tmp_path / "fp8.json"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_fp8_parity.py"), "--model", tiny_model_dir,
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "parity", "bench_fp8_parity.py"), "--model", tiny_model_dir,
                            "--json-out", str(out), "--adapters", str(adapter)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,6 +1,6 @@
 """Small random-init decoders of several architectures, built offline from transformers' own config classes.
 
-The architecture matrix of the test suite and of ``bench/arch_parity.py``: one
+The architecture matrix of the test suite and of ``bench/parity/arch_parity.py``: one
 model per family parityrl claims to support, each tiny (2 layers, hidden 64,
 head_dim 32 -- a head size vLLM's CPU attention supports, see
 ``CPUAttentionBackend.get_supported_head_sizes``) and deterministic (fixed seed).
@@ -46,7 +46,7 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
 }
 
 # The other mixture-of-experts families that routing replay covers (trainer.models.routing_replay), outside
-# the architecture matrix (Qwen2-MoE stands for MoE there): the routing measurements (bench/bench_routing.py)
+# the architecture matrix (Qwen2-MoE stands for MoE there): the routing measurements (bench/parity/bench_routing.py)
 # and the replay tests build them. Top-2 of 8 (Mixtral: of 4), as in the issue's measurements.
 MOE_ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,

@@ -371,7 +371,7 @@ class ParityConfig:
     probe_prompts: int = 4
     # The probe runs after the first probe_first syncs, then after every probe_every-th
     # (trainer/measurement/probe.py: one prefill in the engine + one forward in the trainer per probe).
-    # Every 2nd: measured 3.4% of a demo step when it ran after every sync (bench/bench_exact.py's
+    # Every 2nd: measured 3.4% of a demo step when it ran after every sync (bench/parity/bench_exact.py's
     # bf16 run, 30 steps), above the 3% budget; a sync that stays broken is caught by the next probe,
     # one that fails once shows in the next step's parity/* (docs/parity-metrics.md "The probe").
     probe_every: int = 2

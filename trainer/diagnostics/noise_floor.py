@@ -15,7 +15,7 @@ dtype, ``UNIT_ROUNDOFF``). ``FACTOR`` = 4: the engine and the trainer are two ro
 about a floor away from the wide forward, so their difference is about sqrt(2) floors when the two roundings are
 independent and up to 2 when they oppose; the engine also rounds at points the trainer does not (fused q/k/v and
 gate/up GEMMs, a fused residual add in the norm, its own attention kernel). Measured (CPU, vLLM 0.32,
-`bench/doctor_floor.py`, bench/RESULTS.md "The doctor's noise floor (issue 55)"), the largest healthy ratio to the
+`bench/parity/doctor_floor.py`, bench/RESULTS.md "The doctor's noise floor (issue 55)"), the largest healthy ratio to the
 floor is 2.2 (SmolLM2-135M's layer 0 attention, where the floor is below one bf16 rounding), 1.3 on a random
 48-layer Qwen3, and each fault the doctor's tests plant reads 13x its floor or more where it is planted: 4 sits
 between the two.

@@ -5,7 +5,7 @@ process and thread), sized to the machine's cores by default. A decode step of a
 tiny parallel regions, each ending in a barrier where libgomp's threads spin, then sleep; when another
 process holds one of the cores, every barrier waits for the descheduled thread's next time slice. On 2 cores
 beside a busy neighbour the demo's rollout ran 15x slower with the default pool and 1.2x slower with one
-thread, which was as fast as two when idle (bench/bench_shared_cpu.py, bench/RESULTS.md). A model whose
+thread, which was as fast as two when idle (bench/speed/bench_shared_cpu.py, bench/RESULTS.md). A model whose
 layers keep several cores busy wants the default (null).
 
 It must be set before the engine starts: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op

@@ -184,7 +184,7 @@ def make_backward(accelerator, model) -> Callable[[torch.Tensor], None]:
     ZeRO-2/3 reducing each micro-batch's gradient into the partitions), on ``loss`` times
     the number of processes: DeepSpeed AVERAGES gradients over the ranks, while the loop
     normalises every rank's loss by the whole (all ranks') batch, so the ranks' gradients
-    must SUM to the batch gradient (checked: ``bench/zero_cpu_check.py``).
+    must SUM to the batch gradient (checked: ``bench/checks/zero_cpu_check.py``).
     ``accelerator.backward`` cannot be used there: it calls
     ``engine.set_gradient_accumulation_boundary``, which DeepSpeed refuses in that mode.
     """

@@ -22,7 +22,7 @@ class PolicyForward(nn.Module):
     last micro-batch's gradient survived (grad norm 2.75 instead of 4.26). Wrapping the
     backbone call as this module's forward keeps the fused log-prob path (no logits) and
     goes through the engine; ``trainer.models.policy.completion_hidden`` dispatches on it. With
-    it, two CPU ranks matched one process on the full batch (``bench/zero_cpu_check.py``:
+    it, two CPU ranks matched one process on the full batch (``bench/checks/zero_cpu_check.py``:
     ZeRO-2 to 3.7e-9, ZeRO-3 in float32 to 7.5e-9, in bf16 within 0.6% of the update).
 
     ``policy``: the PEFT model (``unwrap_policy`` returns it). ``config`` and

@@ -106,7 +106,7 @@ def fp8_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """HF name -> the fake-quantized weight each converted layer's forward multiplies by (detached).
 
     The engine's quantized weights must equal these bitwise after a sync
-    (``bench/bench_fp8_parity.py`` checks it); the dtype is the model's.
+    (``bench/parity/bench_fp8_parity.py`` checks it); the dtype is the model's.
     """
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
     out = {}

@@ -1,6 +1,6 @@
 """The policy under training: loaded, prepared for DeepSpeed (or not), and the ``Learner`` the update passes take.
 
-``load_policy`` and ``prepare_policy`` are the run's own model setup; bench/zero_cpu_check.py
+``load_policy`` and ``prepare_policy`` are the run's own model setup; bench/checks/zero_cpu_check.py
 drives them too, so what it checks against a single-process reference is what a run does.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def prepare_policy(cfg: RunConfig, accelerator, stage: int, model, optimizer, va
     """(model, optimizer, policy) after accelerate's prepare: the DeepSpeed engine under ZeRO, else as they were.
 
     The scheduler is never prepared: it drives the AdamW param groups, which DeepSpeed's ZeRO
-    optimizer steps with (checked in bench/zero_cpu_check.py).
+    optimizer steps with (checked in bench/checks/zero_cpu_check.py).
     """
     if not stage:
         # The model is not prepared: no DDP wrapper (see DataParallel); it is already on the device.

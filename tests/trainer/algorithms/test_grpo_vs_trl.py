@@ -162,7 +162,7 @@ def _trl(start, schedule: str, tmp_path) -> dict:
     def reward(prompts, completions, completion_ids, **kw):
         return [reward_of[tuple(c)] for c in completion_ids]
 
-    # the bench's configuration (bench/bench_vs_trl.py trl_grpo) at this batch's size
+    # the bench's configuration (bench/speed/bench_vs_trl.py trl_grpo) at this batch's size
     cfg = GRPOConfig(output_dir=str(tmp_path / "trl"), max_steps=STEPS, per_device_train_batch_size=PROMPTS * GROUP,
                      num_generations=GROUP, max_completion_length=TOKENS, learning_rate=LR, logging_steps=1,
                      report_to=[], save_strategy="no", bf16=False, use_cpu=True, use_vllm=False, beta=0.0,

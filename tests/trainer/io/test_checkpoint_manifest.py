@@ -1,5 +1,5 @@
 """A checkpoint is complete when its manifest (sizes + SHA-256, written last) matches its files; resume takes the
-newest complete one and names what it skipped. The damaged-checkpoint corpus (bench/damaged_checkpoints.py) in
+newest complete one and names what it skipped. The damaged-checkpoint corpus (bench/checks/damaged_checkpoints.py) in
 miniature: ten damages, each detected before anything is loaded."""
 import errno
 import importlib.util
@@ -39,8 +39,8 @@ def save(run_dir, step, **kw):
 
 
 def _corpus():
-    """The damages of bench/damaged_checkpoints.py, and two of the manifest itself."""
-    spec = importlib.util.spec_from_file_location("damaged_checkpoints", REPO / "bench" / "damaged_checkpoints.py")
+    """The damages of bench/checks/damaged_checkpoints.py, and two of the manifest itself."""
+    spec = importlib.util.spec_from_file_location("damaged_checkpoints", REPO / "bench" / "checks" / "damaged_checkpoints.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return {**mod.DAMAGES, "manifest_missing": lambda c: (c / "manifest.json").unlink(),

@@ -1,0 +1,135 @@
+"""Rows of bench/gpu/gpu_check.py on server mode (issue 44 items 3, 9 and 11).
+
+- ``stream_wait_row`` (torch only): vLLM's packed NCCL producer copies the update on a side stream of its own
+  (``weight_transfer/packed_tensor.py``); the merged weights are written on the trainer's current stream just
+  before. A tensor written on the current stream behind a long ``torch.cuda._sleep`` and then copied on a side
+  stream, as the producer does: after ``rollout.server_engine.nccl_ready`` the copy holds the new values (pass);
+  the same copy without it shows whether the race is real on this GPU (printed, not judged).
+- ``serve_routes_row``: ``parityrl serve --dry-run`` of an MoE recipe with routing replay on, on CUDA: exit 2 naming
+  "a server on CUDA cannot return routes". No vLLM needed.
+- ``serve_note_row``: ``parityrl serve --dry-run`` of a dense recipe on CUDA: exit 0 and the note that server and
+  trainer need disjoint GPUs. No vLLM needed.
+- ``server_nccl_row`` (2 GPUs, vLLM's CUDA build): ``parityrl serve`` on one GPU (NCCL weight transfer) and
+  ``parityrl train`` in server mode on another, 2 steps with ``parity.on_violation: stop`` (a push that left wrong
+  weights trips the probe's limit): exit 0, both steps logged, weights pushed, parity/mae and probe/mae printed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from gpu_rows_common import REPO, free_port, need_cuda, need_gpus, need_vllm_cuda, run_process, tail, train
+
+from rollout.server_engine import SERVER_ROUTES_ON_CUDA, nccl_ready
+from trainer.commands.serve import GPU_SHARE_NOTE
+
+SLEEP_CYCLES = 500_000_000  # ~0.2-0.3 s of one SM spinning at 1.5-2 GHz: long enough for the side stream to win
+
+
+def stream_wait_row() -> str:
+    device = need_cuda()
+    n = 1 << 22
+    side = torch.cuda.Stream()
+
+    def written_then_copied(wait: bool) -> bool:
+        """True when the side stream's copy holds the new values."""
+        t = torch.zeros(n, device=device)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)  # the current stream is busy...
+        t.fill_(1.0)  # ...then writes the update, as the merge does before a push
+        named = nccl_ready([("w", t)]) if wait else [("w", t)]
+        with torch.cuda.stream(side):
+            copy = named[0][1].clone()
+        side.synchronize()
+        ok = bool((copy == 1.0).all())
+        torch.cuda.synchronize()
+        return ok
+
+    control = written_then_copied(wait=False)
+    waited = written_then_copied(wait=True)
+    figure = ("after nccl_ready the side stream read the new values" if waited else
+              "after nccl_ready the side stream read STALE values")
+    figure += ("; without it: the new values (the race did not show on this GPU)" if control else
+               "; without it: stale values (the race is real: the wait is needed)")
+    if not waited:
+        raise AssertionError(figure)
+    return figure
+
+
+def _serve_dry_run(sets: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "trainer", "serve", str(REPO / "recipes" / "grpo_tiny.yaml"), "--dry-run"]
+    for s in sets:
+        cmd += ["--set", s]
+    return run_process(cmd, cap_s=180, what="parityrl serve --dry-run")
+
+
+def serve_routes_row(moe_dir) -> str:
+    need_cuda()
+    proc = _serve_dry_run([f"model.path={moe_dir()}", "parity.routing_replay=on"])
+    said = "a server on CUDA cannot return routes" in proc.stderr and SERVER_ROUTES_ON_CUDA[:60] in proc.stderr
+    figure = f"exit {proc.returncode}: {tail(proc)[:200]}"
+    if proc.returncode != 2 or not said:
+        raise AssertionError(f"expected exit 2 naming the refusal; {figure}")
+    return "refused before anything starts (exit 2): a server on CUDA cannot return routes"
+
+
+def serve_note_row(dense_dir) -> str:
+    need_cuda()
+    proc = _serve_dry_run([f"model.path={dense_dir()}"])
+    if proc.returncode != 0 or GPU_SHARE_NOTE not in proc.stderr:
+        raise AssertionError(f"expected exit 0 and the disjoint-GPU note; exit {proc.returncode}: {tail(proc)}")
+    return "exit 0; says the server takes 0.92 of its GPUs and the trainer needs others (CUDA_VISIBLE_DEVICES)"
+
+
+def _two_gpus() -> tuple[str, str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in visible.split(",")] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return ids[0], ids[1]
+
+
+def server_nccl_row(dense_dir) -> str:
+    need_gpus(2, "the server and the trainer on disjoint GPUs")
+    need_vllm_cuda()
+    trainer_gpu, server_gpu = _two_gpus()
+    url = f"http://127.0.0.1:{free_port()}"
+    model = f"model.path={dense_dir()}"
+    with tempfile.TemporaryDirectory(prefix="gpu_check_server_") as tmp:
+        log = open(Path(tmp) / "server.log", "w")
+        server = subprocess.Popen(
+            [sys.executable, "-m", "trainer", "serve", str(REPO / "recipes" / "grpo_tiny.yaml"), "--set", model,
+             "--set", f"rollout.server_url={url}", "--transfer-backend", "nccl"],
+            cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": server_gpu, "PYTHONPATH": str(REPO),
+                           "HF_HUB_OFFLINE": "1"},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc, rows = train("grpo_tiny.yaml", [model, "rollout.mode=server", f"rollout.server_url={url}",
+                                                  "rollout.server_connect_timeout_s=400", "train.steps=2",
+                                                  "eval.every=0", "parity.on_violation=stop"],
+                               Path(tmp) / "runs", cap_s=540, env={"CUDA_VISIBLE_DEVICES": trainer_gpu})
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)  # the group this row started: the server and its workers
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+            log.close()
+        server_tail = (Path(tmp) / "server.log").read_text().strip().splitlines()[-1:] or [""]
+    if proc.returncode != 0 or len(rows) < 2:
+        raise AssertionError(f"train exit {proc.returncode}, {len(rows)}/2 steps: {tail(proc)}; server: "
+                             f"{server_tail[0][:200]}")
+    pushed = sum(r.get("perf/sync_bytes") or 0 for r in rows)
+    maes = [r.get("parity/mae", math.nan) for r in rows]
+    probes = [r.get("probe/mae", math.nan) for r in rows]
+    figure = (f"2 steps, server on GPU {server_gpu}, trainer on GPU {trainer_gpu}: {pushed / 2**20:.1f} MiB pushed "
+              f"over NCCL; parity/mae {', '.join(f'{m:.2e}' for m in maes)}, probe/mae "
+              f"{', '.join(f'{m:.2e}' for m in probes)}")
+    if not pushed > 0:
+        raise AssertionError(f"{figure}: nothing pushed")
+    return figure
