@@ -30,6 +30,7 @@ import pytest
 import torch
 from server_health import wait_healthy
 
+from parity.precision import host_has_native_bf16
 from rollout.base import EngineUnavailable
 from rollout.server_engine import ServerEngine, ServerEngineError, parse_server_url
 from rollout.server_engine.answers import parse_prompt_logprobs, parse_sample
@@ -1020,8 +1021,11 @@ def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_ser
     else:  # the adapter, one push: as the single process's
         assert all(r["perf/sync_bytes"] == one[0]["perf/sync_bytes"] for r in two[1:])
         assert all(r["perf/sync_tensors"] == 2 * 7 * 4 and r["perf/sync_chunks"] == 1 for r in two[1:])
-    # The gradient reduced by DeepSpeed (or by the loop's all-reduce) has one process's norm.
-    assert two[1]["train/grad_norm"] == pytest.approx(one[0]["train/grad_norm"], rel=1e-4)
+    # The gradient reduced by DeepSpeed (or by the loop's all-reduce) has one process's norm: to 1e-4 where the CPU
+    # computes BF16 natively; emulated BF16 rounds each shard's sums in other places (2.2e-4 measured on an AVX2-only
+    # AMD EPYC, parity.precision.host_has_native_bf16's docstring gives 2.6e-3 after a step there).
+    assert two[1]["train/grad_norm"] == pytest.approx(one[0]["train/grad_norm"],
+                                                      rel=1e-4 if host_has_native_bf16() else 5e-3)
 
     # A follower cannot push, and refuses samples of a version it was not told about.
     follower = ServerEngine(server.url, model_dir=tiny_model_dir, timeout_s=120, max_model_len=88,
