@@ -43,8 +43,10 @@ def test_train_recipe_through_cli_then_resume(tmp_path, tiny_model_dir):
     from trainer.io.third_party_output import is_expected
 
     assert [x for x in (proc.stdout + proc.stderr).splitlines() if is_expected(x)] == []
+    # Which of them a host prints varies (vLLM preloads its bundled tcmalloc where it finds one, and then says
+    # nothing about it); every host prints the weight-loading bars, and each line kept is one the list names.
     kept = (run_dir / "engine.log").read_text()
-    assert "torch.set_num_threads" in kept and "libtcmalloc is not found" in kept, kept[-2000:]
+    assert "Loading weights" in kept and any(is_expected(x) for x in kept.splitlines()), kept[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the parity probe before training
     assert {"reward/mean", "parity/mae", "parity/kl_k3", "perf/rollout_tokens_per_s", "train/loss"} <= rows[1].keys()
