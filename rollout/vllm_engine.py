@@ -64,6 +64,7 @@ from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.vllm_adapters import ServedAdapter, lora_options
 from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
 from rollout.vllm_plugins.support_capture import begin_supports, take_supports
+from rollout.vllm_workspace import engine_workspace, guard_generate
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors, quiet_partial_reload
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
@@ -300,6 +301,10 @@ class VLLMEngine(InProcessEngine):
             except Exception as e:  # vLLM's refusals are assertions and errors of every type: one line, its reason
                 raise EngineCannotLoad(f"vLLM cannot load the model {self.model}: {one_line(e)}") from e
         VLLMEngine._live += 1
+        # the scratch vLLM's worker just made for this engine, kept and made current for its forwards: the next
+        # engine of the process replaces vLLM's one global manager (rollout.vllm_workspace)
+        self._workspace = engine_workspace()
+        guard_generate(self._llm, self._workspace)
         if self.cuda:
             check_engine_device(self._llm, device)
         self._sleep_enabled = enable_sleep_mode and self.cuda
@@ -601,6 +606,7 @@ class VLLMEngine(InProcessEngine):
             with _engine_core_keeps_process_groups():
                 engine_core.shutdown()
         self._llm = None
+        self._workspace = None  # its scratch goes with the engine
         if self._adapter is not None:
             self._adapter.close()
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
