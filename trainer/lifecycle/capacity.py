@@ -24,7 +24,7 @@ from trainer.config.validate import sequence_length
 # tracemalloc: 1169 bytes per sample with a 10-token prompt (vLLM in this venv); vLLM's own per-request state
 # comes on top.
 REQUEST_BYTES = 1024
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Config keys of attention whose cache is not 2 x layers x kv_heads x head_dim per token (sliding windows,
 # mixed layer types, DeepSeek's latent attention): the one-sequence estimate is skipped for them.
 _NOT_FULL_ATTENTION = ("layer_types", "sliding_window_pattern", "kv_lora_rank", "attention_chunk_size")
@@ -83,13 +83,15 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int) -> Optional[int]:
 
 
 def capacity_problems(cfg: RunConfig, where: str, machine: Machine, model: Optional[ModelSize],
-                      engine_weight_bytes_per_param: Optional[int] = None) -> list[str]:
+                      engine_weight_bytes_per_param: Optional[int] = None, teacher=None) -> list[str]:
     """Each size of ``cfg`` that ``machine`` cannot hold, as a one-line refusal naming the key and the limit.
 
     ``engine_weight_bytes_per_param``: the engine's bytes per weight (default: model.dtype's; 1 for FP8 weights).
+    ``teacher``: what a colocated teacher holds beside them (``trainer.lifecycle.teacher_memory.TeacherMemory``;
+    None: no teacher on this device, or its size not known here).
     """
     r, problems = cfg.rollout, []
-    dtype_bytes = _DTYPE_BYTES[cfg.model.dtype]
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     samples = r.prompts_per_step * cfg.algorithm.group_size
     avail = machine.host_available
     if avail is not None and samples * REQUEST_BYTES > avail:
@@ -120,17 +122,38 @@ def capacity_problems(cfg: RunConfig, where: str, machine: Machine, model: Optio
                 f"({_size(engine_weights)}) and the trainer's ({_size(trainer_weights)}: {model.parameters} parameters "
                 f"in {cfg.model.dtype}) need {_size(kv + engine_weights + trainer_weights)}, more than the "
                 f"{_size(avail)} of memory available; expected at most {max(0, avail - engine_weights - trainer_weights)}")
+        student = kv + engine_weights + trainer_weights
+        if teacher is not None and avail is not None and student <= avail < student + teacher.total:
+            problems.append(_teacher_problem(cfg, where, teacher, student, avail, "memory available"))
     else:
-        problems += _gpu_problems(cfg, where, machine, engine_weights, trainer_weights)
+        problems += _gpu_problems(cfg, where, machine, engine_weights, trainer_weights, teacher)
     return problems
 
 
-def _gpu_problems(cfg: RunConfig, where: str, machine: Machine, engine_weights: int, trainer_weights: int) -> list[str]:
+def _teacher_problem(cfg: RunConfig, where: str, teacher, student: int, limit: int, what: str) -> str:
+    """The colocated teacher's bytes (``teacher_memory.TeacherMemory``) beside the student's ``student``."""
+    t = cfg.teacher
+    parts = f"its engine's weights ({_size(teacher.engine_weights)})"
+    if teacher.kv:
+        parts += f" and KV cache ({_size(teacher.kv)})"
+    if teacher.trainer_copy:
+        parts += (f", and its copy in the trainer for teacher_parity/* ({_size(teacher.trainer_copy)}, loaded on the "
+                  f"first measured step and kept)")
+    return (f"{where}: teacher.path = {t.path!r}: the colocated teacher (teacher.engine {t.engine}) holds {parts}: "
+            f"{_size(teacher.total)} beside the student's {_size(student)}, more than the {_size(limit)} of {what}; "
+            f"expected a teacher of at most {_size(max(0, limit - student))} here"
+            + (", teacher.parity_every 0" if teacher.trainer_copy else "")
+            + ", or teacher.engine server / vllm_url (a server on another device)")
+
+
+def _gpu_problems(cfg: RunConfig, where: str, machine: Machine, engine_weights: int, trainer_weights: int,
+                  teacher=None) -> list[str]:
     """CUDA. What vLLM reserves: its weights and ``rollout.kv_cache_memory_bytes`` of KV cache (activation and graph
     buffers on top), all resident during a rollout, beside the trainer's weights (loaded first: setup starts the
-    engine after the policy). Its start-up check wants ``gpu_memory_utilization`` of the GPU free
-    (``vllm/v1/worker/utils.py: request_memory``). Sleep mode keeps the engine's weights in host memory during
-    the update (``vllm/device_allocator/cumem.py``: pinned CPU copies)."""
+    engine after the policy) and a colocated teacher (its engine started before the student's, never asleep; its
+    copy in the trainer once teacher parity is measured). Its start-up check wants ``gpu_memory_utilization`` of
+    the GPU free (``vllm/v1/worker/utils.py: request_memory``). Sleep mode keeps the engine's weights in host
+    memory during the update (``vllm/device_allocator/cumem.py``: pinned CPU copies)."""
     r, total, problems = cfg.rollout, machine.gpu_total, []
     kv = r.kv_cache_memory_bytes
     need = engine_weights + kv + trainer_weights
@@ -139,13 +162,17 @@ def _gpu_problems(cfg: RunConfig, where: str, machine: Machine, engine_weights: 
             f"{where}: rollout.kv_cache_memory_bytes = {kv}: the engine's weights ({_size(engine_weights)}) and KV "
             f"cache, beside the trainer's weights ({_size(trainer_weights)}), need {_size(need)}, more than the "
             f"GPU's {_size(total)}; expected at most {max(0, total - engine_weights - trainer_weights)}")
-    free = total - trainer_weights
+    elif teacher is not None and need + teacher.total > total:
+        problems.append(_teacher_problem(cfg, where, teacher, need, total, "the GPU"))
+    before = trainer_weights + (0 if teacher is None else teacher.engine)  # resident when the student's engine starts
+    free = total - before
     if r.gpu_memory_utilization * total > free:
+        loaded = f"the trainer's weights ({_size(trainer_weights)})" + (
+            "" if teacher is None else f" and the teacher's engine ({_size(teacher.engine)})")
         problems.append(
             f"{where}: rollout.gpu_memory_utilization = {r.gpu_memory_utilization}: vLLM starts only when that "
-            f"share of the GPU ({_size(r.gpu_memory_utilization * total)} of {_size(total)}) is free, and the "
-            f"trainer's weights ({_size(trainer_weights)}), loaded first, leave at most {_size(free)}; expected at "
-            f"most {free / total:.3f}")
+            f"share of the GPU ({_size(r.gpu_memory_utilization * total)} of {_size(total)}) is free, and "
+            f"{loaded}, loaded first, leave at most {_size(free)}; expected at most {max(0, free) / total:.3f}")
     avail = machine.host_available
     if r.sleep_mode and avail is not None and engine_weights > avail:
         problems.append(

@@ -46,6 +46,7 @@ from trainer.data.tasks import PROMPT_SOURCES
 from trainer.environments.episode_environment import EpisodeEnvironment
 from trainer.lifecycle.capacity import Machine, ModelSize, capacity_problems, gpu_total_bytes, host_available_bytes
 from trainer.lifecycle.teacher_checks import check_teacher_at_hand
+from trainer.lifecycle.teacher_memory import teacher_memory, teacher_size_at_hand
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
@@ -294,7 +295,12 @@ def check_capacity(cfg: RunConfig, where: str, size: Optional[ModelSize],
         machine = Machine(host_available=host_available_bytes(), gpu_total=gpu)
     recipe = recipe_for(cfg.precision.recipe)
     fp8 = recipe.block_fp8_on_cuda and machine.gpu_total is not None
-    problems = capacity_problems(cfg, where, machine, size, engine_weight_bytes_per_param=1 if fp8 else None)
+    # a colocated teacher's engine (and its copy in the trainer for teacher_parity/*) beside the student's
+    teacher_size = teacher_size_at_hand(cfg)
+    teacher = None if teacher_size is None else teacher_memory(
+        cfg, teacher_size, max_model_len=sequence_length(cfg) + 1, cuda=machine.gpu_total is not None, fp8=fp8)
+    problems = capacity_problems(cfg, where, machine, size, engine_weight_bytes_per_param=1 if fp8 else None,
+                                 teacher=teacher)
     if problems:
         raise RecipeError.several([RecipeError(p) for p in problems])
 

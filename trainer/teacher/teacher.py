@@ -28,19 +28,22 @@ from rollout.server_engine import ServerEngine, ServerKeys, UnusableServer
 from rollout.types import Rollouts
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RolloutConfig, RunConfig
+from trainer.lifecycle.capacity import gpu_total_bytes
 from trainer.lifecycle.teacher_checks import check_same_tokenizer
+from trainer.lifecycle.teacher_memory import model_size, teacher_dtype_name, teacher_engine_options
 from trainer.measurement.probe import due
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import TokenBatch
 from trainer.models.policy import load_base_model
-from trainer.sampling.engines import start_vllm
+from trainer.precision import recipe_for
+from trainer.sampling.engines import block_fp8_engine, start_vllm
 from trainer.teacher.metrics import distill_metrics, distill_sums, noise_frac
 from trainer.teacher.scores import teacher_scores
 
 
 def teacher_dtype(cfg: RunConfig) -> str:
     """The teacher's dtype: ``teacher.dtype``, else the student's (``model.dtype``, the precision recipe's)."""
-    return cfg.teacher.dtype or cfg.model.dtype
+    return teacher_dtype_name(cfg)
 
 
 def teacher_server_keys(cfg: RunConfig) -> ServerKeys:
@@ -83,12 +86,14 @@ def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int
             engine.close()
             raise
         return engine
-    r = cfg.rollout
-    # a prefill per sequence, nothing decoded: the student's memory settings are ample
+    # a prefill per sequence, nothing decoded: on CUDA eager, its own KV cache and GPU share, never asleep
+    # (trainer.lifecycle.teacher_memory)
+    cuda = torch.cuda.is_available()
+    options = teacher_engine_options(cfg, model_size(teacher_dir), max_model_len=max_model_len, cuda=cuda,
+                                     gpu_total=gpu_total_bytes() if cuda else None,
+                                     fp8=block_fp8_engine(recipe_for(cfg.precision.recipe)))
     return start_vllm(teacher_dir, precision=cfg.precision.recipe, dtype=dtype, max_model_len=max_model_len,
-                      seed=cfg.train.seed, work_dir=cfg.run_dir / "teacher",
-                      kv_cache_memory_bytes=r.kv_cache_memory_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
-                      enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs)
+                      seed=cfg.train.seed, work_dir=cfg.run_dir / "teacher", **options)
 
 
 def check_served_model(card: dict, teacher_path: str, teacher_dir: str, url: str) -> None:
