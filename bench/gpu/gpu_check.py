@@ -26,7 +26,9 @@ writes the rows. Rows in order (each: check, the issue-44 item it covers, status
   quantizer and weights after a sync (item 5), Phi3 and OLMoE FP8 engines keeping their BF16 layers (item 6),
   the engine's memory against the capacity rule, sleep / wake around the update (item 7), CUDA graphs kept
   across a sync and their speed against eager (item 8), two engines at the default share and the float32
-  level (item 11) (bench/gpu/gpu_rows_fp8.py, bench/gpu/gpu_rows_engine.py);
+  level (item 11) (bench/gpu/gpu_rows_fp8.py, bench/gpu/gpu_rows_engine.py); a colocated MoE teacher scoring beside
+  a sleeping MoE student on its own workspace, the teacher's engine options and memory against the capacity check
+  (issue 57 items 4, 5: bench/gpu/gpu_rows_teacher.py);
 - ``parityrl train`` (bench/gpu/gpu_rows_training.py, bench/gpu/gpu_rows_server.py): MoE routes from the colocated
   engine (item 3), a server with NCCL weight transfer (item 9, 2 GPUs), sleep mode on and off in training (item 7);
 - ``GRPO steps, HF engine`` (CUDA): ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps with
@@ -71,6 +73,7 @@ import gpu_rows_kernels as kernels  # noqa: E402
 import gpu_rows_server as server  # noqa: E402
 import gpu_rows_setup as setup  # noqa: E402
 import gpu_rows_shaped as shaped_rows  # noqa: E402
+import gpu_rows_teacher as teacher_rows  # noqa: E402
 import gpu_rows_training as training  # noqa: E402
 from gpu_rows_common import QWEN05_SHAPE, Row, Skip, build_shaped_model, need_cuda, run_check  # noqa: E402
 
@@ -179,6 +182,9 @@ def checks(m: Models, steps: int) -> list[Check]:
         Check(e.ENGINE_ROWS, lambda: e.engine_rows(m.shaped), ("44.7", "44.7", "44.8", "44.8"), 180, group=True),
         Check(e.TWO_ENGINES_ROWS, lambda: e.two_engines_rows(m.tiny), "44.11", 90, group=True),
         Check(e.FLOAT32_ROWS, lambda: e.float32_rows(m.shaped), "44.11", 90, group=True),
+        Check(teacher_rows.MOE_TEACHER_ROWS, lambda: teacher_rows.moe_teacher_rows(m.moe), "57.4", 150, group=True),
+        Check(teacher_rows.TEACHER_MEMORY_ROWS, lambda: teacher_rows.teacher_memory_rows(m.shaped), "57.5", 90,
+              group=True),
         Check(("MoE routes from the colocated engine",), lambda: t.routes_row(m.moe), "44.3", 120, trains=True),
         Check(("server with NCCL weight transfer",), lambda: s.server_nccl_row(m.tiny), "44.9", 240, trains=True),
         Check(("sleep mode in training, on vs off",), lambda: t.sleep_training_row(m.shaped), "44.7", 240,
@@ -237,7 +243,15 @@ def main(argv=None) -> int:
                     help="run only the checks whose row name contains TEXT, or whose issue item is TEXT (44.5); "
                          "repeatable")
     ap.add_argument("--json", metavar="PATH", help="also write the rows, the device and the command as JSON")
+    ap.add_argument("--list", action="store_true", help="print each row's name and issue item (those --only selects), "
+                                                        "run nothing")
     args = ap.parse_args(argv)
+    if args.list:
+        for check in checks(Models(Path(tempfile.gettempdir())), args.steps):  # builds nothing: rows run lazily
+            if selected(check, args.only):
+                for i, n in enumerate(check.names):
+                    print(f"{check.item(i) or '-':<6}  {n}")
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     common.BUDGET = common.Budget(args.budget_s)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
