@@ -75,6 +75,7 @@ __all__ = [
     "FP8_LINEAR_KERNEL",
     "FP8_LINEAR_QUANT_KEY",
     "SCALE_SUFFIX",
+    "block_fp8_tensors",
     "check_cuda_block_shapes",
     "check_engine_fp8_layers",
     "engine_fp8_layers",
@@ -82,6 +83,7 @@ __all__ = [
     "fp8_quant_config",
     "is_fp8_layer",
     "is_fp8_target",
+    "scale_shard",
     "unquantized_layers",
     "write_fp8_checkpoint",
 ]
@@ -182,6 +184,45 @@ def engine_fp8_layers(model) -> dict[str, tuple[str, str | None]]:
         kernel = getattr(method, "fp8_linear", None)
         out[prefix] = (name, None if kernel is None else type(kernel).__name__)
     return out
+
+
+def block_fp8_tensors(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(FP8 values [N, K], float32 scales [ceil(N/128), ceil(K/128)]) that a vLLM block-FP8 linear layer multiplies
+    by, copied to the CPU; None for any other layer (BF16, the CPU emulation's ``parityrl_fp8_emulated``).
+
+    Read by attribute, as vLLM 0.32's ``Fp8LinearMethod`` leaves a layer on CUDA (read from its source, not run here):
+    ``create_weights`` registers ``weight`` (float8_e4m3fn [N, K], fused shards stacked in rows) and
+    ``weight_scale_inv`` (``BlockQuantScaleParameter``, one scale per 128x128 block, a shard's rows at
+    ``shard_offset / 128``) and sets ``weight_block_size``; the CUTLASS kernel's ``process_weights_after_loading``
+    (``Fp8BlockScaledMMLinearKernel`` -> ``process_fp8_weight_block_strategy``) keeps both as they are: no transpose,
+    no padding off ROCm (``vllm/model_executor/layers/quantization/fp8.py``,
+    ``kernels/linear/scaled_mm/BlockScaledMMLinearKernel.py``). ValueError for a block-FP8 layer holding them
+    otherwise (vLLM's CPU kernels prepack the weight for AMX; ROCm's FNUZ format), naming the layer."""
+    scale, block = getattr(layer, SCALE_SUFFIX, None), getattr(layer, "weight_block_size", None)
+    if not isinstance(scale, torch.Tensor) or block is None:
+        return None
+    q = layer.weight
+    n, k = int(layer.output_size_per_partition), int(layer.input_size_per_partition)
+    grid = (-(-n // BLOCK), -(-k // BLOCK))
+    if (list(block) != [BLOCK, BLOCK] or q.dtype != torch.float8_e4m3fn or tuple(q.shape) != (n, k)
+            or scale.dtype != torch.float32 or tuple(scale.shape) != grid):
+        raise ValueError(f"{getattr(layer, 'prefix', type(layer).__name__)}: a block-FP8 layer holding weight "
+                         f"{q.dtype} {tuple(q.shape)}, {SCALE_SUFFIX} {scale.dtype} {tuple(scale.shape)}, blocks "
+                         f"{list(block)}; expected float8_e4m3fn {(n, k)}, float32 {grid}, [{BLOCK}, {BLOCK}] (vLLM's "
+                         "CUDA layout after loading: CUTLASS keeps the checkpoint's tensors as they are)")
+    return q.detach().cpu().clone(), scale.detach().cpu().clone()
+
+
+def scale_shard(scale: torch.Tensor, shard_rows: Sequence[int], i: int) -> torch.Tensor:
+    """The rows of a fused layer's block scales [ceil(N/128), ...] that belong to its shard ``i`` (``shard_rows``: the
+    rows of each shard, in vLLM's order): the scale of the Hugging Face module alone, as ``quantize_weight_blocks``
+    gives it. vLLM's loader writes a shard's scales at row ``shard_offset / 128``, which is why it requires every shard
+    but the last to be a multiple of 128 rows (``validate_fp8_block_shape``); ValueError otherwise."""
+    start = sum(shard_rows[:i])
+    if start % BLOCK:
+        raise ValueError(f"shard {i} of {list(shard_rows)} starts at row {start}, not a multiple of {BLOCK}: its "
+                         "block scales are not rows of the fused layer's")
+    return scale[start // BLOCK: start // BLOCK + -(-shard_rows[i] // BLOCK)]
 
 
 def check_engine_fp8_layers(layers: Mapping[str, tuple[str, str | None]], packed: Mapping[str, Sequence[str]],

@@ -10,7 +10,10 @@ no truncation), so identical KV gives identical tokens and log-probs:
 - ``cached``: the same again: every prompt's full blocks are hits;
 - ``after reset``: ``reset_prefix_cache`` then the same;
 - ``after a sync``: the engine's own weight sync (``load_weights``) of changed weights right after the prompts were
-  cached, then cached vs off: a sync that leaves the cache in place reuses KV computed with the old weights.
+  cached, then cached vs off: a sync that leaves the cache in place reuses KV computed with the old weights. The
+  changed weights go in the form a training sync sends them (``sync_update``: to vLLM's block-FP8 layers on CUDA as
+  FP8 values and scales, ``rollout.fp8_weights.fp8_block_weights``; a float weight alone would be cast into the FP8
+  parameter unscaled, beside a scale nothing loaded: vLLM's in-place reload, ``reload/layerwise.py``).
 
 vLLM reads the cache only for whole KV blocks and never for requests with prompt log-probs (``SamplingParams``:
 ``skip_reading_prefix_cache`` defaults on with ``prompt_logprobs``), so the legs generate, and each leg's hits are
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from rollout.fp8_weights import fp8_block_weights
 from rollout.requests import sample_seed
 from rollout.vllm_engine import VLLMEngine
 from rollout.weight_export import full_weights
@@ -132,6 +136,12 @@ def _changed_weights(doc: Doctor) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def sync_update(doc: Doctor, engine) -> list[tuple[str, torch.Tensor]]:
+    """The sync leg's update (``_changed_weights``) as the engine takes a training sync's (module docstring)."""
+    named = _changed_weights(doc)
+    return list(fp8_block_weights(named)) if engine.fp8_block_weights else named
+
+
 def _restore(engine: VLLMEngine) -> None:
     """The weights the engine started from, reloaded from its model files (as ``VLLMEngine.load_adapter`` restores
     its base), and an empty cache."""
@@ -151,7 +161,7 @@ def _legs(doc: Doctor, engine: VLLMEngine, prompts: list[list[int]]) -> dict:
     engine.llm.reset_prefix_cache()
     after_reset, hits_reset = _generate(engine, prompts, seed, read_cache=True)
     # the prompts are cached now: the sync must not let the next requests read them
-    engine.load_weights(_changed_weights(doc))
+    engine.load_weights(sync_update(doc, engine))
     try:
         synced, hits_synced = _generate(engine, prompts, seed, read_cache=True)
         synced_off, _ = _generate(engine, prompts, seed, read_cache=False)

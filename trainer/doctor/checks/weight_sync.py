@@ -14,26 +14,34 @@ Reading back (``engine.llm.apply_model``, in the engine's own process):
   ``weight`` (``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``), so the weight is read
   through the layer's own GEMM: the identity matrix times W^T is W exactly (one non-zero product per output, in any
   dtype). Expected: the export cast to the engine dtype, bit for bit (an FP8 engine's layers hold the quantized
-  weight: the export through ``parity.precision.fake_quant_weight``, the same function);
+  weight: the export through ``parity.precision.fake_quant_weight``, the same function). An FP8 layer is either the
+  CPU emulation's (``fp8_shard_rows``: its BF16 weight holds the fake-quantized values) or, on CUDA, vLLM's own
+  ``Fp8LinearMethod``, whose FP8 values and ``weight_scale_inv`` are read as they are and dequantized
+  (``rollout.fp8_weights.block_fp8_tensors``; vLLM 0.32's CUDA layout read from its source, not run here);
 - adapter: the LoRA A and B vLLM's layers hold (slot 0: the engine serves one adapter, ``lora_options``; vLLM folds
   the scaling into B at load, ``vllm/lora/lora_weights.py`` ``optimize``). Expected: the exported A, and B times the
   scaling, in the adapter's dtype, bit for bit.
 
 A module whose engine value is still the one it held before the sync is named "not delivered"; one shard of a fused
 module wrong while its siblings arrived, "partially delivered". Afterwards the engine is left as it was found: the
-merged modules pushed back with the values read before the sync (checked by a second read), the adapter dropped;
+merged modules pushed back with the values read before the sync (checked by a second read) -- a block-FP8 layer's as
+the FP8 values and scales it held, since vLLM's in-place reload rebuilds every layer it touches from its
+construction-time parameters and a float weight sent alone would be cast into the FP8 parameter unscaled, beside a
+``weight_scale_inv`` nothing loaded (``vllm/model_executor/model_loader/reload/layerwise.py``) --, the adapter dropped;
 and the engine's prefill log-probs of two of the fixed batch's sequences, taken before the sync and after the restore,
 must be the same bit for bit (``context.engine_restored``: weights that read back restored do not prove the engine
 computes as before).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
 
-from parity.precision import fake_quant_weight
+from parity.precision import dequantize_weight_blocks, fake_quant_weight
 from rollout.adapters import export_lora_adapter, lora_modules
+from rollout.fp8_weights import SCALE_SUFFIX, block_fp8_tensors, scale_shard
 from rollout.weight_export import iter_merged_lora_weights
 from trainer.distributed.data_parallel import DataParallel
 from trainer.doctor.context import Doctor, engine_prefill, engine_restored, relative_error
@@ -90,18 +98,37 @@ def _shard_sizes(m) -> list[int]:
     return list(sizes) if sizes else [m.output_size_per_partition]
 
 
-def read_linears(engine, modules: set[str]) -> dict[str, tuple[torch.Tensor, list[int], bool]]:
-    """Engine module name -> (weight [out, in], shard row counts, holds FP8-quantized weights), for ``modules``."""
+def linear_states(model, modules: set[str]) -> dict:
+    """Engine module name -> (weight [out, in] it computes with, shard row counts, holds FP8-quantized weights,
+    vLLM's block-FP8 (values, scales) or None), for ``modules`` of the engine's ``model`` (run inside the engine)."""
+    out = {}
+    for name, m in model.named_modules():
+        name = name.removesuffix(".base_layer")
+        if name in modules and _is_linear(m) and not hasattr(m, "base_layer"):
+            block = block_fp8_tensors(m)
+            weight = _linear_weight(m) if block is None else dequantize_weight_blocks(
+                *block, dtype=getattr(m, "orig_dtype", torch.bfloat16))
+            out[name] = (weight, _shard_sizes(m), block is not None or hasattr(m, "fp8_shard_rows"), block)
+    return out
 
-    def read(model):
-        out = {}
-        for name, m in model.named_modules():
-            name = name.removesuffix(".base_layer")
-            if name in modules and _is_linear(m) and not hasattr(m, "base_layer"):
-                out[name] = (_linear_weight(m), _shard_sizes(m), hasattr(m, "fp8_shard_rows"))
-        return out
 
-    return engine.llm.apply_model(read)[0]
+def read_linears(engine, modules: set[str]) -> dict:
+    """``linear_states`` of the engine's model, read in its own process."""
+    return engine.llm.apply_model(partial(linear_states, modules=modules))[0]
+
+
+def restore_tensors(before: dict, where: dict[str, tuple[str, int]]) -> list[tuple[str, torch.Tensor]]:
+    """The update that puts back what ``before`` (``linear_states``) read, per HF module (``where``: its engine module
+    and shard): the weight, or a block-FP8 layer's FP8 values and scales as it held them (module docstring)."""
+    out = []
+    for m, (e, i) in where.items():
+        weight, sizes, _, block = before[e]
+        if block is None:
+            out.append((f"{m}.weight", _shard(weight, sizes, i)))
+            continue
+        q, s = block
+        out += [(f"{m}.weight", _shard(q, sizes, i)), (f"{m}.{SCALE_SUFFIX}", scale_shard(s, sizes, i))]
+    return out
 
 
 def read_lora(engine) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -157,15 +184,18 @@ def _merged(doc: Doctor, engine, sync) -> tuple[dict, dict, dict]:
         raise CheckCannotRun(f"the engine has no linear layer for {unreadable[:4]}: the readback covers the "
                              "engine's linear layers only")
     try:
+        restore = restore_tensors(before, where)  # before the sync: a layer it cannot put back is refused unchanged
+    except ValueError as e:
+        raise CheckCannotRun(f"the engine could not be restored after the check: {e}") from None
+    try:
         sync(engine)
         after = read_linears(engine, set(before))
     finally:
-        restore = [(f"{m}.weight", _shard(before[e][0], before[e][1], i)) for m, (e, i) in where.items()]
         engine.load_weights(restore)
     restored = read_linears(engine, set(before))
     errors, state = {}, {}
     for m, (e, i) in where.items():
-        w, sizes, fp8 = after[e]
+        w, sizes, fp8, _ = after[e]
         want = exported[m].to(dtype)
         want = fake_quant_weight(want).to(dtype) if fp8 else want
         got, old = _shard(w, sizes, i), _shard(before[e][0], sizes, i)
