@@ -30,6 +30,10 @@ from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.weight_export import payload_bytes
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors
 
+# The weight version vLLM's engine core starts with (``EngineCore._weight_version``, vllm/v1/engine/core.py); any
+# push through the RL routes (``finish_weight_update``) or ``/update_weight_version`` replaces it.
+SERVED_VERSION = "default"
+
 
 def _run_coroutine(coro):
     """asyncio.run, also from a thread when the caller already runs an event loop (notebooks)."""
@@ -59,6 +63,12 @@ class ServerEngine:
         each sync, only advance to the version rank 0 sets (``follow_push``).
     version_tag: the weight-version tag; the same on every trainer rank sharing the server
         (rank 0 draws it, the loop broadcasts it), a fresh random one by default.
+    served_weights: the server's own weights, which no client pushes (a teacher's: `parityrl serve` of the teacher's
+        recipe loaded them from its checkpoint, and they never change during a run). Nothing is set up on the server:
+        no weight transfer (no NCCL group on CUDA), no version set, so any number of ranks and runs may read it at
+        once; the version every answer must carry is the one vLLM starts with (``SERVED_VERSION``), checked at
+        connect: a server a trainer has pushed to (or set a version on) does not hold its checkpoint's weights and
+        is refused. Needs ``pushes_weights=False``.
     return_routes: an MoE model's routes with every answer (``Rollouts.routes``, ``Scored.routes``), read from the
         server's workers after each batch (``parityrl_take_routes`` over ``/collective_rpc``); the server must run
         without prefix caching (``parityrl serve`` starts it so for a recipe that replays or measures routes).
@@ -77,6 +87,7 @@ class ServerEngine:
     streams_weights = True
     # The server runs vLLM in BF16/FP16 (the recipe check refuses FP8 recipes in server mode).
     fp8_block_weights = False
+    served_weights = False  # set per client (``served_weights``)
 
     def __init__(self, url: str, *, model_dir: str | Path, timeout_s: float = 300.0, dtype: str = "bfloat16",
                  max_model_len: int | None = None, eos_ids: Sequence[int] | None = None,
@@ -84,8 +95,12 @@ class ServerEngine:
                  version_tag: str | None = None, connect_timeout_s: float | None = None,
                  return_routes: bool = False, adapter_rank: int | None = None,
                  adapter_targets: Sequence[str] | None = None, adapter_required: bool = False,
-                 return_supports: bool = False, keys: ServerKeys = ROLLOUT_SERVER) -> None:
+                 return_supports: bool = False, served_weights: bool = False,
+                 keys: ServerKeys = ROLLOUT_SERVER) -> None:
         self.host, self.port = parse_server_url(url)
+        if served_weights and pushes_weights:
+            raise ValueError("served_weights: the server's own weights are never pushed; expected "
+                             "pushes_weights=False")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"{keys.timeout} = {timeout_s!r}: expected a number of seconds > 0")
         if not (isinstance(max_concurrency, int) and max_concurrency >= 1):
@@ -103,6 +118,7 @@ class ServerEngine:
         self._transfer = None
         self.last_push: dict[str, float] = {}
         self.pushes_weights = bool(pushes_weights)
+        self.served_weights = bool(served_weights)
         self.return_routes = bool(return_routes)
         self.route_shape = None
         self.return_supports = bool(return_supports)
@@ -138,6 +154,8 @@ class ServerEngine:
                 self._start_supports(info)
             # A version of our own: responses generated with anything else are refused.
             self._version_tag, self._version_n = version_tag or secrets.token_hex(4), 0
+            if self.served_weights:
+                self._check_served_version(keys)
             if self.pushes_weights:
                 self._source, self._transfer = start_transfer(self.http, self.backend, self.host, transfer_root)
                 self._set_version()
@@ -245,7 +263,20 @@ class ServerEngine:
         return self._http
 
     def _version(self) -> str:
+        if self.served_weights:
+            return SERVED_VERSION
         return f"parityrl-{self._version_tag}-{self._version_n}"
+
+    def _check_served_version(self, keys: ServerKeys) -> None:
+        """ServerEngineError unless the server still holds the weights it loaded (``served_weights``)."""
+        out = self.http.call("GET", "/weight_info", "weight version check")
+        version = out.get("weight_version") if isinstance(out, dict) else out
+        if version != SERVED_VERSION:
+            raise ServerEngineError(
+                f"vLLM server at {self.url} holds weight version {version!r}, not the weights it loaded "
+                f"({SERVED_VERSION!r}): a trainer has pushed weights to it or set its version (is {keys.url} a "
+                "student's server?); expected a server that reads its own checkpoint: restart it with "
+                f"{keys.start}")
 
     def _set_version(self, version: str | None = None) -> None:
         self.http.call("POST", "/update_weight_version", "weight push (update_weight_version)",
@@ -371,6 +402,7 @@ class ServerEngine:
         After the last chunk: a new weight version and a reset prefix cache.
         ``last_push`` records the payload bytes, bytes on the wire/file, tensors, chunks and seconds.
         """
+        self._refuse_served("load_weights")
         if not self.pushes_weights:
             raise RuntimeError(f"ServerEngine({self.url}) was created with pushes_weights=False (a data-parallel rank "
                                "other than 0): rank 0 pushes; call follow_push after it")
@@ -419,6 +451,7 @@ class ServerEngine:
         if self.adapter_dtype is None:
             raise RuntimeError(f"load_adapter(): the server at {self.url} does not serve adapters for this client "
                                f"({self.adapter_unavailable or 'construct ServerEngine(..., adapter_rank=r)'})")
+        self._refuse_served("load_adapter")
         if not self.pushes_weights:
             raise RuntimeError(f"ServerEngine({self.url}) was created with pushes_weights=False (a data-parallel rank "
                                "other than 0): rank 0 pushes; call follow_push(adapter=True) after it")
@@ -461,6 +494,7 @@ class ServerEngine:
         """On a rank that does not push (``pushes_weights=False``): the pushing rank has just pushed (the
         caller synchronises the ranks around it); from now on expect its new weight version, and with ``adapter``
         name its adapter (the version's name) in every request."""
+        self._refuse_served("follow_push")
         if self.pushes_weights:
             raise RuntimeError(f"ServerEngine({self.url}) pushes its own weights: call load_weights, not follow_push")
         if adapter and self.adapter_dtype is None:
@@ -468,6 +502,11 @@ class ServerEngine:
                                f"this client ({self.adapter_unavailable or 'no adapter_rank'})")
         self._version_n += 1
         self._adapter = self._version() if adapter else None
+
+    def _refuse_served(self, call: str) -> None:
+        if self.served_weights:
+            raise RuntimeError(f"{call}(): ServerEngine({self.url}) reads the weights the server loaded "
+                               "(served_weights, a teacher's), which no client changes")
 
     def release_memory(self) -> None:
         """Nothing to free: the server holds its own devices (``RolloutEngine.release_memory``)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from transformers import AutoConfig
@@ -119,6 +119,28 @@ def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
                         logprobs_topk=cfg.parity.topk)
 
 
+def connect_shared_server(dp, connect: Callable[[bool], ServerEngine]) -> ServerEngine:
+    """This rank's client of a server every data-parallel rank shares (the student's, a teacher's): rank 0 connects
+    first (``connect(True)``: the health wait, the checks, and whatever is set up on the server once), the others
+    after it (``connect(False)``). A failure on any rank stops every rank (``DataParallel.raise_together``) instead of
+    leaving the others waiting in their next collective; the clients already made are closed."""
+    dp = dp or DataParallel()
+    engine, error = None, None
+    for first in (True, False):
+        if (dp.rank == 0) == first:
+            try:
+                engine = connect(first)
+            except Exception as e:  # noqa: BLE001 - re-raised on this rank by raise_together
+                error = e
+        try:
+            dp.raise_together(error)
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            raise
+    return engine
+
+
 def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, return_routes: bool = False,
                    lora_targets: Optional[Sequence[str]] = None, return_supports: bool = False):
     """One server shared by every data-parallel rank: rank 0 owns the weight transfer and pushes.
@@ -126,8 +148,7 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, retur
     Every rank sends its own shard's generate requests (the server batches them). Rank 0
     connects first (health wait, checks, transfer channel, first weight version); the
     others then connect without a transfer channel and share rank 0's version tag, so
-    every rank refuses samples from another weight version. A failure on rank 0 stops
-    every rank (``DataParallel.raise_together``) instead of leaving them waiting.
+    every rank refuses samples from another weight version (``connect_shared_server``).
     ``lora_targets``: the run serves its adapter on these (``rollout.lora_sync`` resolved to ``adapter``): the
     server must run LoRA for them (refused at connect for an explicit ``adapter``, else merged weights).
     ``return_supports``: the recipe truncates its sampling; the server returns the kept sets (a CUDA server cannot).
@@ -144,16 +165,7 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, retur
                             adapter_targets=lora_targets, adapter_required=r.lora_sync == ADAPTER,
                             return_supports=return_supports)
 
-    engine, error = None, None
-    if dp.rank == 0:
-        try:
-            engine = connect(True)
-        except Exception as e:  # noqa: BLE001 - re-raised on this rank by raise_together
-            error = e
-    dp.raise_together(error)
-    if dp.rank != 0:
-        engine = connect(False)
-    return engine
+    return connect_shared_server(dp, connect)
 
 
 def sync_adapter(engine: RolloutEngine, policy, *, version: int, gather=None) -> dict[str, float]:

@@ -4,7 +4,8 @@
 tokenizer checked against the student's (``trainer.lifecycle.teacher_checks``), its engine started (``teacher.engine``: a second colocated
 vLLM engine in the precision recipe's settings, a Transformers model, a `parityrl serve` of the teacher at
 ``teacher.server_url``, or any vLLM OpenAI-compatible server there, which must serve ``teacher.path``'s model:
-``check_served_model``), and asked once for prompt log-probs
+``check_served_model``; a server is read, never written: every data-parallel rank connects to it, none pushes
+weights), and asked once for prompt log-probs
 (an engine that cannot return them is refused before training). Each step (``Teacher.__call__``) the engine scores
 the student's sampled sequences at temperature 1 (the teacher's own distribution: vLLM's prompt log-probs are
 unscaled); on ``teacher.parity_every`` steps the trainer scores them too, with the fused kernel
@@ -29,14 +30,14 @@ from rollout.types import Rollouts
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RolloutConfig, RunConfig
 from trainer.lifecycle.capacity import gpu_total_bytes
-from trainer.lifecycle.teacher_checks import check_same_tokenizer
+from trainer.lifecycle.teacher_checks import check_engine_order, check_same_tokenizer
 from trainer.lifecycle.teacher_memory import model_size, teacher_dtype_name, teacher_engine_options
 from trainer.measurement.probe import due
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import TokenBatch
 from trainer.models.policy import load_base_model
 from trainer.precision import recipe_for
-from trainer.sampling.engines import block_fp8_engine, start_vllm
+from trainer.sampling.engines import block_fp8_engine, connect_shared_server, start_vllm
 from trainer.teacher.metrics import distill_metrics, distill_sums, noise_frac
 from trainer.teacher.scores import teacher_scores
 
@@ -56,19 +57,24 @@ def teacher_server_keys(cfg: RunConfig) -> ServerKeys:
                                       "when nothing listens", start=start)
 
 
-def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int, device):
-    """The teacher's scoring engine as ``teacher.engine`` says (``Teacher`` docstring)."""
+def start_teacher_engine(cfg: RunConfig, teacher_dir: str, *, max_model_len: int, device, dp=None):
+    """The teacher's scoring engine as ``teacher.engine`` says (``Teacher`` docstring); ``dp``: the data-parallel
+    group whose ranks share a teacher server."""
     dtype, t = teacher_dtype(cfg), cfg.teacher
     if t.engine == "hf":
         return HFEngine(teacher_dir, dtype=dtype, device=str(device))
     if t.engine == "server":
-        # the student's server client (rollout.server_engine): it checks the server's dtype and context, and owns
-        # its weight version, which nothing changes (no weights are pushed to a teacher)
-        try:
+        # the student's server client (rollout.server_engine): it checks the server's dtype and context. The server
+        # loaded the teacher's checkpoint itself and its weights never change: nothing is pushed, no transfer is
+        # opened and no version set (served_weights), and every rank connects as the student's ranks do
+        def connect(_first: bool) -> ServerEngine:
             return ServerEngine(t.server_url, model_dir=teacher_dir, timeout_s=t.server_timeout_s, dtype=dtype,
                                 max_model_len=max_model_len,
                                 connect_timeout_s=min(t.server_timeout_s, RolloutConfig.server_connect_timeout_s),
-                                keys=teacher_server_keys(cfg))
+                                pushes_weights=False, served_weights=True, keys=teacher_server_keys(cfg))
+
+        try:
+            return connect_shared_server(dp, connect)
         except EngineUnavailable as e:
             raise type(e)(f"teacher.server_url = {t.server_url!r} (teacher.engine server): {e}") from None
     if t.engine == "vllm_url":
@@ -145,8 +151,9 @@ class Teacher:
             return None
         teacher_dir = resolve_model_path(cfg.teacher.path)
         check_same_tokenizer(student_dir, teacher_dir, cfg.teacher.path, where)
+        check_engine_order(cfg, student_dir, teacher_dir, where)  # before the teacher's engine starts
         # one more than the student's sequences: vLLM samples one token after a scored sequence
-        engine = start_teacher_engine(cfg, teacher_dir, max_model_len=max_model_len + 1, device=device)
+        engine = start_teacher_engine(cfg, teacher_dir, max_model_len=max_model_len + 1, device=device, dp=dp)
         try:
             check_prompt_logprobs(engine, cfg, probe_ids or [1, 2, 3])
         except BaseException:
