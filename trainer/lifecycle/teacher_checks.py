@@ -2,7 +2,8 @@
 
 The distillation signal log pi_s(y_t) - log pi_t(y_t) compares the two models' probabilities of the same id; if an
 id names another string for the teacher (another vocabulary), or the teacher has no row for it (a smaller vocab
-size), the difference is meaningless. Both are refused with the reason, before any engine starts.
+size), the difference is meaningless. Both are refused with the reason, before any engine starts, as is a dense
+teacher on a colocated vLLM engine beside an MoE student (``check_engine_order``: vLLM's parallel groups).
 
 A teacher with MORE rows than the student (Qwen2.5-7B and larger: 152,064; 0.5B-3B: 151,936; one tokenizer of
 151,665 entries) is accepted when the tokenizers agree: the student samples ids below its own vocab size, every one
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig
 
+from rollout.moe_config import is_moe
 from trainer.builtin.resolve import model_dir_at_hand
 from trainer.config import RecipeError, RunConfig
 from trainer.models.policy import load_tokenizer
@@ -54,6 +56,25 @@ def check_same_tokenizer(student_dir: str, teacher_dir: str, teacher_path: str, 
                           "samples)")
 
 
+def check_engine_order(cfg: RunConfig, student_dir: str, teacher_dir: str, where: str = "<recipe>") -> None:
+    """RecipeError naming ``teacher.path`` for a dense teacher on a colocated vLLM engine beside an MoE student's.
+
+    The teacher's engine starts first (``trainer/rl/loop.py: setup``), and vLLM's parallel groups are process-wide,
+    made by the first engine: a dense model's leave out the expert-parallel group, and the MoE student's engine
+    would then fail in its model's construction ("expert parallel group is not initialized";
+    ``rollout.vllm_engine.VLLMEngine._refuse_moe_beside_a_dense_engine`` says so at that point, after the
+    teacher has loaded). An MoE teacher beside a dense student, or two MoE models, start in that order."""
+    t, r = cfg.teacher, cfg.rollout
+    if not (t.engine == "vllm" and r.engine == "vllm" and r.mode == "colocate"):
+        return
+    if is_moe(AutoConfig.from_pretrained(student_dir)) and not is_moe(AutoConfig.from_pretrained(teacher_dir)):
+        raise RecipeError(f"{where}: teacher.path = {t.path!r}: a dense teacher on a colocated vLLM engine "
+                          f"(teacher.engine vllm) cannot run beside the mixture-of-experts student (model.path "
+                          f"{cfg.model.path!r}): the teacher's engine starts first and vLLM's process-wide parallel "
+                          "groups would lack the student's expert-parallel group; expected teacher.engine hf, "
+                          "server or vllm_url")
+
+
 def check_teacher_at_hand(cfg: RunConfig, where: str) -> None:
     """``check_same_tokenizer`` before training (a recipe's checks, ``--print-config``) when both models are here
     already: local directories, or built-ins once built. Nothing is built or downloaded for it, as the student's own
@@ -63,3 +84,4 @@ def check_teacher_at_hand(cfg: RunConfig, where: str) -> None:
     student, teacher = model_dir_at_hand(cfg.model.path), model_dir_at_hand(cfg.teacher.path)
     if student is not None and teacher is not None:
         check_same_tokenizer(student, teacher, cfg.teacher.path, where)
+        check_engine_order(cfg, student, teacher, where)
