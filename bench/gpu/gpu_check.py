@@ -28,7 +28,8 @@ writes the rows. Rows in order (each: check, the issue-44 item it covers, status
   across a sync and their speed against eager (item 8), two engines at the default share and the float32
   level (item 11) (bench/gpu/gpu_rows_fp8.py, bench/gpu/gpu_rows_engine.py); a colocated MoE teacher scoring beside
   a sleeping MoE student on its own workspace, the teacher's engine options and memory against the capacity check
-  (issue 57 items 4, 5: bench/gpu/gpu_rows_teacher.py);
+  (issue 57 items 4, 5: bench/gpu/gpu_rows_teacher.py); a teacher server read by 2 ranks (2 GPUs) and ``doctor``'s
+  weight_sync and prefix_cache on an FP8 recipe (issue 57 items 2, 3: bench/gpu/gpu_rows_teacher_doctor.py);
 - ``parityrl train`` (bench/gpu/gpu_rows_training.py, bench/gpu/gpu_rows_server.py): MoE routes from the colocated
   engine (item 3), a server with NCCL weight transfer (item 9, 2 GPUs), sleep mode on and off in training (item 7);
 - ``GRPO steps, HF engine`` (CUDA): ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps with
@@ -74,6 +75,7 @@ import gpu_rows_server as server  # noqa: E402
 import gpu_rows_setup as setup  # noqa: E402
 import gpu_rows_shaped as shaped_rows  # noqa: E402
 import gpu_rows_teacher as teacher_rows  # noqa: E402
+import gpu_rows_teacher_doctor as teacher_doctor  # noqa: E402
 import gpu_rows_training as training  # noqa: E402
 from gpu_rows_common import QWEN05_SHAPE, Row, Skip, build_shaped_model, need_cuda, run_check  # noqa: E402
 
@@ -185,6 +187,8 @@ def checks(m: Models, steps: int) -> list[Check]:
         Check(teacher_rows.MOE_TEACHER_ROWS, lambda: teacher_rows.moe_teacher_rows(m.moe), "57.4", 150, group=True),
         Check(teacher_rows.TEACHER_MEMORY_ROWS, lambda: teacher_rows.teacher_memory_rows(m.shaped), "57.5", 90,
               group=True),
+        Check(teacher_doctor.TEACHER_ROWS, teacher_doctor.server_teacher_ranks_row, "57.2", 120),
+        Check(teacher_doctor.DOCTOR_ROWS, lambda: teacher_doctor.doctor_fp8_row(m.shaped), "57.3", 150),
         Check(("MoE routes from the colocated engine",), lambda: t.routes_row(m.moe), "44.3", 120, trains=True),
         Check(("server with NCCL weight transfer",), lambda: s.server_nccl_row(m.tiny), "44.9", 240, trains=True),
         Check(("sleep mode in training, on vs off",), lambda: t.sleep_training_row(m.shaped), "44.7", 240,
