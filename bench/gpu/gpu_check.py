@@ -32,6 +32,8 @@ writes the rows. Rows in order (each: check, the issue-44 item it covers, status
   weight_sync and prefix_cache on an FP8 recipe (issue 57 items 2, 3: bench/gpu/gpu_rows_teacher_doctor.py);
 - ``parityrl train`` (bench/gpu/gpu_rows_training.py, bench/gpu/gpu_rows_server.py): MoE routes from the colocated
   engine (item 3), a server with NCCL weight transfer (item 9, 2 GPUs), sleep mode on and off in training (item 7);
+- ``parityrl's batches through TRL`` (vLLM's CUDA build, TRL 1.16): a 10-step parityrl run's batches fed to TRL's
+  GRPOTrainer on the GPU from the same weights, the updates the same (issue 55 item 14: bench/gpu/gpu_rows_replay.py);
 - ``GRPO steps, HF engine`` (CUDA): ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps with
   ``rollout.engine=hf`` on the Qwen2.5-0.5B-shaped model, LoRA r 32: step time and ``perf/peak_memory_gb``;
 - ``gradient checkpointing memory`` (CUDA): one LoRA forward + backward of 8 x 2048 tokens on that model
@@ -71,6 +73,7 @@ import gpu_rows_distributed as distributed  # noqa: E402
 import gpu_rows_engine as engine_rows  # noqa: E402
 import gpu_rows_fp8 as fp8  # noqa: E402
 import gpu_rows_kernels as kernels  # noqa: E402
+import gpu_rows_replay as replay_rows  # noqa: E402
 import gpu_rows_server as server  # noqa: E402
 import gpu_rows_setup as setup  # noqa: E402
 import gpu_rows_shaped as shaped_rows  # noqa: E402
@@ -193,6 +196,7 @@ def checks(m: Models, steps: int) -> list[Check]:
         Check(("server with NCCL weight transfer",), lambda: s.server_nccl_row(m.tiny), "44.9", 240, trains=True),
         Check(("sleep mode in training, on vs off",), lambda: t.sleep_training_row(m.shaped), "44.7", 240,
               trains=True),
+        Check(replay_rows.REPLAY_ROW, replay_rows.replay_row, "55.14", 300, trains=True),
         Check(("GRPO steps, HF engine",), lambda: sh.grpo_steps(m.shaped(), steps), min_s=120, trains=True),
         Check(("gradient checkpointing memory",), lambda: sh.checkpointing_memory(m.shaped()), min_s=60),
         *(Check((f"colocated vLLM, precision {name}",), lambda name=name: sh.precision_step(name, m.shaped),
