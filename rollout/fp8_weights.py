@@ -76,6 +76,7 @@ __all__ = [
     "FP8_LINEAR_QUANT_KEY",
     "SCALE_SUFFIX",
     "block_fp8_tensors",
+    "check_block_fp8_update",
     "check_cuda_block_shapes",
     "check_engine_fp8_layers",
     "engine_fp8_layers",
@@ -138,6 +139,27 @@ def fp8_block_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], *,
             yield name[: -len("weight")] + SCALE_SUFFIX, s
         else:
             yield name, t
+
+
+def check_block_fp8_update(named: Iterable[tuple[str, torch.Tensor]], targets: Sequence[str] = FP8_TARGETS) -> None:
+    """ValueError unless every FP8-targeted weight of an update for vLLM's block-FP8 layers comes as FP8 values with
+    its float32 scale, and every scale with its values (``fp8_block_weights``' format).
+
+    vLLM's in-place reload rebuilds each layer an update touches from its construction-time parameters and processes
+    it once the layer's tensors are loaded (``vllm/model_executor/model_loader/reload/layerwise.py``): a float weight
+    is cast into the float8 parameter unscaled, and a layer whose ``weight_scale_inv`` is not sent is processed with
+    an uninitialised one, copied into the live layer. Either way the engine computes garbage from then on."""
+    named = list(named)
+    weights = {n: t for n, t in named if is_fp8_target(n, targets)}
+    scales = {n[: -len(SCALE_SUFFIX)] + "weight" for n, _ in named if n.endswith("." + SCALE_SUFFIX)}
+    bad = [f"{n} is {t.dtype}" for n, t in weights.items() if t.dtype != torch.float8_e4m3fn]
+    bad += [f"{n} comes without its {SCALE_SUFFIX}" for n in weights if n not in scales]
+    bad += [f"{n[:-len('weight')]}{SCALE_SUFFIX} comes without its weight" for n in scales if n not in weights]
+    if bad:
+        raise ValueError(f"an update for vLLM's block-FP8 layers: {'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}"
+                         f"; expected each targeted weight as float8_e4m3fn values with its float32 {SCALE_SUFFIX} "
+                         "(rollout.fp8_weights.fp8_block_weights of the float weights): vLLM's reload would cast a "
+                         "float weight unscaled and process the layer with a scale it never loaded")
 
 
 def check_cuda_block_shapes(shapes: dict[str, tuple[int, ...]], targets: Sequence[str] = FP8_TARGETS) -> None:

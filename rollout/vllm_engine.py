@@ -53,7 +53,7 @@ import torch
 from rollout.adapters import LoraAdapter
 from rollout.base import EngineCannotLoad, InProcessEngine, one_line
 from rollout.device_placement import check_engine_device, keep_current_device, placement_options
-from rollout.fp8_weights import check_engine_fp8_layers, engine_fp8_layers
+from rollout.fp8_weights import check_block_fp8_update, check_engine_fp8_layers, engine_fp8_layers
 from rollout.model_files import checkpoint_shapes, eos_token_ids
 from rollout.moe_config import is_moe, moe_shape, route_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
@@ -529,6 +529,8 @@ class VLLMEngine(InProcessEngine):
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
         check_update(named, self._shapes, self.model, self.packed_modules)
+        if self.fp8_block_weights:  # a float weight would be cast unscaled, its scale never loaded
+            check_block_fp8_update(named)
 
     # ---- LoRA adapter -----------------------------------------------------------------------
     def load_adapter(self, adapter: LoraAdapter) -> None:
