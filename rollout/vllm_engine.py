@@ -57,13 +57,14 @@ from rollout.fp8_weights import check_block_fp8_update, check_engine_fp8_layers,
 from rollout.model_files import checkpoint_shapes, eos_token_ids
 from rollout.moe_config import is_moe, moe_shape, route_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
-from rollout.requests import sample_seed, validate_request, validate_score_request
+from rollout.requests import validate_request, validate_score_request
 from rollout.routes import NO_ROUTE, ROUTE_DTYPE
 from rollout.support import Support
 from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.vllm_adapters import ServedAdapter, lora_options
 from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
 from rollout.vllm_plugins.support_capture import begin_supports, take_supports
+from rollout.vllm_requests import engine_top_k, rollout_params, score_params
 from rollout.vllm_workspace import engine_workspace, guard_generate
 from rollout.weight_updates import DEFAULT_PACKED_MODULES, check_update, engine_named_tensors, quiet_partial_reload
 
@@ -281,6 +282,9 @@ class VLLMEngine(InProcessEngine):
         self.sampling_supports = bool(sampling_supports)
         if self.sampling_supports and self.cuda:
             llm_kwargs.setdefault("return_sampling_mask", True)
+        # vLLM then refuses every request with top-k off, truncating or not (rollout.vllm_requests)
+        self.sampling_mask = bool(llm_kwargs.get("return_sampling_mask", False))
+        self._vocab_size: int | None = None
         self._adapter: ServedAdapter | None = None  # the adapter served (max_lora_rank set)
         self.adapter_dtype: torch.dtype | None = None  # the dtype its weights run in; None: no adapter served
         self._base_changed = False  # a merged update replaced base weights: an adapter needs them back first
@@ -382,18 +386,14 @@ class VLLMEngine(InProcessEngine):
         """
         validate_request(prompt_ids, spec, self.max_model_len)
         truncated = spec.truncated and self.sampling_supports  # the kept sets are returned when asked at start
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts, params = [], []
         for i, p in enumerate(prompt_ids):
             for j in range(spec.n):
                 prompts.append(TokensPrompt(prompt_token_ids=list(p)))
-                params.append(SamplingParams(
-                    n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, min_p=spec.min_p,
-                    max_tokens=spec.max_new_tokens, logprobs=spec.logprobs_topk, flat_logprobs=True,
-                    seed=sample_seed(spec.seed, spec.sample_index(i * spec.n + j)), stop_token_ids=list(self.eos_ids),
-                    detokenize=self.load_tokenizer))
+                params.append(rollout_params(spec, i * spec.n + j, eos_ids=self.eos_ids,
+                                             detokenize=self.load_tokenizer, **self._mask_options(spec.top_k)))
         self.wake_up()
         with _preserve_rng():
             self._reset_routes()
@@ -422,6 +422,20 @@ class VLLMEngine(InProcessEngine):
             topk_ids=top_ids if spec.logprobs_topk else [], topk_logprobs=top_lps if spec.logprobs_topk else [],
             routes=routes, support=support,
         )
+
+    def _mask_options(self, top_k: int) -> dict:
+        """``rollout.vllm_requests``' view of this engine for a request asking ``top_k``: whether vLLM returns sampling
+        masks, and (only where that changes the request) the vocabulary size vLLM bounds top-k by."""
+        if not (self.sampling_mask and top_k == 0):
+            return {"vocab_size": 0, "sampling_mask": self.sampling_mask}
+        if self._vocab_size is None:
+            self._vocab_size = int(self.llm.model_config.get_vocab_size())  # the bound vLLM's samplers use
+        return {"vocab_size": self._vocab_size, "sampling_mask": True}
+
+    def request_top_k(self, top_k: int) -> int:
+        """The ``top_k`` a request of this engine's own making (the doctor's prefix-cache legs) sends for ``top_k``
+        (0: off): ``rollout.vllm_requests.engine_top_k``."""
+        return engine_top_k(top_k, **self._mask_options(top_k))
 
     def _supports(self, outputs) -> list[Support]:
         """Each output's kept sets, one per completion token (``rollout.support``)."""
@@ -472,13 +486,11 @@ class VLLMEngine(InProcessEngine):
         Requests with prompt log-probs do not read the prefix cache. One token is sampled per
         request (vLLM needs one) and discarded.
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         validate_score_request(sequences, self.max_model_len)
         prompts = [TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences]
-        params = [SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=topk, seed=sample_seed(0, k),
-                                 detokenize=False) for k in range(len(sequences))]
+        params = [score_params(k, topk, **self._mask_options(0)) for k in range(len(sequences))]
         self.wake_up()
         with _preserve_rng():
             self._reset_routes()

@@ -99,8 +99,9 @@ def _generate(engine: VLLMEngine, prompts: list[list[int]], seed: int, *, read_c
     from vllm.inputs import TokensPrompt
 
     requests = [(TokensPrompt(prompt_token_ids=list(p)), SamplingParams(
-        n=1, temperature=1.0, max_tokens=NEW_TOKENS, logprobs=0, seed=sample_seed(seed, i * GROUP + j),
-        stop_token_ids=list(engine.eos_ids), detokenize=False, skip_reading_prefix_cache=not read_cache))
+        n=1, temperature=1.0, top_k=engine.request_top_k(0), max_tokens=NEW_TOKENS, logprobs=0,
+        seed=sample_seed(seed, i * GROUP + j), stop_token_ids=list(engine.eos_ids), detokenize=False,
+        skip_reading_prefix_cache=not read_cache))
         for i, p in enumerate(prompts) for j in range(GROUP)]
     outs = engine.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
     samples = []
