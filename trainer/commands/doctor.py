@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from parity.report import check_out_dir
 from trainer.config import RecipeError
-from trainer.doctor.battery import exit_status, run_checks, select, summary
+from trainer.doctor.battery import exit_status, hook_checks, run_checks, select, summary
 from trainer.doctor.context import Doctor
 from trainer.doctor.report import table, write_json
 from trainer.io import third_party_output
@@ -44,7 +44,7 @@ def run_doctor(recipe: Optional[str], overrides: Sequence[str] = (), *, model: O
         return 2
     out.mkdir(parents=True, exist_ok=True)
     third_party_output.attach(out)  # when the console is filtered (the command line): engine.log in the report
-    doc = Doctor(cfg, out, engine=engine, say=say)
+    doc = Doctor(cfg, out, engine=engine, say=say, hook_checks=hook_checks(checks))
     try:
         findings, seconds = run_checks(doc, checks)
     finally:

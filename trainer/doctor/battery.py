@@ -31,6 +31,12 @@ def select(only: Optional[Sequence[str]]) -> list[Check]:
     return [c for c in CHECKS if c.name in only]
 
 
+def hook_checks(checks: Iterable[Check]) -> list[str]:
+    """The names of ``checks`` that hook the engine's modules (``Check.hooks_engine``): the battery's engine then
+    runs eagerly (``context.engine_config``)."""
+    return [c.name for c in checks if c.hooks_engine]
+
+
 def run_checks(doc: Doctor, checks: Iterable[Check]) -> tuple[list[Finding], dict[str, float]]:
     """Every finding of every check, and each check's seconds."""
     findings, seconds = [], {}

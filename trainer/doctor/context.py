@@ -10,9 +10,10 @@ reason; the others still run.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -46,8 +47,10 @@ class EngineCannotStart(RuntimeError):
 class Doctor:
     """The shared state of one ``parityrl doctor`` run (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, out_dir: Path, *, engine=None, say: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: RunConfig, out_dir: Path, *, engine=None, say: Callable[[str], None] = print,
+                 hook_checks: Sequence[str] = ()) -> None:
         self.cfg, self.out_dir, self.say = cfg, Path(out_dir), say
+        self.hook_checks = tuple(hook_checks)  # the checks asked that hook the engine's modules (engine_config)
         self.model_dir = resolve_model_path(cfg.model.path)
         self.dtype = cfg.model.dtype
         self.precision = recipe_for(cfg.precision.recipe)
@@ -88,8 +91,9 @@ class Doctor:
             if self._engine_error is not None:
                 raise EngineCannotStart(self._engine_error)
             self.say(f"starting the {self.cfg.rollout.engine} engine on {self.model_dir}")
+            cfg = engine_config(self.cfg, self.hook_checks, say=self.say)
             try:
-                self._engine = make_engine(self.cfg, self.model_dir, max_model_len=sequence_length(self.cfg),
+                self._engine = make_engine(cfg, self.model_dir, max_model_len=sequence_length(self.cfg),
                                            return_routes=self.routing != "off")
             except Exception as e:  # noqa: BLE001 - any refusal of the engine is this model's diagnosis
                 self._engine_error = engine_reason(e)
@@ -158,6 +162,23 @@ class Doctor:
         if self._owns_engine and self._engine is not None:
             self._engine.close()
         self._engine = None
+
+
+def engine_config(cfg: RunConfig, hook_checks: Sequence[str], say: Callable[[str], None] = print) -> RunConfig:
+    """The recipe the battery's engine starts from: training's, run eagerly when a check asked hooks the engine's
+    modules (``Check.hooks_engine``: layers, routing). Forward hooks do not fire inside a replayed CUDA graph nor in
+    vLLM's ``torch.compile``d forward, and on CUDA the engine runs both by default (``rollout.enforce_eager: null``),
+    so without this the layers check would always be skipped there. In eager mode Model Runner V2 runs the model's
+    modules as they are, the logits through the ``LogitsProcessor`` module the check hooks
+    (``vllm/v1/worker/gpu/model_runner.py``; read from source, not run on a GPU by this project). The cost: every
+    check of that battery measures the eager engine, not the graphs and compiled kernels training runs on CUDA; a
+    battery without layers and routing (``--only``) keeps the recipe's engine."""
+    if not hook_checks or cfg.rollout.enforce_eager is True:
+        return cfg
+    if torch.cuda.is_available() or cfg.rollout.enforce_eager is False:
+        say(f"  the engine runs eagerly for {', '.join(hook_checks)} (module hooks do not fire in CUDA graphs or a "
+            "compiled forward): every check of this battery measures the eager engine")
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, enforce_eager=True))
 
 
 def engine_reason(e: BaseException) -> str:

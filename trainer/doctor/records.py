@@ -62,3 +62,6 @@ class Check:
     question: str
     run: Callable[..., list[Finding]]  # called with the battery's ``context.Doctor`` (which imports this module)
     needs_engine: bool = True
+    # hooks the engine's own modules: forward hooks fire only in an eager engine (not in a replayed CUDA graph nor in
+    # vLLM's torch.compile'd forward), so the battery's engine runs eagerly when such a check is asked
+    hooks_engine: bool = False

@@ -28,9 +28,11 @@ routing's) with hooks on the same points, one sequence per forward (no padding):
 first output), ``mlp``, each decoder layer's output, the final norm, ``lm_head``'s output (raw logits) and the model's
 logits (after ``final_logit_softcapping`` or a logit scale).
 
-On CUDA (written, not run here): forward hooks do not fire inside a replayed CUDA graph, nor inside vLLM's
-``torch.compile``d forward, so the engine must run eagerly (``enforce_eager``); the check refuses an engine that
-does not. The copies then live on the GPU and are moved to the CPU per sequence.
+On CUDA (written against vLLM 0.32's source, not run here): forward hooks do not fire inside a replayed CUDA graph,
+nor inside vLLM's ``torch.compile``d forward, so the engine must run eagerly (``enforce_eager``): the battery starts
+its engine eagerly when this check is asked (``Check.hooks_engine``, ``context.engine_config``), and the check
+refuses an engine that is not (one passed in). The copies then live on the GPU and are moved to the CPU per
+sequence.
 """
 from __future__ import annotations
 
@@ -382,5 +384,6 @@ def run(doc: Doctor) -> list[Finding]:
     return [found, dataclasses.replace(last, expected=expected(logits))]
 
 
-CHECK = Check(NAME, "where do the engine's hidden states first leave the trainer's, layer by layer?", run)
+CHECK = Check(NAME, "where do the engine's hidden states first leave the trainer's, layer by layer?", run,
+              hooks_engine=True)
 

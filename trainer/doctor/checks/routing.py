@@ -274,4 +274,5 @@ def run(doc: Doctor) -> list[Finding]:
     return out + [summary] + [f for f in rows if f.verdict != PASS][:MAX_LAYER_ROWS]
 
 
-CHECK = Check(NAME, "do the engine and the trainer choose the same experts (with the recipe's routing replay)?", run)
+CHECK = Check(NAME, "do the engine and the trainer choose the same experts (with the recipe's routing replay)?", run,
+              hooks_engine=True)
