@@ -1040,6 +1040,42 @@ def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_ser
 
 
 @pytest.mark.slow
+def test_teacher_clients_read_the_server_s_own_weights(server, tiny_model_dir):
+    """A teacher's clients (``served_weights``, one per trainer rank) against a real server: they set nothing up and
+    expect vLLM's initial weight version; a push by a trainer makes every one of them refuse, and a server that
+    holds a pushed version is refused at connect."""
+    import httpx
+
+    from rollout.server_engine.engine import SERVED_VERSION
+
+    def version():
+        return httpx.get(f"{server.url}/weight_info", timeout=30).json()["weight_version"]
+
+    def teacher():
+        return ServerEngine(server.url, model_dir=tiny_model_dir, timeout_s=120, max_model_len=88,
+                            pushes_weights=False, served_weights=True)
+
+    if version() != SERVED_VERSION:  # earlier tests of this module pushed to the server
+        with pytest.raises(ServerEngineError, match=f"holds weight version '{version()}', not the weights it loaded"):
+            teacher()
+        # as a server that has only loaded its checkpoint says it (the version vLLM's engine core starts with)
+        httpx.post(f"{server.url}/update_weight_version", json={"new_version": SERVED_VERSION}, timeout=30)
+    ranks = [teacher(), teacher()]
+    try:
+        seqs = [[1, 5, 9, 13, 17], [2, 4, 6]]
+        assert ranks[0].score(seqs).logprobs == ranks[1].score(seqs).logprobs
+        assert version() == SERVED_VERSION and all(t._transfer is None for t in ranks)
+        student = ServerEngine(server.url, model_dir=tiny_model_dir, timeout_s=120, max_model_len=88)
+        student.close()  # it set its own version at connect, as every pushing client does
+        for t in ranks:
+            with pytest.raises(ServerEngineError, match="weight version"):
+                t.score(seqs)
+    finally:
+        for t in ranks:
+            t.close()
+
+
+@pytest.mark.slow
 def test_dead_server_stops_the_run_and_the_checkpoint_resumes(server, tmp_path, tiny_model_dir, capsys):
     """A server killed mid-run stops it with the engine's error and a usable checkpoint. The server is one started
     for merged weights (`parityrl serve` of a recipe with rollout.lora_sync: merged: no LoRA in vLLM), so the run
