@@ -73,7 +73,8 @@ implementation on every device (the Triton kernels do not take S).
 Backends: ``_backend_for`` (``dispatch.py``) picks the implementation from the inputs' device, in one place:
 CUDA tensors in float32/bf16/fp16 go to the Triton kernels of ``parity.logprobs_triton``
 (when triton imports, and once they have matched this path on a small problem on that device
-and dtype: ``_triton_ready``, ``self_check.py``; otherwise a warning says why and this path runs), everything
+and dtype: ``_triton_ready``, ``self_check.py``, checked in a child process so that a kernel's fault cannot poison
+this process's CUDA context: ``self_check_process.py``; otherwise a warning says why and this path runs), everything
 else to the chunked torch implementation (``torch_path.py``), which is also the reference the Triton kernels
 are tested against. Both take the same
 ``apply()`` arguments and keep O(N) state between forward and backward. On CUDA the torch
@@ -84,8 +85,8 @@ Files, one role each: ``fused.py`` the entry points (``fused_logprobs``, ``fused
 transform; ``sizing.py`` tile sizes from the memory budget; ``oom_retry.py`` halving the tile on out of memory;
 ``supports.py`` a truncated sampler's kept sets; ``tiles.py`` one tile's forward and backward;
 ``torch_path.py`` the passes over the tiles and their autograd Function; ``dispatch.py`` which backend runs;
-``self_check.py`` the Triton kernels' check against the torch path; ``optional_triton.py`` the Triton module,
-or None without triton.
+``self_check.py`` the Triton kernels' check against the torch path; ``self_check_process.py`` that check in a
+child process; ``optional_triton.py`` the Triton module, or None without triton.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from parity.logprobs.optional_triton import logprobs_triton
-from parity.logprobs.self_check import _CheckOutOfMemory, _triton_self_check
+from parity.logprobs.self_check_process import isolated_self_check
 from parity.logprobs.torch_path import _ChunkedLogProbs
 
 
@@ -25,7 +25,7 @@ def _backend_for(hidden: torch.Tensor):
     return _ChunkedLogProbs
 
 
-# (device, dtype) -> None when the Triton kernels passed ``_triton_self_check`` there, else why not
+# (device, dtype) -> None when the Triton kernels passed their self-check there, else why not
 _TRITON_CHECKED: dict = {}
 # (device, dtype) whose check ran out of memory: not a verdict on the kernels, so it is tried again on the next call
 _TRITON_CHECK_OOM: set = set()
@@ -36,18 +36,20 @@ def _triton_ready(device, dtype: torch.dtype) -> bool:
     """Whether the Triton kernels may run on ``device`` in ``dtype``: checked once per process against the torch
     path. A kernel that does not compile for this GPU, or computes something else, would otherwise fail or
     mislead every step; then the torch path (correct, slower) runs instead, with one warning saying why.
-    A check that ran out of memory decides nothing: this call takes the torch path and the next one checks again."""
+    A check that ran out of memory decides nothing: this call takes the torch path and the next one checks again.
+    The check runs in a child process (``self_check_process``): a kernel that faults on this GPU poisons the CUDA
+    context it ran in, and the torch path could not run in that one either."""
     key = (str(device), dtype)
     if key not in _TRITON_CHECKED:
-        try:
-            verdict = _triton_self_check(device, dtype)
-        except _CheckOutOfMemory as e:
+        outcome = isolated_self_check(device, dtype)
+        if "oom" in outcome:
             if key not in _TRITON_CHECK_OOM:
                 _TRITON_CHECK_OOM.add(key)
                 warnings.warn(f"parity.logprobs: the Triton log-prob kernels' check on {device} in {dtype} ran out of "
-                              f"memory ({e}); the chunked torch path runs until a later call can check them",
-                              stacklevel=3)
+                              f"memory ({outcome['oom']}); the chunked torch path runs until a later call can check "
+                              "them", stacklevel=3)
             return False
+        verdict = outcome["verdict"]
         _TRITON_CHECKED[key] = verdict
         if verdict is not None:
             warnings.warn(f"parity.logprobs: the Triton log-prob kernels failed their check on {device} in {dtype} "

@@ -109,3 +109,12 @@ def _compare_backends(device, dtype: torch.dtype, tol: float, shape: Tuple[int, 
             raise _CheckOutOfMemory(" ".join(str(e).split())[:200]) from e
         return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return None
+
+
+def triton_check_outcome(device: str, dtype: str) -> dict:
+    """``_triton_self_check`` as the child process of ``self_check_process`` runs it: ``{"verdict": None | str}``,
+    or ``{"oom": why}`` when the device had no room to run it."""
+    try:
+        return {"verdict": _triton_self_check(torch.device(device), getattr(torch, dtype))}
+    except _CheckOutOfMemory as e:
+        return {"oom": str(e)}

@@ -37,9 +37,9 @@ def checked(monkeypatch):
 
     def check(device, dtype):
         calls.append((str(device), dtype))
-        return answers.get(dtype)
+        return {"verdict": answers.get(dtype)}
 
-    monkeypatch.setattr(dispatch, "_triton_self_check", check)
+    monkeypatch.setattr(dispatch, "isolated_self_check", check)
     return answers, calls
 
 
@@ -139,15 +139,12 @@ def test_interpreter_plan_exercises_merge_and_groups():
 def test_a_self_check_that_ran_out_of_memory_is_tried_again(monkeypatch):
     monkeypatch.setattr(dispatch, "_TRITON_CHECKED", {})
     monkeypatch.setattr(dispatch, "_TRITON_CHECK_OOM", set())
-    answers = [self_check._CheckOutOfMemory("CUDA out of memory. Tried to allocate 2.00 MiB"), None]
+    answers = [{"oom": "CUDA out of memory. Tried to allocate 2.00 MiB"}, {"verdict": None}]
 
     def check(device, dtype):
-        answer = answers.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+        return answers.pop(0)
 
-    monkeypatch.setattr(dispatch, "_triton_self_check", check)
+    monkeypatch.setattr(dispatch, "isolated_self_check", check)
     with pytest.warns(UserWarning, match="ran out of memory .*until a later call can check them"):
         assert dispatch._backend_for(_fake("cuda", torch.bfloat16)) is _ChunkedLogProbs
     assert dispatch._backend_for(_fake("cuda", torch.bfloat16)) is lt.TritonLogProbs
@@ -161,6 +158,8 @@ def test_the_self_check_turns_out_of_memory_into_a_retry(monkeypatch):
     monkeypatch.setattr(lt.TritonLogProbs, "apply", oom)
     with pytest.raises(self_check._CheckOutOfMemory, match="out of memory"):
         self_check._triton_self_check(torch.device("cpu"), torch.float32)
+    # what the child process answers for it (self_check_process): an outcome, not a verdict
+    assert "out of memory" in self_check.triton_check_outcome("cpu", "float32")["oom"]
 
 
 def test_the_self_check_shape_forces_every_loop_of_the_kernels(monkeypatch):
