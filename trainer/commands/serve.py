@@ -58,6 +58,7 @@ from transformers import AutoConfig
 
 from rollout.server_engine import SERVER_ROUTES_ON_CUDA, SERVER_SUPPORTS_ON_CUDA, parse_server_url
 from rollout.vllm_adapters import lora_options
+from rollout.vllm_engine import DEFAULT_CPU_KV_CACHE_BYTES
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig
 from trainer.config.validate import sequence_length
@@ -154,7 +155,7 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
         raise RecipeError(f"{where}: rollout.top_p = {r.top_p}, top_k = {r.top_k}, min_p = {r.min_p}: a server on CUDA "
                           f"cannot return the kept sets: {SERVER_SUPPORTS_ON_CUDA}")
     if not cuda:
-        argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_bytes)]
+        argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)]
     lora = lora_flags(cfg, model_dir, where, cuda=cuda)
     argv += lora
     env = dict(os.environ)

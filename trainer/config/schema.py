@@ -159,9 +159,12 @@ class RolloutConfig:
     top_k: int = 0
     min_p: float = 0.0
     max_new_tokens: int = 24
-    # The colocated engine's KV cache, on CPU (vLLM would otherwise reserve 92% of RAM) and on CUDA (vLLM would
-    # otherwise fill gpu_memory_utilization of the GPU with it): rollout.vllm_engine.memory_options.
-    kv_cache_memory_bytes: int = 256 * 1024**2
+    # The colocated engine's KV cache. null: 256 MiB on CPU (vLLM would otherwise reserve 92% of RAM); on CUDA vLLM
+    # sizes it from the engine's share of the GPU, gpu_memory_utilization less the engine's weights, activations
+    # and graphs as its start-up profile measures them (vllm/v1/worker/gpu_worker.py: determine_available_memory),
+    # where a fixed default would fit ~4.7k tokens of a 7B model and serialise its rollouts. A size: exactly that
+    # (rollout.vllm_engine.memory_options).
+    kv_cache_memory_bytes: Optional[int] = None
     # CUDA only: the share of the GPU vLLM requires free when the colocated engine starts (its start-up check);
     # the one default of it (VLLMEngine has none of its own)
     gpu_memory_utilization: float = 0.3

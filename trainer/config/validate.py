@@ -142,7 +142,8 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
     for rule in sampling_rules(r.top_p, r.top_k, r.min_p):
         need(*rule)
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
-    need(r.kv_cache_memory_bytes >= 16 * 1024**2, "rollout.kv_cache_memory_bytes", r.kv_cache_memory_bytes, "at least 16 MiB")
+    need(r.kv_cache_memory_bytes is None or r.kv_cache_memory_bytes >= 16 * 1024**2, "rollout.kv_cache_memory_bytes",
+         r.kv_cache_memory_bytes, "null (CPU: 256 MiB; CUDA: sized by vLLM from gpu_memory_utilization) or at least 16 MiB")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a number in (0, 1)")
     need(r.max_num_seqs >= 1, "rollout.max_num_seqs", r.max_num_seqs, "an integer >= 1")
     need(r.sync_chunk_bytes >= 1, "rollout.sync_chunk_bytes", r.sync_chunk_bytes, "an integer >= 1 (bytes)")

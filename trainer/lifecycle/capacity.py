@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from rollout.device_placement import rank_gpu_index
+from rollout.vllm_engine import DEFAULT_CPU_KV_CACHE_BYTES
 from trainer.config import RunConfig
 from trainer.config.validate import sequence_length
 
@@ -108,8 +109,19 @@ def capacity_problems(cfg: RunConfig, where: str, machine: Machine, model: Optio
     one_sequence = None if per_token is None else per_token * seq_len
     engine_weights = model.parameters * (engine_weight_bytes_per_param or dtype_bytes)
     trainer_weights = model.parameters * dtype_bytes
-    kv = r.kv_cache_memory_bytes  # on CPU and CUDA alike the engine's KV cache (rollout.vllm_engine.memory_options)
-    if one_sequence is not None and one_sequence > kv:
+    kv = r.kv_cache_memory_bytes  # the engine's KV cache where the recipe sizes it (rollout.vllm_engine.memory_options)
+    if kv is None and machine.gpu_total is None:
+        kv = DEFAULT_CPU_KV_CACHE_BYTES
+    if kv is None:  # CUDA: vLLM gives the cache what its share leaves after the weights (activations come out too)
+        most = int(r.gpu_memory_utilization * machine.gpu_total) - engine_weights
+        if one_sequence is not None and one_sequence > most:
+            problems.append(
+                f"{where}: rollout.gpu_memory_utilization = {r.gpu_memory_utilization}: with "
+                f"rollout.kv_cache_memory_bytes null vLLM gives the KV cache what that share of the GPU leaves after "
+                f"the engine's weights ({_size(engine_weights)}), at most {_size(max(0, most))}; one sequence of "
+                f"{seq_len} tokens needs {_size(one_sequence)}, so the engine would not start; expected a share of at "
+                f"least {(engine_weights + one_sequence) / machine.gpu_total:.3f}")
+    elif one_sequence is not None and one_sequence > kv:
         problems.append(
             f"{where}: rollout.kv_cache_memory_bytes = {kv}: one sequence of "
             f"{'env.max_tokens' if cfg.env.enabled else 'data.max_prompt_tokens + rollout.max_new_tokens'} = {seq_len} tokens needs {_size(one_sequence)} of KV cache ({per_token} "
@@ -156,8 +168,10 @@ def _gpu_problems(cfg: RunConfig, where: str, machine: Machine, engine_weights: 
     memory during the update (``vllm/device_allocator/cumem.py``: pinned CPU copies)."""
     r, total, problems = cfg.rollout, machine.gpu_total, []
     kv = r.kv_cache_memory_bytes
-    need = engine_weights + kv + trainer_weights
-    if need > total:
+    # null: vLLM fills its share with the cache (the share check below says whether it can start)
+    engine = engine_weights + kv if kv is not None else max(engine_weights, int(r.gpu_memory_utilization * total))
+    need = engine + trainer_weights
+    if kv is not None and need > total:
         problems.append(
             f"{where}: rollout.kv_cache_memory_bytes = {kv}: the engine's weights ({_size(engine_weights)}) and KV "
             f"cache, beside the trainer's weights ({_size(trainer_weights)}), need {_size(need)}, more than the "

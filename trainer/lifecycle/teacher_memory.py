@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from rollout.vllm_engine import DEFAULT_CPU_KV_CACHE_BYTES
 from trainer.builtin.model_files import parameter_count, read_json, safetensors_header, weight_files
 from trainer.builtin.resolve import model_dir_at_hand
 from trainer.config import RunConfig
@@ -78,10 +79,11 @@ def teacher_kv_bytes(cfg: RunConfig, config: Optional[dict], max_model_len: int,
     prompts, plus the rounding of each sequence up to whole KV blocks (16 tokens: at most as many tokens again for
     sequences of 16 tokens or more) and the one token sampled after it. A smaller cache only schedules fewer
     sequences per step; one sequence must fit. Elsewhere, or when the config's attention has no fixed size per
-    token (``kv_bytes_per_token``): the student's ``rollout.kv_cache_memory_bytes``."""
+    token (``kv_bytes_per_token``): the student's ``rollout.kv_cache_memory_bytes`` (null: 256 MiB, the CPU
+    engine's own default)."""
     per_token = None if config is None else kv_bytes_per_token(config, DTYPE_BYTES[teacher_dtype_name(cfg)])
-    if not cuda or per_token is None:
-        return cfg.rollout.kv_cache_memory_bytes
+    if not cuda or per_token is None:  # null: the engine's CPU size, and on CUDA a size its share is counted from
+        return cfg.rollout.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
     return max(1024**2, per_token * 2 * batch_tokens(max_model_len))  # vLLM's engine: at least 1 MiB
 
 

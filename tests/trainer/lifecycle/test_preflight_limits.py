@@ -129,7 +129,7 @@ def test_the_gpu_share_is_checked_on_this_ranks_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(totals))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("Props", (), {"total_memory": totals[i]}))
-    cfg = cfg_with("rollout.gpu_memory_utilization=0.3")
+    cfg = cfg_with("rollout.gpu_memory_utilization=0.3", "rollout.kv_cache_memory_bytes=268435456")
     size = ModelSize(parameters=6 * GiB, config=LLAMA)  # 12 GiB in bf16, twice (engine + trainer): fits 80 GiB, not 24
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     check_capacity(cfg, "r", size)

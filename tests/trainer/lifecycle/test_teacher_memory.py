@@ -13,6 +13,7 @@ from vllm.config import CacheConfig, SchedulerConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 import trainer.teacher.teacher as teacher_module
+from rollout.vllm_engine import DEFAULT_CPU_KV_CACHE_BYTES
 from trainer.config import RecipeError
 from trainer.config.validate import sequence_length
 from trainer.lifecycle.capacity import Machine, ModelSize, capacity_problems
@@ -94,10 +95,11 @@ def test_without_its_size_the_teacher_keeps_the_recipes_share_and_kv_of_unknown_
     cfg = opd()
     o = teacher_engine_options(cfg, None, max_model_len=89, cuda=True, gpu_total=80 * GiB)
     assert o["gpu_memory_utilization"] == cfg.rollout.gpu_memory_utilization and o["enforce_eager"] is True
-    assert o["kv_cache_memory_bytes"] == cfg.rollout.kv_cache_memory_bytes  # no per-token size known
+    assert o["kv_cache_memory_bytes"] == (cfg.rollout.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)  # no size
     sliding = ModelSize(QWEN7B_PARAMS, {**QWEN7B, "sliding_window": 4096})
     o = teacher_engine_options(cfg, sliding, max_model_len=89, cuda=True, gpu_total=80 * GiB)
-    assert o["kv_cache_memory_bytes"] == cfg.rollout.kv_cache_memory_bytes
+    # the recipe's, else a fixed size its share is counted from (null would let vLLM fill a share sized without it)
+    assert o["kv_cache_memory_bytes"] == (cfg.rollout.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
 
 
 def test_when_teacher_parity_loads_the_teacher_into_the_trainer():
@@ -170,7 +172,7 @@ def test_preflight_counts_a_teacher_at_hand_on_cpu(tmp_path):
     teacher_dir = _model_dir(tmp_path / "teacher", 1000)
     assert model_size(teacher_dir).parameters == 1000
     cfg = opd(f"teacher.path={teacher_dir}")
-    kv = cfg.rollout.kv_cache_memory_bytes
+    kv = cfg.rollout.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES  # null: the CPU engine's own size
     student = ModelSize(parameters=1000, config={"model_type": "llama"})
     # the student's engine KV, its weights twice (2 bytes each), and the teacher: its engine's KV (the student's
     # setting on CPU), its weights and their copy for teacher_parity/*
