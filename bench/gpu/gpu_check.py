@@ -29,7 +29,9 @@ writes the rows. Rows in order (each: check, the issue-44 item it covers, status
   level (item 11) (bench/gpu/gpu_rows_fp8.py, bench/gpu/gpu_rows_engine.py); a colocated MoE teacher scoring beside
   a sleeping MoE student on its own workspace, the teacher's engine options and memory against the capacity check
   (issue 57 items 4, 5: bench/gpu/gpu_rows_teacher.py); a teacher server read by 2 ranks (2 GPUs) and ``doctor``'s
-  weight_sync and prefix_cache on an FP8 recipe (issue 57 items 2, 3: bench/gpu/gpu_rows_teacher_doctor.py);
+  weight_sync and prefix_cache on an FP8 recipe (issue 57 items 2, 3: bench/gpu/gpu_rows_teacher_doctor.py); truncated
+  sampling under vLLM's sampling mask, ``doctor --only layers`` on CUDA, the log-prob kernels' self-check in a child
+  process and the KV cache vLLM sizes from the share (issue 57 items 1, 6, 8: bench/gpu/gpu_rows_cuda_paths.py);
 - ``parityrl train`` (bench/gpu/gpu_rows_training.py, bench/gpu/gpu_rows_server.py): MoE routes from the colocated
   engine (item 3), a server with NCCL weight transfer (item 9, 2 GPUs), sleep mode on and off in training (item 7);
 - ``parityrl's batches through TRL`` (vLLM's CUDA build, TRL 1.16): a 10-step parityrl run's batches fed to TRL's
@@ -69,6 +71,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import gpu_rows_common as common  # noqa: E402 - bench/ on sys.path first
+import gpu_rows_cuda_paths as cuda_paths  # noqa: E402
 import gpu_rows_distributed as distributed  # noqa: E402
 import gpu_rows_engine as engine_rows  # noqa: E402
 import gpu_rows_fp8 as fp8  # noqa: E402
@@ -192,6 +195,10 @@ def checks(m: Models, steps: int) -> list[Check]:
               group=True),
         Check(teacher_doctor.TEACHER_ROWS, teacher_doctor.server_teacher_ranks_row, "57.2", 120),
         Check(teacher_doctor.DOCTOR_ROWS, lambda: teacher_doctor.doctor_fp8_row(m.shaped), "57.3", 150),
+        Check(cuda_paths.SAMPLING_MASK_ROWS, lambda: cuda_paths.sampling_mask_rows(m.tiny), "57.1", 90, group=True),
+        Check(cuda_paths.DOCTOR_LAYERS_ROWS, cuda_paths.doctor_layers_row, "57.6", 120),
+        Check(cuda_paths.SELF_CHECK_ROWS, cuda_paths.self_check_row, "57.8", 30),
+        Check(cuda_paths.KV_DEFAULT_ROWS, lambda: cuda_paths.kv_default_rows(m.tiny), "57.8", 60, group=True),
         Check(("MoE routes from the colocated engine",), lambda: t.routes_row(m.moe), "44.3", 120, trains=True),
         Check(("server with NCCL weight transfer",), lambda: s.server_nccl_row(m.tiny), "44.9", 240, trains=True),
         Check(("sleep mode in training, on vs off",), lambda: t.sleep_training_row(m.shaped), "44.7", 240,
