@@ -153,7 +153,8 @@ def replay_trl(rec: dict, work: Path, start: dict[str, torch.Tensor], device: st
         raise RuntimeError("TRL's LoRA adapts other matrices than parityrl's: "
                            f"{sorted(set(lora_state(model)) ^ set(start))[:4]}")
     set_peft_model_state_dict(model, start)
-    out: dict[str, list] = {"weights": [], "loss": [], "grad_norm": [], "lr": [], "reward": [], "zero_std": []}
+    out: dict[str, list] = {"weights": [], "loss": [], "grad_norm": [], "lr": [], "reward": [], "zero_std": [],
+                            "entropy": []}
 
     class Record(TrainerCallback):
         def on_optimizer_step(self, args, state, control, **kw):
@@ -166,6 +167,7 @@ def replay_trl(rec: dict, work: Path, start: dict[str, torch.Tensor], device: st
                 out["lr"].append(float(logs["learning_rate"]))
                 out["reward"].append(float(logs["reward"]))
                 out["zero_std"].append(float(logs["frac_reward_zero_std"]))
+                out["entropy"].append(float(logs["entropy"]))
 
     trainer.add_callback(Record())
     for printer in (PrinterCallback, ProgressCallback):  # this script prints its own rows
@@ -211,6 +213,22 @@ def compare(rec: dict, trl: dict, rounding: dict, factor: float) -> tuple[list[d
                      "truncated": sum(f == "length" for f in s["finish"]), "diff": diff, "rounding": noise,
                      "together": together})
     return rows, first
+
+
+def draw_excess(rec: dict, trl: dict) -> tuple[float, float]:
+    """(mean, standard error over steps) of the sampled tokens' log-prob plus the entropy at their positions, per token.
+
+    For a sampler that draws the policy's distribution, E[log p(x_t)] = -H_t at every position given its prefix, so
+    the token mean of log p + H is 0 up to noise; a colder draw (the likelier tokens too often) makes it positive.
+    The log-probs are the engine's (the trainer's to parity/mae ~3e-7); the entropy is TRL's log of the same
+    completions under the weights the engine sampled with (its ``entropy``: a token mean over the batch)."""
+    per_step = []
+    for s, entropy in zip(rec["steps"], trl["entropy"]):
+        lps = [x for c in s["logprobs"] for x in c]
+        per_step.append(sum(lps) / len(lps) + entropy)
+    mean = sum(per_step) / len(per_step)
+    spread = (sum((x - mean) ** 2 for x in per_step) / (len(per_step) - 1)) ** 0.5 if len(per_step) > 1 else 0.0
+    return mean, spread / len(per_step) ** 0.5
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -260,6 +278,9 @@ def main() -> None:
     print(f"largest weight difference {worst['diff']:.2e} of parityrl's movement (step {worst['step']}); rounding "
           f"alone grows to {max(r['rounding'] for r in rows):.2e}; groups without signal: parityrl "
           f"{sum(r['zero_signal'][0] for r in rows)} of {PROMPTS * len(rows)}")
+    excess, se = draw_excess(rec, trl_run)
+    print(f"parityrl's draws: sampled log-prob + entropy {excess:+.4f} +- {se:.4f} nats per token (0 for a sampler "
+          "that draws the policy's distribution)")
     if first is None:
         print(f"verdict: the same updates over {len(rows)} steps (within {args.factor:g}x float32 rounding's growth at "
               "every step): the difference in learning is in the samples, not the update")
