@@ -82,6 +82,7 @@ from trainer.models.policy import load_tokenizer
 from trainer.models.precision import fp8_weight_quantizations
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_launch, check_model_config
+from trainer.precision.float32_backward_gemms import with_float32_backward_gemms
 from trainer.rewards.sources import build_reward_sources
 from trainer.rl.critic import NegativeKLWatch, make_kl_controller, ppo_targets
 from trainer.rl.learner import load_policy, prepare_policy
@@ -237,7 +238,9 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     model, optimizer, policy = prepare_policy(cfg, accelerator, stage, model, optimizer, value_head)
     run = Run(cfg=cfg, accelerator=accelerator, stage=stage, dp=dp, model_dir=model_dir, tokenizer=tokenizer,
               model=model, policy=policy, value_head=value_head, optimizer=optimizer, scheduler=scheduler,
-              params=params, backward=make_backward(accelerator, model),
+              params=params,
+              backward=with_float32_backward_gemms(make_backward(accelerator, model), cfg.model.dtype,
+                                                   accelerator.device),
               # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
               gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules,
