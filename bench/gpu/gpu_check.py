@@ -32,6 +32,9 @@ writes the rows. Rows in order (each: check, the issue-44 item it covers, status
   weight_sync and prefix_cache on an FP8 recipe (issue 57 items 2, 3: bench/gpu/gpu_rows_teacher_doctor.py); truncated
   sampling under vLLM's sampling mask, ``doctor --only layers`` on CUDA, the log-prob kernels' self-check in a child
   process and the KV cache vLLM sizes from the share (issue 57 items 1, 6, 8: bench/gpu/gpu_rows_cuda_paths.py);
+- issue 57 item 7 (bench/gpu/gpu_rows_scaleout_adapters.py): the LoRA adapter served under data parallel (2 ranks,
+  each engine on its own GPU; 1 rank on one GPU), every rank serving the same versions; ``recipes/grpo_olmoe_gpu.yaml``
+  as it resolves on CUDA (adapter sync + routing replay) for 2 steps on a reduced random OLMoE;
 - ``parityrl train`` (bench/gpu/gpu_rows_training.py, bench/gpu/gpu_rows_server.py): MoE routes from the colocated
   engine (item 3), a server with NCCL weight transfer (item 9, 2 GPUs), sleep mode on and off in training (item 7);
 - ``parityrl's batches through TRL`` (vLLM's CUDA build, TRL 1.16): a 10-step parityrl run's batches fed to TRL's
@@ -77,6 +80,7 @@ import gpu_rows_engine as engine_rows  # noqa: E402
 import gpu_rows_fp8 as fp8  # noqa: E402
 import gpu_rows_kernels as kernels  # noqa: E402
 import gpu_rows_replay as replay_rows  # noqa: E402
+import gpu_rows_scaleout_adapters as scaleout_adapters  # noqa: E402
 import gpu_rows_server as server  # noqa: E402
 import gpu_rows_setup as setup  # noqa: E402
 import gpu_rows_shaped as shaped_rows  # noqa: E402
@@ -204,6 +208,9 @@ def checks(m: Models, steps: int) -> list[Check]:
         Check(("sleep mode in training, on vs off",), lambda: t.sleep_training_row(m.shaped), "44.7", 240,
               trains=True),
         Check(replay_rows.REPLAY_ROW, replay_rows.replay_row, "55.14", 300, trains=True),
+        Check(scaleout_adapters.DP_ADAPTER_ROWS, lambda: scaleout_adapters.dp_adapter_row(m.tiny), "57.7", 180,
+              trains=True),
+        Check(scaleout_adapters.OLMOE_ROWS, lambda: scaleout_adapters.olmoe_row(m.root), "57.7", 150, trains=True),
         Check(("GRPO steps, HF engine",), lambda: sh.grpo_steps(m.shaped(), steps), min_s=120, trains=True),
         Check(("gradient checkpointing memory",), lambda: sh.checkpointing_memory(m.shaped()), min_s=60),
         *(Check((f"colocated vLLM, precision {name}",), lambda name=name: sh.precision_step(name, m.shaped),
