@@ -92,9 +92,14 @@ def _num_layers(model_dir) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
+def _number(x) -> bool:
+    """A figure as metrics.jsonl holds it (JSON writes a float 0.0 as 0, read back as an int)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _mae_problems(rows: list[dict], bound: float) -> list[str]:
     return [f"step {r['step']}: parity/mae {r.get('parity/mae')!r} above {bound:.2e}" for r in rows
-            if not (isinstance(r.get("parity/mae"), float) and r["parity/mae"] <= bound)]
+            if not (_number(r.get("parity/mae")) and r["parity/mae"] <= bound)]
 
 
 # ---------------------------------------------------------------- the adapter under data parallel
@@ -207,7 +212,7 @@ def olmoe_problems(rows: list[dict], stdout: str, bound: float) -> list[str]:
             bad.append(f"step {r['step']}: perf/sync_chunks {r.get('perf/sync_chunks')!r}, expected 1 (one adapter)")
         if r.get("parity/routing_unrouted") != 0:
             bad.append(f"step {r['step']}: parity/routing_unrouted {r.get('parity/routing_unrouted')!r}, expected 0")
-        if not isinstance(r.get("parity/unreplayed/mae"), float):
+        if not _number(r.get("parity/unreplayed/mae")):
             bad.append(f"step {r['step']}: no parity/unreplayed/mae (the step was not replayed)")
     return bad + _mae_problems(rows, bound)
 

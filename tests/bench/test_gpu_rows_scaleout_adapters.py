@@ -82,6 +82,9 @@ def test_the_dp_rule_passes_ranks_that_serve_the_same_versions_and_names_each_fa
     problems = _rows().adapter_dp_problems
     assert problems([_rank(0), _rank(1)], STEPS_OK, 2, 1.2e-2) == []
     assert problems([_rank(0)], STEPS_OK, 1, 1.2e-2) == []  # the one-GPU fallback
+    assert problems([_rank(0)], [STEPS_OK[0], {"step": 2, "parity/mae": 0}], 1, 1.2e-2) == []  # JSON's integer 0
+    nan = [STEPS_OK[0], {"step": 2, "parity/mae": float("nan")}]
+    assert problems([_rank(0)], nan, 1, 1.2e-2) == ["step 2: parity/mae nan above 1.20e-02"]
     bad = problems([_rank(0), _rank(1, digests=("a", "x", "c"))], STEPS_OK, 2, 1.2e-2)
     assert len(bad) == 1 and "adapter version 2" in bad[0]
     bad = problems([_rank(0), _rank(1, served=(1, 2, 2))], STEPS_OK, 2, 1.2e-2)
