@@ -32,13 +32,14 @@ writes the rows. Rows in order (each: check, the issue-44 item it covers, status
   weight_sync and prefix_cache on an FP8 recipe (issue 57 items 2, 3: bench/gpu/gpu_rows_teacher_doctor.py); truncated
   sampling under vLLM's sampling mask, ``doctor --only layers`` on CUDA, the log-prob kernels' self-check in a child
   process and the KV cache vLLM sizes from the share (issue 57 items 1, 6, 8: bench/gpu/gpu_rows_cuda_paths.py);
-- issue 57 item 7 (bench/gpu/gpu_rows_scaleout_adapters.py): the LoRA adapter served under data parallel (2 ranks,
-  each engine on its own GPU; 1 rank on one GPU), every rank serving the same versions; ``recipes/grpo_olmoe_gpu.yaml``
-  as it resolves on CUDA (adapter sync + routing replay) for 2 steps on a reduced random OLMoE;
 - ``parityrl train`` (bench/gpu/gpu_rows_training.py, bench/gpu/gpu_rows_server.py): MoE routes from the colocated
   engine (item 3), a server with NCCL weight transfer (item 9, 2 GPUs), sleep mode on and off in training (item 7);
 - ``parityrl's batches through TRL`` (vLLM's CUDA build, TRL 1.16): a 10-step parityrl run's batches fed to TRL's
   GRPOTrainer on the GPU from the same weights, the updates the same (issue 55 item 14: bench/gpu/gpu_rows_replay.py);
+- ``parityrl train`` for issue 57 item 7 (bench/gpu/gpu_rows_scaleout_adapters.py): the LoRA adapter served under
+  data parallel (2 ranks, each engine on its own GPU; 1 rank on one GPU), every rank serving the same versions;
+  ``recipes/grpo_olmoe_gpu.yaml`` as it resolves on CUDA (adapter sync + routing replay), 2 steps on a reduced
+  random OLMoE;
 - ``GRPO steps, HF engine`` (CUDA): ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps with
   ``rollout.engine=hf`` on the Qwen2.5-0.5B-shaped model, LoRA r 32: step time and ``perf/peak_memory_gb``;
 - ``gradient checkpointing memory`` (CUDA): one LoRA forward + backward of 8 x 2048 tokens on that model
