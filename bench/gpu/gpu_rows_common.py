@@ -141,6 +141,17 @@ def run_process(cmd: Sequence[str], *, cap_s: float, what: str, env: Optional[di
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def stop_server_group(server: subprocess.Popen, log) -> None:
+    """End a server a row started in its own process group (the server and its engine workers), then its log."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    log.close()
+
+
 def tail(proc: subprocess.CompletedProcess) -> str:
     """The last line of the process's stderr (where a failure is said), else of its stdout."""
     for text in (proc.stderr, proc.stdout):

@@ -17,14 +17,23 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from gpu_rows_common import REPO, free_port, need_cuda, need_gpus, need_vllm_cuda, run_process, tail, train
+from gpu_rows_common import (
+    REPO,
+    free_port,
+    need_cuda,
+    need_gpus,
+    need_vllm_cuda,
+    run_process,
+    stop_server_group,
+    tail,
+    train,
+)
 
 from rollout.server_engine import SERVER_ROUTES_ON_CUDA, nccl_ready
 from trainer.commands.serve import GPU_SHARE_NOTE
@@ -113,13 +122,7 @@ def server_nccl_row(dense_dir) -> str:
                                                   "eval.every=0", "parity.on_violation=stop"],
                                Path(tmp) / "runs", cap_s=540, env={"CUDA_VISIBLE_DEVICES": trainer_gpu})
         finally:
-            os.killpg(server.pid, signal.SIGTERM)  # the group this row started: the server and its workers
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-            log.close()
+            stop_server_group(server, log)
         server_tail = (Path(tmp) / "server.log").read_text().strip().splitlines()[-1:] or [""]
     if proc.returncode != 0 or len(rows) < 2:
         raise AssertionError(f"train exit {proc.returncode}, {len(rows)}/2 steps: {tail(proc)}; server: "

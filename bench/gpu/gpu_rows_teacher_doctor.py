@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import urllib.request
 from pathlib import Path
 
-from gpu_rows_common import BENCH, REPO, free_port, need_gpus, need_vllm_cuda, run_process, tail
+from gpu_rows_common import BENCH, REPO, free_port, need_gpus, need_vllm_cuda, run_process, stop_server_group, tail
 
 from rollout.server_engine.engine import SERVED_VERSION
 
@@ -72,13 +71,7 @@ def server_teacher_ranks_row() -> str:
             results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank_*.json"))]
             version = _weight_version(url) if server.poll() is None else f"(server exited {server.returncode})"
         finally:
-            os.killpg(server.pid, signal.SIGTERM)  # the group this row started: the server and its workers
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-            log.close()
+            stop_server_group(server, log)
     if proc.returncode != 0 or len(results) != 2:
         raise AssertionError(f"torchrun exit {proc.returncode}, {len(results)}/2 ranks wrote results: {tail(proc)}")
     scores = [r["logprobs"] for r in results]
