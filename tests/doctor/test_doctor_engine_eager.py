@@ -2,15 +2,12 @@
 training runs it (CUDA graphs) otherwise; checked without a GPU: the engine is started as the doctor starts it
 (``Doctor.engine`` -> ``make_engine`` -> ``VLLMEngine``) on a stand-in CUDA platform whose ``vllm.LLM`` records the
 options it is given (nothing of vLLM starts)."""
-import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
+from engine_on_cuda_standin import start_engines_as_on_cuda
 
-import rollout.vllm_engine
-from rollout.vllm_engine import VLLMEngine
 from trainer.doctor.battery import hook_checks, select
 from trainer.doctor.checks import layers
 
@@ -30,16 +27,8 @@ class RecordingLLM:
 
 @pytest.fixture
 def on_cuda(monkeypatch):
-    import vllm
-
     RecordingLLM.started = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    monkeypatch.setattr(rollout.vllm_engine, "check_engine_device", lambda llm, expected: None)
-    monkeypatch.setattr(rollout.vllm_engine, "_preserve_rng", contextlib.nullcontext)
-    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
-    monkeypatch.setattr(VLLMEngine, "_live", VLLMEngine._live)
+    start_engines_as_on_cuda(monkeypatch, RecordingLLM)
     return RecordingLLM.started
 
 

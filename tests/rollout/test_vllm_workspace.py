@@ -6,15 +6,14 @@ forward's request (``get_simultaneous``, as ``fused_moe/modular_kernel.py`` asks
 replaced by a recorder that makes its manager as vLLM's CUDA worker does (``gpu_worker.py:
 _init_workspace_and_model_runner``), so the engine's wiring is checked without starting vLLM.
 """
-import contextlib
 import gc
 import weakref
 
 import pytest
 import torch
+from engine_on_cuda_standin import start_engines_as_on_cuda
 from vllm.v1.worker import workspace
 
-import rollout.vllm_engine
 from rollout.vllm_engine import VLLMEngine
 from rollout.vllm_workspace import engine_workspace, guard_generate, using_workspace
 
@@ -117,16 +116,8 @@ class WorkspaceLLM:
 
 @pytest.fixture
 def recorded_cuda_engines(monkeypatch):
-    import vllm
-
     WorkspaceLLM.seen = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    monkeypatch.setattr(rollout.vllm_engine, "check_engine_device", lambda llm, expected: None)
-    monkeypatch.setattr(rollout.vllm_engine, "_preserve_rng", contextlib.nullcontext)
-    monkeypatch.setattr(vllm, "LLM", WorkspaceLLM)
-    monkeypatch.setattr(VLLMEngine, "_live", VLLMEngine._live)  # these engines are never closed
+    start_engines_as_on_cuda(monkeypatch, WorkspaceLLM)
     return WorkspaceLLM
 
 
