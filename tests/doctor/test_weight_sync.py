@@ -1,9 +1,8 @@
 """The weight-sync check on the session's engine: a healthy adapter and merged sync of the tiny model deliver every
-module bit for bit and leave the engine as found; a sync that leaves one module out, or loads half of a fused group,
-fails naming that module."""
+module bit for bit and leave the engine as found; a sync that leaves one module out, or delivers one shard of a fused
+group wrong, fails naming that module."""
 import pytest
 
-from rollout.weight_updates import engine_named_tensors, quiet_partial_reload
 from trainer.doctor.checks.weight_sync import run
 from trainer.doctor.records import FAIL, PASS
 
@@ -11,13 +10,18 @@ pytestmark = pytest.mark.slow
 
 
 class FaultySync:
-    """The engine, but its first weight update loses the tensor ``drop``; ``unchecked``: loaded without the engine's
-    whole-fused-group guard (as an engine path without it would), so vLLM rebuilds the fused module from the rest."""
+    """The engine, but its first weight update loses the tensor ``drop``; ``garble``: sends it negated instead, so one
+    shard of a fused module arrives wrong beside its siblings.
+
+    Not by leaving the shard out past the engine's whole-fused-group guard: vLLM's in-place reload materializes the
+    fused layer with ``torch.empty_strided`` (``model_loader/reload/meta.py``), so a shard nothing loaded holds
+    whatever memory the allocator hands back -- the old weights on one host, the very values just exported on
+    another -- and the check rightly passes an engine that happens to hold the exported values."""
 
     streams_weights = False  # one load_weights per sync: the fault is in that one update
 
-    def __init__(self, engine, drop: str, *, unchecked: bool = False) -> None:
-        self._engine, self._drop, self._unchecked, self._armed = engine, drop, unchecked, True
+    def __init__(self, engine, drop: str, *, garble: bool = False) -> None:
+        self._engine, self._drop, self._garble, self._armed = engine, drop, garble, True
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -27,14 +31,12 @@ class FaultySync:
         if not self._armed:
             return self._engine.load_weights(named)
         self._armed = False
-        named = [(n, t) for n, t in named if n != self._drop]
-        assert len(named) > 0
-        if not self._unchecked:
-            return self._engine.load_weights(named)
-        with quiet_partial_reload():
-            self._engine.llm.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": engine_named_tensors(named, self._engine.torch_dtype)})
-        self._engine.llm.reset_prefix_cache()
+        assert any(n == self._drop for n, _ in named)
+        if self._garble:
+            named = [(n, -t if n == self._drop else t) for n, t in named]
+        else:
+            named = [(n, t) for n, t in named if n != self._drop]
+        return self._engine.load_weights(named)
 
 
 def _by_item(found):
@@ -67,8 +69,8 @@ def test_a_module_the_sync_leaves_out_fails_by_name(tiny_engine, make_doctor):
     assert _by_item(found)["engine's log-probs after the check vs before: max |dlp|"].verdict == PASS
 
 
-def test_half_a_fused_group_fails_as_partially_delivered(tiny_engine, make_doctor):
-    faulty = FaultySync(tiny_engine, "model.layers.1.self_attn.k_proj.weight", unchecked=True)
+def test_one_wrong_shard_of_a_fused_group_fails_as_partially_delivered(tiny_engine, make_doctor):
+    faulty = FaultySync(tiny_engine, "model.layers.1.self_attn.k_proj.weight", garble=True)
     found = run(make_doctor("rollout.lora_sync=merged", engine=faulty))
     assert found[0].verdict == FAIL and found[0].details["not_delivered"] == ["model.layers.1.self_attn.k_proj"]
     partial = [f for f in found if f.item.startswith("model.layers.1.self_attn.k_proj: partially delivered")]
