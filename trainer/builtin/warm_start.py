@@ -11,10 +11,18 @@ under a hash of the recipe's text and of the model it starts from.
   (the same episodes, trained longer): the on-policy distillation teacher of ``recipes/opd_tiny.yaml``.
 
 Both budgets are short on purpose: RL starts from a poor but non-zero reward.
+
+Cached under a key of everything that decides the model (``build_key``): the recipe's text (its dtype and
+schedule included), the cache name of the model it starts from (itself such a key, not a path: a checkout moved
+elsewhere reuses its builds), the source of the data functions and the dataset it trains on, and the supervised
+trainer's code. A build is judged before it is cached (``trainer.builtin.warm_start_floor``): one whose held-out
+greedy accuracy on its task is under its documented floor fails with one line.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import os
 import shutil
 import subprocess
@@ -25,12 +33,15 @@ from typing import Optional
 
 from trainer.builtin.tiny import default_cache_dir, ensure_tiny_base, file_lock, tiny_base_dir
 from trainer.config.supervised import read_sft_recipe
+from trainer.data.tasks import BUILTIN_DATASETS
 from trainer.supervised.sft import fit_sft
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Part of the cache key: a change to how the warm start trains (not only to its recipe) must rebuild it.
+# Part of the cache key: a change to how the warm start trains that its code does not show must rebuild it.
 # 2: transformers.Trainer's loop and schedule (trainer.supervised.hf_trainer).
 WARM_START_CODE_VERSION = b"2"
+# The build code in the key: the supervised trainer (its loop, schedule, loss and data rendering).
+BUILD_CODE = tuple(sorted((REPO_ROOT / "trainer" / "supervised").glob("*.py")))
 
 
 @dataclass(frozen=True)
@@ -43,19 +54,32 @@ class WarmStart:
     # wall time per step on 2 idle CPU cores, said when the build starts (measured 2026-11-27 from an empty cache:
     # builtin:tiny's 300 steps 18 s, builtin:tiny-tools' 200 steps 46 s); None: only its progress lines are shown
     seconds_per_step: Optional[float] = None
+    # the RL recipe whose held-out rows judge the build, and the greedy accuracy on them the build must reach
+    # before it is cached (trainer.builtin.warm_start_floor; docs/models.md says how each floor was set)
+    floor_recipe: Optional[Path] = None
+    floor_greedy: float = 0.0
 
 
+# The floors (held-out greedy accuracy, Hugging Face engine in float32, on the named RL recipe's eval rows) catch a
+# broken build -- a data function or trainer edit that teaches nothing -- and pass every build seen working. Measured
+# on a 2-core AVX2-only x86 CPU (2026-11-29): builtin:tiny 0.375 (32 rows), builtin:tiny-teacher 0.500,
+# builtin:tiny-tools 0.312, builtin:tiny-tools-teacher 0.953 (64 rows). builtin:tiny-tools came out at greedy 0.20
+# (vLLM, bf16) on an AVX512-BF16 host, where the demo then unlearnt the tool: its floor stays below that, because a
+# floor that refuses that host's build refuses the demo there outright (docs/supervised.md).
+_GRPO_TINY = REPO_ROOT / "recipes" / "grpo_tiny.yaml"
+_GRPO_TOOLS_TINY = REPO_ROOT / "recipes" / "grpo_tools_tiny.yaml"
 WARM_STARTS = {w.name: w for w in (
     WarmStart("builtin:tiny", REPO_ROOT / "recipes" / "sft_tiny.yaml", "builtin:tiny-base", "tiny-sft",
-              "the default model", seconds_per_step=18 / 300),
+              "the default model", seconds_per_step=18 / 300, floor_recipe=_GRPO_TINY, floor_greedy=0.10),
     WarmStart("builtin:tiny-tools", REPO_ROOT / "recipes" / "sft_tools_tiny.yaml", "builtin:tiny", "tiny-tools-sft",
-              "builtin:tiny-tools", seconds_per_step=46 / 200),
+              "builtin:tiny-tools", seconds_per_step=46 / 200, floor_recipe=_GRPO_TOOLS_TINY, floor_greedy=0.10),
     # the distillation teacher of recipes/opd_tiny.yaml (docs/distillation.md): builtin:tiny's tokenizer, trained longer
     WarmStart("builtin:tiny-teacher", REPO_ROOT / "recipes" / "sft_teacher_tiny.yaml", "builtin:tiny",
-              "tiny-teacher-sft", "builtin:tiny-teacher"),
+              "tiny-teacher-sft", "builtin:tiny-teacher", floor_recipe=_GRPO_TINY, floor_greedy=0.20),
     # the teacher of recipes/opd_tiny.yaml's tool-using episodes: builtin:tiny-tools trained further
     WarmStart("builtin:tiny-tools-teacher", REPO_ROOT / "recipes" / "sft_tools_teacher_tiny.yaml",
-              "builtin:tiny-tools", "tiny-tools-teacher-sft", "builtin:tiny-tools-teacher"),
+              "builtin:tiny-tools", "tiny-tools-teacher-sft", "builtin:tiny-tools-teacher", floor_recipe=_GRPO_TOOLS_TINY,
+              floor_greedy=0.50),
 )}
 WARM_START_RECIPE = WARM_STARTS["builtin:tiny"].recipe
 WARM_START_BASE = WARM_STARTS["builtin:tiny"].base
@@ -68,10 +92,31 @@ def _warm_start(name: str) -> WarmStart:
 
 
 def _base_key(base: str) -> bytes:
-    """What identifies the model a warm start starts from: its cache directory (itself named by a hash)."""
+    """What identifies the model a warm start starts from: its cache directory's name (itself a hash of what
+    decides it), not its path."""
     if base == "builtin:tiny-base":
-        return str(tiny_base_dir()).encode()
-    return str(warm_start_dir(base)).encode()
+        return tiny_base_dir().name.encode()
+    return warm_start_dir(base).name.encode()
+
+
+def data_code(recipe: Path) -> list[Path]:
+    """The source files of what the recipe's data is made by: its ``data.completion_fn`` / ``data.messages_fn``
+    modules and its built-in dataset's."""
+    d = read_sft_recipe(recipe, []).data
+    modules = {fn.partition(":")[0] for fn in (d.completion_fn, d.messages_fn) if fn}
+    if d.source.startswith("builtin:") and d.source.removeprefix("builtin:") in BUILTIN_DATASETS:
+        modules.add(BUILTIN_DATASETS[d.source.removeprefix("builtin:")].__module__)
+    return sorted(Path(inspect.getsourcefile(importlib.import_module(m))) for m in modules)
+
+
+def build_key(name: str) -> str:
+    """The cache key of the warm start ``name`` (module docstring): 12 hex digits of SHA-256."""
+    ws = _warm_start(name)
+    h = hashlib.sha256()
+    for part in (ws.recipe.read_bytes(), _base_key(ws.base), WARM_START_CODE_VERSION,
+                 *(f.read_bytes() for f in data_code(ws.recipe) + list(BUILD_CODE))):
+        h.update(hashlib.sha256(part).digest())  # each part hashed alone: no two splits of the bytes collide
+    return h.hexdigest()[:12]
 
 
 def warm_start_dir(name: str = "builtin:tiny") -> Path:
@@ -79,8 +124,7 @@ def warm_start_dir(name: str = "builtin:tiny") -> Path:
     if not ws.recipe.is_file():
         raise FileNotFoundError(f"{ws.recipe}: the warm-start recipe of {ws.name} is missing "
                                 "(parityrl must be run from its source checkout / an editable install)")
-    key = hashlib.sha256(ws.recipe.read_bytes() + _base_key(ws.base) + WARM_START_CODE_VERSION).hexdigest()[:12]
-    return default_cache_dir() / f"{ws.prefix}-{key}"
+    return default_cache_dir() / f"{ws.prefix}-{build_key(name)}"
 
 
 def ensure_warm_started(name: str) -> Path:
@@ -119,18 +163,47 @@ def _build(name: str, out: Path) -> None:
             else "its progress follows")
     print(f"building {ws.what} (once, into the model cache): warm start {ws.recipe.name}, {steps} supervised steps "
           f"({took}) -> {out}", flush=True)
-    # the stage's run directory (metrics.jsonl) is a scratch folder of the cache, no wandb run
+    # the stage's run directory (metrics.jsonl) and the model before its floor is checked: scratch folders of the
+    # cache, no wandb run
     run_dir = out.parent / f".{out.name}.run-{os.getpid()}"
-    cfg = read_sft_recipe(ws.recipe, [f"output_dir={out}", f"logging.run_dir={run_dir}",
+    built = out.parent / f".{out.name}.unchecked-{os.getpid()}"
+    cfg = read_sft_recipe(ws.recipe, [f"output_dir={built}", f"logging.run_dir={run_dir}",
                                       "logging.wandb.mode=disabled"])
     if cfg.model.path != ws.base:
         raise ValueError(f"{ws.recipe}: model.path = {cfg.model.path!r}: expected {ws.base!r} "
                          f"(the warm start's cache key is that model's build)")
     try:
-        # our cache, under the lock: a leftover without config.json is replaced (fit_sft writes atomically)
         fit_sft(cfg, str(base_dir))
+        if ws.floor_recipe is not None:
+            got = _judge_in_a_child(ws, built)
+            print(f"built {ws.what}: held-out greedy accuracy {got:.3f} on {ws.floor_recipe.name}'s eval rows "
+                  f"(floor {ws.floor_greedy:.2f})", flush=True)
+        # our cache, under the lock: a leftover without config.json is replaced
+        shutil.rmtree(out, ignore_errors=True)
+        built.rename(out)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(built, ignore_errors=True)
+
+
+class BelowFloor(RuntimeError):
+    """A warm start that came out weaker than its documented floor (exit status 10, docs/runs-and-checkpoints.md)."""
+
+    exit_status = 10
+
+
+def _judge_in_a_child(ws: WarmStart, built: Path) -> float:
+    """The build's held-out greedy accuracy (``trainer.measurement.warm_start_floor``, run as its own process: the
+    RL evaluation sits above the model builds in the package order); ``BelowFloor`` with its one line."""
+    proc = subprocess.run([sys.executable, "-m", "trainer.measurement.warm_start_floor", ws.name, str(built),
+                           str(ws.floor_recipe), repr(ws.floor_greedy)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, env=single_process_env(dict(os.environ)))
+    if proc.returncode == BelowFloor.exit_status:
+        raise BelowFloor(proc.stderr.strip().splitlines()[-1])
+    if proc.returncode:
+        raise RuntimeError(f"judging {ws.name}'s build against its floor failed (exit {proc.returncode}): "
+                           f"{proc.stderr[-2000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 # What torchrun / accelerate launch put in a rank's environment. transformers.Trainer reads them (and the

@@ -83,6 +83,7 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         return 2
     # late: the loop imports vLLM (seconds); a refused recipe has answered before that
     from rollout.base import EngineCannotLoad, EngineUnavailable
+    from trainer.builtin.warm_start import BelowFloor
     from trainer.io.write_failure import StartNotWritten
     from trainer.lifecycle.stops import RunStopped
     from trainer.rl.loop import train
@@ -104,6 +105,9 @@ def run_train_command(recipe: str, overrides: list[str], *, resume: bool, debug:
         _say("interrupted while starting up, before this process trained a step; nothing to checkpoint"
              + (f"; its checkpoints are untouched: continue with `{command}`" if resume else ""))
         return 130
+    except BelowFloor as e:  # a built-in model's build came out weaker than its floor: nothing cached, nothing run
+        _say(f"stopped: {e}; nothing was trained")
+        return e.exit_status
     except EngineCannotLoad as e:  # at start, before any step: nothing to resume
         _say(f"stopped: {e}; nothing was trained (the engine cannot run this model: docs/doctor.md)")
         return e.exit_status

@@ -1,19 +1,50 @@
-"""The warm-started built-ins' cache keys (trainer/builtin/warm_start.py): each is keyed by its recipe and by the
-model it starts from, so changing builtin:tiny rebuilds builtin:tiny-tools; nothing is built here."""
-import hashlib
-
+"""The warm-started built-ins' cache keys (trainer/builtin/warm_start.py): each is keyed by everything that decides
+the model -- its recipe, the model it starts from (so changing builtin:tiny rebuilds builtin:tiny-tools), its data
+functions' and dataset's code, the supervised trainer's code -- and by nothing about where the cache is; nothing is
+built here."""
 import pytest
 
 from trainer.builtin import warm_start
 from trainer.builtin.model_path import BUILTIN_MODELS, builtin_max_positions
-from trainer.builtin.tiny import default_cache_dir, tiny_base_dir
+from trainer.builtin.tiny import default_cache_dir
 from trainer.config.supervised import read_sft_recipe
 
 
-def test_builtin_tiny_key_is_its_recipe_and_the_base_build():
-    recipe = warm_start.REPO_ROOT / "recipes" / "sft_tiny.yaml"
-    key = hashlib.sha256(recipe.read_bytes() + str(tiny_base_dir()).encode() + b"2").hexdigest()[:12]
-    assert warm_start.warm_start_dir() == warm_start.warm_start_dir("builtin:tiny") == default_cache_dir() / f"tiny-sft-{key}"
+def test_builtin_tiny_lives_in_the_cache_under_its_key():
+    assert warm_start.warm_start_dir() == warm_start.warm_start_dir("builtin:tiny") == \
+        default_cache_dir() / f"tiny-sft-{warm_start.build_key('builtin:tiny')}"
+
+
+def test_the_key_does_not_depend_on_where_the_cache_is(monkeypatch, tmp_path):
+    here = {n: warm_start.warm_start_dir(n).name for n in warm_start.WARM_STARTS}
+    monkeypatch.setenv("PARITYRL_CACHE", str(tmp_path / "elsewhere"))
+    assert default_cache_dir() == tmp_path / "elsewhere"
+    assert {n: warm_start.warm_start_dir(n).name for n in warm_start.WARM_STARTS} == here
+
+
+def test_the_data_code_is_the_recipes_data_functions_and_dataset_modules():
+    tasks = warm_start.REPO_ROOT / "trainer" / "data" / "tasks"
+    assert warm_start.data_code(warm_start.WARM_STARTS["builtin:tiny"].recipe) == [tasks / "arithmetic.py"]
+    assert warm_start.data_code(warm_start.WARM_STARTS["builtin:tiny-tools"].recipe) == [tasks / "arithmetic_tools.py"]
+
+
+@pytest.mark.parametrize("part", ["data", "build"])
+def test_an_edit_to_the_data_or_build_code_changes_every_key_downstream(monkeypatch, tmp_path, part):
+    before = {n: warm_start.build_key(n) for n in warm_start.WARM_STARTS}
+    if part == "data":  # an edited data function (e.g. the share of direct answers) in builtin:tiny-tools' module
+        edited = tmp_path / "arithmetic_tools.py"
+        real = warm_start.data_code
+        edited.write_bytes(real(warm_start.WARM_STARTS["builtin:tiny-tools"].recipe)[0].read_bytes() + b"\n# edit\n")
+        monkeypatch.setattr(warm_start, "data_code",
+                            lambda recipe: [edited if f.name == edited.name else f for f in real(recipe)])
+        changed = {"builtin:tiny-tools", "builtin:tiny-tools-teacher"}  # the teacher starts from tiny-tools
+    else:
+        edited = tmp_path / "sft.py"
+        edited.write_bytes(warm_start.BUILD_CODE[0].read_bytes() + b"\n# edit\n")
+        monkeypatch.setattr(warm_start, "BUILD_CODE", (edited, *warm_start.BUILD_CODE[1:]))
+        changed = set(warm_start.WARM_STARTS)
+    after = {n: warm_start.build_key(n) for n in warm_start.WARM_STARTS}
+    assert {n for n in before if before[n] != after[n]} == changed
 
 
 def test_tiny_tools_is_keyed_by_builtin_tiny(monkeypatch, tmp_path):
