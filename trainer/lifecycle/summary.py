@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainer.io.run_logger import RunLogger
+from trainer.lifecycle.run_health import health_warnings
 from trainer.models.memory import PEAK_MEMORY_NOTE
 
 
@@ -70,6 +71,10 @@ def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLo
     held_out = held_out_line(logger.metrics_path)
     if held_out:
         print(held_out)
+    evals = _last_row_per_step(logger.metrics_path, lambda row: any(k.startswith("eval/") for k in row)) or {}
+    probes = _last_row_per_step(logger.metrics_path, lambda row: "probe/mae" in row) or {}
+    for line in health_warnings(h, k, evals, {s: r["probe/mae"] for s, r in probes.items()}):
+        print(line)
     if peak:  # records written before perf/peak_memory_gb existed have none
         print(f"memory   peak {peak:.2f} GiB ({PEAK_MEMORY_NOTE})")
     print(f"checkpoint  {final_checkpoint}")

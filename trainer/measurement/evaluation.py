@@ -41,6 +41,7 @@ from rollout.types import SamplingSpec
 from trainer.config import RecipeError, RunConfig
 from trainer.data.datasets import apply_prompt_budget, load_prompt_dataset
 from trainer.distributed.data_parallel import DataParallel
+from trainer.lifecycle.run_health import held_out_fell
 from trainer.lifecycle.stops import RunStopped
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import batch_from_rollouts
@@ -98,6 +99,7 @@ class Evaluator:
     rows: list[dict]  # every rank's, in order (this rank evaluates its shard)
     dp: DataParallel
     pad_id: int
+    first: Optional[tuple[int, dict]] = None  # (step, figures) of the first evaluation this process printed
 
     @classmethod
     def from_config(cls, cfg: RunConfig, dp: DataParallel, tokenizer, train_rows) -> Optional["Evaluator"]:
@@ -134,11 +136,17 @@ class Evaluator:
         return bool(every) and (step == 0 or step % every == 0 or step == self.cfg.train.steps)
 
     def console_line(self, step: int, m: dict) -> str:
-        """The held-out figures of ``step`` (0: the weights training starts from) in one line."""
+        """The held-out figures of ``step`` (0: the weights training starts from) in one line; a second, the
+        warning, when they fell from the first evaluation this process ran (trainer/lifecycle/run_health.py)."""
         shown = "  ".join(f"{k[5:]} {v:.3f}" for k, v in m.items()
                           if k.startswith(("eval/mean@", "eval/pass@", "eval/greedy", "eval/reward/mean")))
         when = "before step 1" if step == 0 else f"after step {step}"
-        return f"held-out {when}: {shown}  ({len(self.rows)} prompts, {m['perf/eval_s']:.1f} s)"
+        line = f"held-out {when}: {shown}  ({len(self.rows)} prompts, {m['perf/eval_s']:.1f} s)"
+        if self.first is None:
+            self.first = (step, m)
+            return line
+        fell = held_out_fell(*self.first, step, m)
+        return line if fell is None else f"{line}\n{fell}"
 
     def __call__(self, sampler: Sampler, model, step: int, *, exact=None) -> dict[str, float]:
         """The ``eval/`` metrics of the weights the engine holds now (see the module docstring). Collective."""
