@@ -22,17 +22,20 @@ ZERO_KEYS = ("parity/mae", "parity/max_abs", "parity/kl_k3", "parity/rmse")
 
 
 def _run(tmp_path, name, *sets):
+    # eval.every=0 unless a case sets it: the recipe's held-out evaluation (160 completions before step 1 and
+    # after the last) is read by the one case that keeps it (its parity in the exact engine, 0 too)
     cfg = load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [
         f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled", "checkpoint.every=0",
-        "precision.recipe=exact", *sets])
+        "precision.recipe=exact", "eval.every=0", *sets])
     train(cfg)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("dtype, sets", [
-    # float32, top-k on: the engine's top-k log-probs too; prompt batches of 6 x 4
+    # float32, top-k on: the engine's top-k log-probs too; prompt batches of 6 x 4; the held-out evaluation
+    # (before step 1 and after the last) scored in the exact engine's numerics as well
     ("float32", ("train.steps=3", "rollout.prompts_per_step=6", "algorithm.group_size=4", "parity.topk=4",
-                 "train.micro_batch_size=10")),
+                 "train.micro_batch_size=10", "eval.every=3", "eval.num_prompts=8")),
     # bfloat16, several updates per batch (pi_old scored before them, ratios after each step), a KL penalty
     # to the reference policy (the base model, also in the engine's numerics: trainer.models.exact.reference)
     ("bfloat16", ("train.steps=2", "rollout.prompts_per_step=3", "algorithm.group_size=8", "algorithm.epochs=2",
@@ -58,6 +61,10 @@ def test_engine_and_trainer_logprobs_are_identical_at_every_step(tmp_path, dtype
         assert r["parity/num_tokens"] > 0
         if "parity/topk_kl" in r or "parity.topk=4" in sets:
             assert r["parity/topk_kl"] == 0.0
+    evals = [r for r in rows if "eval/parity/mae" in r]
+    assert [r["step"] for r in evals] == ([0, 3] if "eval.every=3" in sets else [])
+    for r in evals:
+        assert r["eval/parity/num_tokens"] > 0 and r["eval/parity/mae"] == 0.0 and r["eval/parity/max_abs"] == 0.0, r
     probes = [r for r in rows if "probe/mae" in r]
     assert probes and all(r["probe/mae"] == 0.0 and r["probe/max_abs"] == 0.0 for r in probes)
     # the policy did move between the steps (the zeros are not those of an unchanged model)
@@ -98,7 +105,7 @@ def test_float32_parity_over_episodes_is_as_small_as_single_turn(tmp_path):
     (the reply's ids are in both forwards' context), within single-turn float32's level (docs/parity-metrics.md)."""
     cfg = load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [
         "name=episodes-fp32", f"logging.run_dir={tmp_path / 'episodes-fp32'}", "logging.wandb.mode=disabled",
-        "checkpoint.every=0", "model.dtype=float32", "train.steps=2", "rollout.prompts_per_step=4",
+        "checkpoint.every=0", "eval.every=0", "model.dtype=float32", "train.steps=2", "rollout.prompts_per_step=4",
         "algorithm.group_size=4", "train.micro_batch_size=16", f"env.class={ENVS}:FollowUp", "env.max_turns=2",
         "env.max_tokens=128"])
     history = train(cfg).history
