@@ -52,6 +52,7 @@ import torch
 
 from rollout.adapters import LoraAdapter
 from rollout.base import EngineCannotLoad, InProcessEngine, one_line
+from rollout.cpu_amx import request_amx_permission
 from rollout.device_placement import check_engine_device, keep_current_device, placement_options
 from rollout.fp8_weights import check_block_fp8_update, check_engine_fp8_layers, engine_fp8_layers
 from rollout.model_files import checkpoint_shapes, eos_token_ids
@@ -293,6 +294,8 @@ class VLLMEngine(InProcessEngine):
             routes = route_options(self.cuda, enable_prefix_caching)
             enable_prefix_caching = routes.pop("enable_prefix_caching")
             llm_kwargs = {**routes, **llm_kwargs}
+        if not self.cuda:  # before vLLM's first GEMM, whose 1-4-row bf16 kernel uses AMX without asking
+            request_amx_permission()
         # Without a tokenizer, vLLM's chat-template warm-up fails and logs a traceback: expected here.
         with _preserve_rng(), keep_current_device(self.cuda) as device, \
                 _drop_log("vllm.renderers.base", "Chat template warmup failed", not load_tokenizer):
