@@ -25,10 +25,12 @@ PARITY_MAE_BOUND = 1e-2
 
 
 def cfg_for(tmp_path, name, *overrides):
+    # eval.every=0: the recipe's held-out evaluation (160 completions before step 1 and again after the last) is
+    # read by no test here; tests/trainer/measurement/test_evaluation.py runs it in the loop.
     return load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [
         f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled",
         "rollout.prompts_per_step=8", "algorithm.group_size=4", "train.micro_batch_size=16",
-        "checkpoint.every=0", *overrides])
+        "checkpoint.every=0", "eval.every=0", *overrides])
 
 
 def lora_params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -94,12 +96,17 @@ def test_skipped_sync_is_detected(tmp_path, tiny_model_dir, vllm_engine):
     assert min(probe[1:]) > 3 * PARITY_MAE_BOUND and probe[0] > PARITY_MAE_BOUND, probe
 
 
-def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, vllm_engine):
+def test_resume_equals_uninterrupted_and_an_existing_run_is_not_overwritten(tmp_path, tiny_model_dir, vllm_engine):
     # (e) 4 steps straight == 2 steps, stop, resume for 2 more.
     full = train(cfg_for(tmp_path, "full", "train.steps=4"), engine=vllm_engine)
     half = cfg_for(tmp_path, "split", "train.steps=4")
     half.train.steps = 2  # stop after 2 as if killed right after the checkpoint...
     train(half, engine=vllm_engine)
+    # the stopped run is not started again over its checkpoints without --resume
+    before = sorted(p.name for p in (half.run_dir / "checkpoints").iterdir())
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(half, engine=vllm_engine)
+    assert sorted(p.name for p in (half.run_dir / "checkpoints").iterdir()) == before
     half.train.steps = 4  # ...and continue to the original budget
     resumed = train(half, resume=True, engine=vllm_engine)
     assert [h["step"] for h in resumed.history] == [3, 4]
@@ -109,15 +116,6 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, vllm_engine):
     assert pa.keys() == pb.keys()
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-6, msg=k)
-
-
-def test_existing_run_is_not_overwritten(tmp_path, tiny_model_dir, vllm_engine):
-    cfg = cfg_for(tmp_path, "twice", "train.steps=1")
-    train(cfg, engine=vllm_engine)
-    before = sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir())
-    with pytest.raises(FileExistsError, match="--resume"):
-        train(cfg, engine=vllm_engine)
-    assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == before
 
 
 def test_short_run_raises_reward(tmp_path, tiny_model_dir, vllm_engine):
