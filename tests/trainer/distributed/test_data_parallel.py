@@ -131,25 +131,56 @@ def test_two_ranks_give_the_single_process_loss_gradient_and_parity(tiny_model_d
         assert r["parity_dp"][k] == pytest.approx(v, rel=1e-4, abs=slack.get(k, 1e-9)), k
 
 
-def two_ranks(recipe: Path, sets: list[str], run_dir: Path) -> list[dict]:
-    """``recipe`` trained by two ranks (torchrun) with ``sets``: its metrics.jsonl rows."""
-    proc = subprocess.run([*TORCHRUN, "-m", "trainer.train", str(recipe),
-                           *[x for s in [*sets, f"logging.run_dir={run_dir}", "name=two"] for x in ("--set", s)]],
+GRPO = REPO / "recipes/grpo_tiny.yaml"
+PPO = REPO / "recipes/ppo_tiny.yaml"
+DAPO = REPO / "recipes/dapo_tiny.yaml"
+ENVS = REPO / "tests/trainer/rl/episode_envs.py"
+# Each comparison's recipe and overrides, trained by two ranks in one launch (two_rank_runs) and, where compared, by
+# one process on the session's engine.
+# eval.every 0 in training: the recipe's held-out evaluation (before step 1 and after the last, 32 prompts) costs
+# more than both steps; its pooling over two ranks is the episodes comparison's (8 prompts, 4 a rank).
+RUNS = {
+    "training": (GRPO, ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
+                        "logging.wandb.mode=disabled", "eval.every=0"]),
+    "episodes": (GRPO, ["train.steps=1", "rollout.prompts_per_step=4", "algorithm.group_size=4", "checkpoint.every=0",
+                        "logging.wandb.mode=disabled", f"env.class={ENVS}:FollowUp", "env.max_turns=2",
+                        "env.max_tokens=128", "parity.probe_prompts=0", "eval.num_prompts=8"]),
+    "ppo": (PPO, ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
+                  "logging.wandb.mode=disabled", "algorithm.epochs=1", "algorithm.mini_batches=1",
+                  "algorithm.whiten_rewards=true", "algorithm.reward_kl_target=0.05"]),
+    "dynamic_sampling": (DAPO, ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4",
+                                "checkpoint.every=0", "logging.wandb.mode=disabled",
+                                "algorithm.dynamic_sampling=true"]),
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, tiny_model_dir) -> dict[str, list[dict]]:
+    """Every RUNS entry trained by two ranks, in turn, in one torchrun launch (dp_runs_worker.py: the launch's
+    start-up, imports and an engine in each rank, is paid once): each run's metrics.jsonl rows by name."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    runs = [[str(recipe), [*sets, f"logging.run_dir={root / name}", f"name={name}"]]
+            for name, (recipe, sets) in RUNS.items()]
+    (root / "runs.json").write_text(json.dumps(runs))
+    proc = subprocess.run([*TORCHRUN, str(Path(__file__).parent / "dp_runs_worker.py"), str(root / "runs.json")],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert proc.returncode == 0, proc.stderr[-8000:]  # both ranks' tracebacks
+    return {name: [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()] for name in RUNS}
 
 
-@pytest.mark.slow
-def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_engine):
+def one_process(name: str, run_dir: Path, engine):
+    """RUNS[name] trained by one process on ``engine``: its history."""
     from trainer.lifecycle.preflight import load_recipe
     from trainer.rl.loop import train
 
-    common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
-              "logging.wandb.mode=disabled"]
-    two = two_ranks(REPO / "recipes/grpo_tiny.yaml", common, tmp_path / "two")
-    one = train(load_recipe(REPO / "recipes/grpo_tiny.yaml", [*common, f"logging.run_dir={tmp_path / 'one'}",
-                                                             "name=one"]), engine=vllm_engine).history
+    recipe, sets = RUNS[name]
+    return train(load_recipe(recipe, [*sets, f"logging.run_dir={run_dir}", "name=one"]), engine=engine).history
+
+
+@pytest.mark.slow
+def test_two_rank_training_matches_one_process(tmp_path, two_rank_runs, vllm_engine):
+    two = two_rank_runs["training"]
+    one = one_process("training", tmp_path / "one", vllm_engine)
     assert [r["step"] for r in two] == [0, 1, 2]
     # Step 1: same weights, and each rank samples its shard with the single process's
     # per-sample seeds (SamplingSpec.index_offset): the same samples, rewards and pooled parity.
@@ -161,20 +192,12 @@ def test_two_rank_training_matches_one_process(tmp_path, tiny_model_dir, vllm_en
 
 
 @pytest.mark.slow
-def test_two_rank_episodes_match_one_process(tmp_path, tiny_model_dir, vllm_engine):
+def test_two_rank_episodes_match_one_process(tmp_path, two_rank_runs, vllm_engine):
     """Multi-turn episodes (a user's environment file): each rank runs its shard with the single process's
     per-episode seeds at every turn (trainer/sampling/episodes.py), so step 1's episodes, rewards and per-turn parity
     token counts are the single process's."""
-    from trainer.lifecycle.preflight import load_recipe
-    from trainer.rl.loop import train
-
-    envs = REPO / "tests/trainer/rl/episode_envs.py"
-    common = ["train.steps=1", "rollout.prompts_per_step=4", "algorithm.group_size=4", "checkpoint.every=0",
-              "logging.wandb.mode=disabled", f"env.class={envs}:FollowUp", "env.max_turns=2", "env.max_tokens=128",
-              "parity.probe_prompts=0"]
-    two = two_ranks(REPO / "recipes/grpo_tiny.yaml", common, tmp_path / "two")
-    one = train(load_recipe(REPO / "recipes/grpo_tiny.yaml", [*common, f"logging.run_dir={tmp_path / 'one'}",
-                                                             "name=one"]), engine=vllm_engine).history
+    two = two_rank_runs["episodes"]
+    one = one_process("episodes", tmp_path / "one", vllm_engine)
     s1 = two[-1]
     for key in ("reward/mean", "reward/env", "parity/num_tokens", "episode/turns", "episode/truncated_frac",
                 "parity/retokenize_drift_episodes"):
@@ -191,19 +214,11 @@ def test_two_rank_episodes_match_one_process(tmp_path, tiny_model_dir, vllm_engi
 
 
 @pytest.mark.slow
-def test_two_rank_ppo_matches_one_process(tmp_path, tiny_model_dir, vllm_engine):
+def test_two_rank_ppo_matches_one_process(tmp_path, two_rank_runs, vllm_engine):
     """PPO's batch-level statistics pooled over the ranks: whitened rewards and advantages and the adaptive KL
     controller's beta are the single process's (one update per batch, so the updates see the same rows)."""
-    from trainer.lifecycle.preflight import load_recipe
-    from trainer.rl.loop import train
-
-    recipe = REPO / "recipes/ppo_tiny.yaml"
-    common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
-              "logging.wandb.mode=disabled", "algorithm.epochs=1", "algorithm.mini_batches=1",
-              "algorithm.whiten_rewards=true", "algorithm.reward_kl_target=0.05"]
-    two = two_ranks(recipe, common, tmp_path / "two")
-    one = train(load_recipe(recipe, [*common, f"logging.run_dir={tmp_path / 'one'}", "name=one"]),
-                engine=vllm_engine).history
+    two = two_rank_runs["ppo"]
+    one = one_process("ppo", tmp_path / "one", vllm_engine)
     s1 = two[1]
     assert s1["reward/mean"] == one[0]["reward/mean"] and s1["parity/num_tokens"] == one[0]["parity/num_tokens"]
     assert s1["train/kl_ref_seq"] == pytest.approx(one[0]["train/kl_ref_seq"], rel=1e-3)
@@ -222,18 +237,11 @@ def test_two_rank_ppo_matches_one_process(tmp_path, tiny_model_dir, vllm_engine)
 
 
 @pytest.mark.slow
-def test_two_ranks_with_dynamic_sampling_stay_in_step(tmp_path, tiny_model_dir):
+def test_two_ranks_with_dynamic_sampling_stay_in_step(two_rank_runs):
     """DAPO's refill rounds with 2 ranks: the ranks decide together how many prompt batches to draw and train on
     the same number of groups (a rank drawing more batches than the other would desynchronise the batcher, and
     unequal forward counts would hang ZeRO-3)."""
-    common = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=0",
-              "logging.wandb.mode=disabled", "algorithm.dynamic_sampling=true", f"logging.run_dir={tmp_path}",
-              "name=ds"]
-    proc = subprocess.run([*TORCHRUN, "-m", "trainer.train", str(REPO / "recipes/dapo_tiny.yaml"),
-                           *[x for s in common for x in ("--set", s)]],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = two_rank_runs["dynamic_sampling"][1:]
     print("ds", [(r["rollout/ds_rounds"], r["rollout/ds_signal_frac"], r["rollout/ds_train_groups"]) for r in rows])
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
