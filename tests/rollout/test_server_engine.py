@@ -4,7 +4,7 @@ Fast tier: URL parsing, the server command, the response parser, the
 ``parityrl_file`` transfer engines against a stand-in model, and start-up against a
 port where nothing listens. Slow tier: a real ``parityrl serve`` subprocess on
 127.0.0.1 (never a vLLM engine inside the pytest process) -- generation against an HF
-forward, weight pushes, three training steps, and a server killed mid-run.
+forward, weight pushes, training runs, and a server killed mid-run.
 
 Bounds are the colocated suite's (tests/rollout/test_vllm_engine.py,
 tests/trainer/rl/test_train_integration.py): the server runs the same vLLM code on the
@@ -910,8 +910,12 @@ def test_adapter_versions_over_the_wire(server, tiny_model_dir, adapter_policy, 
 
 
 def overrides_for(tmp_path, name, url, *overrides) -> list[str]:
+    """The runs of this module: 8 prompts x 4 samples, and no held-out evaluation (eval.every 0) unless an override
+    turns it on: the recipe's 32-prompt evaluation before step 1 and after the last costs more than a 2-step run's
+    steps (a two-rank run of the recipe on a loaded 2-core CPU: 23.5 s for the evaluation at step 0, 3.9 s for
+    step 1). SHARED_RUN runs a smaller one against the server."""
     return [f"name={name}", f"logging.run_dir={tmp_path / name}", "logging.wandb.mode=disabled",
-            "rollout.prompts_per_step=8", "algorithm.group_size=4", "train.micro_batch_size=16",
+            "rollout.prompts_per_step=8", "algorithm.group_size=4", "train.micro_batch_size=16", "eval.every=0",
             "rollout.mode=server", f"rollout.server_url={url}", "rollout.server_timeout_s=120", *overrides]
 
 
@@ -921,49 +925,54 @@ def cfg_for(tmp_path, name, url, *overrides):
     return load_recipe(RECIPE, overrides_for(tmp_path, name, url, *overrides))
 
 
-@pytest.mark.slow
-def test_three_training_steps_against_the_server(server, tmp_path, tiny_model_dir):
-    from peft.utils import load_peft_weights
-
-    from trainer.io.checkpoint import latest_checkpoint
-    from trainer.rl.loop import train
-
-    # lr 1e-2: the weights move a lot -- the same run with rollout.sync_weights=false measured
-    # probe/mae 0.17 after step 1 and parity/mae 0.18, 0.39 at steps 2, 3 (18-39x the bound) --
-    # while the probe on the drifting policy stays inside the bound (its prefill scores of the step-0
-    # sequences at T = 1 measured 1.5e-3, 2.8e-3, 6.3e-3 after pushes 1-3; the decode probe it replaced
-    # <= 1.2e-3; at the colocated test's lr 2e-2 the probe reaches 9.8e-3 at step 3, too close to 1e-2).
-    res = train(cfg_for(tmp_path, "server3", server.url, "train.steps=3", "train.learning_rate=1e-2",
-                        "parity.topk=5", "checkpoint.every=0"))
-    h = res.history
-    print("parity/mae", [f"{x['parity/mae']:.2e}" for x in h], "probe/mae", [f"{x['probe/mae']:.2e}" for x in h],
-          "sync_s", [round(x["perf/sync_s"], 3) for x in h], "step_s", [round(x["perf/step_s"], 2) for x in h])
-    assert [x["step"] for x in h] == [1, 2, 3]
-    assert all(x["parity/mae"] < PARITY_MAE_BOUND for x in h)  # steps 2, 3: rollouts after pushes 1, 2
-    assert all(x["perf/sync_bytes"] > 0 for x in h)
-    assert all(x["probe/mae"] < PARITY_MAE_BOUND and x["probe/num_tokens"] > 0 for x in h)  # right after each push
-    assert all(0 <= x["parity/topk_kl"] < 1e-3 for x in h)
-    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["step"] == 0 and rows[0]["probe/mae"] < PARITY_MAE_BOUND  # the server started in sync
-    lora = load_peft_weights(str(latest_checkpoint(res.run_dir) / "adapter"), device="cpu")
-    assert sum(v.float().norm() for k, v in lora.items() if "lora_B" in k) > 0.1  # the pushes carried real updates
-    # rollout.lora_sync auto on a server `parityrl serve` started for the recipe: each sync is the adapter (BF16)
-    assert all(x["perf/sync_bytes"] == adapter_bytes(lora) for x in h)
-
-
 def adapter_bytes(lora: dict) -> float:
     """What an adapter sync of these PEFT weights sends (BF16, the server's LoRA dtype)."""
     return float(sum(v.numel() * 2 for v in lora.values()))
 
 
-SHARED_RUN = ("train.steps=2", "checkpoint.every=0", "parity.topk=5")
+# The run that the colocated engine, two trainer ranks and the off-policy run are compared with, and whose own
+# steps are checked for parity after each push (test_training_steps_against_the_server).
+# lr 1e-2: the weights move a lot -- the same run with rollout.sync_weights=false measured probe/mae 0.17 after
+# step 1 and parity/mae 0.18 at step 2 (18x the bound) -- while the probe on the drifting policy stays inside the
+# bound (its prefill scores of the step-0 sequences at T = 1 measured 1.5e-3, 2.8e-3 after pushes 1, 2; at lr 2e-2
+# the probe reaches 9.8e-3 at step 3, too close to 1e-2).
+# The held-out evaluation (before step 1 and after the last) on 8 prompts: evaluation against a server, by one
+# trainer and by two ranks, at a quarter of the recipe's cost.
+SHARED_RUN = ("train.steps=2", "checkpoint.every=0", "parity.topk=5", "train.learning_rate=1e-2",
+              "eval.every=20", "eval.num_prompts=8")
 
 
 @pytest.fixture(scope="module")
 def one_trainer_on_server(server, tmp_path_factory):
     from trainer.rl.loop import train
 
-    return train(cfg_for(tmp_path_factory.mktemp("one"), "one", server.url, *SHARED_RUN)).history
+    return train(cfg_for(tmp_path_factory.mktemp("one"), "one", server.url, *SHARED_RUN))
+
+
+@pytest.mark.slow
+def test_training_steps_against_the_server(one_trainer_on_server):
+    """Two GRPO steps against the server (SHARED_RUN): step 2's rollouts come after push 1, and the probe after
+    every push scores the step-0 sequences on the pushed weights; each sync is the adapter."""
+    from peft.utils import load_peft_weights
+
+    from trainer.io.checkpoint import latest_checkpoint
+
+    res = one_trainer_on_server
+    h = res.history
+    print("parity/mae", [f"{x['parity/mae']:.2e}" for x in h], "probe/mae", [f"{x['probe/mae']:.2e}" for x in h],
+          "sync_s", [round(x["perf/sync_s"], 3) for x in h], "step_s", [round(x["perf/step_s"], 2) for x in h])
+    assert [x["step"] for x in h] == [1, 2]
+    assert all(x["parity/mae"] < PARITY_MAE_BOUND for x in h)  # step 2: rollouts after push 1
+    assert all(x["perf/sync_bytes"] > 0 for x in h)
+    assert all(x["probe/mae"] < PARITY_MAE_BOUND and x["probe/num_tokens"] > 0 for x in h)  # right after each push
+    assert all(0 <= x["parity/topk_kl"] < 1e-3 for x in h)
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and rows[0]["probe/mae"] < PARITY_MAE_BOUND  # the server started in sync
+    assert "eval/mean@4" in rows[0] and "eval/mean@4" in rows[-1]  # the held-out evaluation ran against the server
+    lora = load_peft_weights(str(latest_checkpoint(res.run_dir) / "adapter"), device="cpu")
+    assert sum(v.float().norm() for k, v in lora.items() if "lora_B" in k) > 0.1  # the pushes carried real updates
+    # rollout.lora_sync auto on a server `parityrl serve` started for the recipe: each sync is the adapter (BF16)
+    assert all(x["perf/sync_bytes"] == adapter_bytes(lora) for x in h)
 
 
 @pytest.mark.slow
@@ -973,7 +982,7 @@ def test_adapter_training_against_the_server_is_the_colocated_engines(one_traine
     the same vLLM code on the same CPU; the rollouts after the first sync come from the adapter version 2)."""
     from trainer.rl.loop import train
 
-    one = one_trainer_on_server
+    one = one_trainer_on_server.history
     colocated = train(cfg_for(tmp_path, "colocated", "http://127.0.0.1:9", *SHARED_RUN, "rollout.mode=colocate"),
                       engine=vllm_engine).history
     for s, c in zip(one, colocated):
@@ -1007,7 +1016,7 @@ def test_two_trainer_ranks_share_one_server(trainers, server, one_trainer_on_ser
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = [json.loads(x) for x in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
-    one = one_trainer_on_server
+    one = one_trainer_on_server.history
     assert [r["step"] for r in two] == [0, 1, 2]
     assert two[1]["reward/mean"] == one[0]["reward/mean"]
     assert two[1]["parity/num_tokens"] == one[0]["parity/num_tokens"]
@@ -1199,9 +1208,9 @@ def test_one_step_off_policy_against_the_server(server, one_trainer_on_server, t
     another process there) while this step trains; step 1 is the on-policy run's step 1."""
     from trainer.rl.loop import train
 
-    res = train(cfg_for(tmp_path, "offpolicy", server.url, "checkpoint.every=0", "train.steps=3",
+    res = train(cfg_for(tmp_path, "offpolicy", server.url, "checkpoint.every=0", "train.steps=2",
                         "rollout.max_staleness=1", "parity.topk=5")).history
-    one = one_trainer_on_server
+    one = one_trainer_on_server.history
     assert res[0]["reward/mean"] == one[0]["reward/mean"] and res[0]["staleness/mae"] == 0.0
     assert all(h["staleness/mae"] > 0 for h in res[1:])  # trained one update after the adapter that sampled
     assert all(h["parity/mae"] < PARITY_MAE_BOUND for h in res)  # engine vs that adapter: numerics only
@@ -1218,6 +1227,7 @@ def test_episodes_against_the_server(server, tmp_path):
 
     envs = REPO / "tests" / "trainer" / "rl" / "episode_envs.py"
     res = train(cfg_for(tmp_path, "episodes", server.url, "train.steps=2", "checkpoint.every=0",
+                        "rollout.prompts_per_step=4",  # 16 episodes a step, as the two-rank episodes test
                         f"env.class={envs}:FollowUp", "env.max_turns=2", "env.max_tokens=88")).history
     assert [h["step"] for h in res] == [1, 2]
     for h in res:
