@@ -3,9 +3,10 @@
 Fast: what the loop refuses under DeepSpeed, and the checkpoint loaders' refusals.
 Slow: 2 GRPO steps on the tiny model under ZeRO-2 (torchrun + the environment
 ``accelerate launch`` would set) and ZeRO-3 (``accelerate launch --config_file
-recipes/accelerate/zero3.yaml``), against one process on the whole batch; then the
-run is resumed from its step-1 checkpoint and must repeat step 2 exactly.
-Each launch is a subprocess (never a second engine in the pytest process).
+recipes/accelerate/zero3.yaml``), against one process on the whole batch; 2 PPO steps under
+each stage against data parallel, then resumed from the step-1 checkpoint, repeating step 2 exactly.
+Each launch is a subprocess (never a second engine in the pytest process); a launch costs mostly
+its start-up (two ranks, two engines), so each one serves every assertion its run can answer.
 """
 import json
 import os
@@ -31,7 +32,10 @@ REPO = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
 RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
 COMMON = ["train.steps=2", "rollout.prompts_per_step=8", "algorithm.group_size=4", "checkpoint.every=1",
-          "logging.wandb.mode=disabled"]
+          "logging.wandb.mode=disabled", "eval.num_prompts=8"]
+# The recipe's held-out evaluation (before step 1 and after the last) runs in the GRPO launches against one
+# process, where its step-0 figures are compared; the launches that read no eval/ figure leave it off.
+NO_EVAL = ["--set", "eval.every=0"]
 
 
 # ------------------------------------------------------------------ fast: refusals
@@ -140,7 +144,9 @@ def one_process(tmp_path_factory, tiny_model_dir, vllm_engine):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_training_matches_one_process_and_resumes_exactly(stage, tmp_path, one_process):
+def test_zero_training_matches_one_process(stage, tmp_path, one_process):
+    """The resume from a ZeRO checkpoint, at each stage: test_ppo_under_zero_matches_data_parallel_and_resumes_exactly
+    (the same engine checkpoint, with the value head in it too)."""
     one, one_dir = one_process
     run = tmp_path / "zero"
     proc = _launch(stage, run)
@@ -160,6 +166,12 @@ def test_zero_training_matches_one_process_and_resumes_exactly(stage, tmp_path, 
     assert all(r["parity/mae"] < 1e-2 for r in two[1:]) and two[0]["probe/mae"] < 1e-2
     # The sync sent the merged modules (ZeRO-3: gathered one module at a time).
     assert s1["perf/sync_bytes"] == one[0]["perf/sync_bytes"]
+    # The held-out evaluation before step 1: each rank scores its share of the prompts (ZeRO-3: the trainer's
+    # forward on gathered weights); pooled, the single process's figures.
+    e2, e1 = two[0], _records(one_dir)[0]
+    for key in ("eval/mean@4", "eval/greedy", "eval/parity/num_tokens"):
+        assert e2[key] == e1[key], key
+    assert e2["eval/parity/mae"] == pytest.approx(e1["eval/parity/mae"], rel=1e-3)
 
     # Checkpoint: every rank's optimizer shard, the adapter gathered whole; after step 1 it
     # holds the single process's adapter (Adam's first step: lr * g / (|g| + eps)).
@@ -177,20 +189,6 @@ def test_zero_training_matches_one_process_and_resumes_exactly(stage, tmp_path, 
     assert (diffs > 0.05 * lr).float().mean() < 1e-3, float((diffs > 0.05 * lr).float().mean())
     assert diffs.max() <= 2.05 * lr, float(diffs.max())
 
-    # Resume from step 1 (as after a kill during step 2): step 2 is repeated exactly.
-    resumed = tmp_path / "resumed"
-    shutil.copytree(run, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_000002")
-    proc = _launch(stage, resumed, ["--resume"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "resumed from" in proc.stdout and "(step 1)" in proc.stdout
-    again = _records(resumed)[-1]
-    assert again["step"] == 2
-    for key in ("reward/mean", "train/grad_norm", "train/loss", "parity/mae", "parity/kl_k3"):
-        assert again[key] == two[2][key], key
-    final_a, final_b = _adapter(run / "checkpoints" / "step_000002"), _adapter(resumed / "checkpoints" / "step_000002")
-    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
-
 
 @pytest.mark.slow
 def test_zero3_several_updates_with_a_kl_term_match_data_parallel(tmp_path):
@@ -202,7 +200,7 @@ def test_zero3_several_updates_with_a_kl_term_match_data_parallel(tmp_path):
              "checkpoint.every=0"]
     sets = [x for s in extra for x in ("--set", s)]
     for stage, name in ((3, "zero3"), (0, "dp")):
-        proc = _launch(stage, tmp_path / name, sets)
+        proc = _launch(stage, tmp_path / name, [*sets, *NO_EVAL])
         assert proc.returncode == 0, proc.stderr[-4000:]
     z, d = _records(tmp_path / "zero3")[1], _records(tmp_path / "dp")[1]
     assert z["train/updates"] == d["train/updates"] == 4
@@ -241,8 +239,8 @@ CRITIC_KEYS = ("train/vf_loss", "train/explained_variance", "train/value_mean")
 def test_ppo_under_zero_matches_data_parallel_and_resumes_exactly(stage, tmp_path, ppo_data_parallel):
     """PPO's value head inside the DeepSpeed engine (trainer.models.policy_forward.PolicyForward): the same 2 ranks
     without DeepSpeed give the same step 1 (2 epochs x 2 mini-batches, the critic sharing the trunk), and a
-    resume from step 1 repeats step 2 exactly -- the critic's weights and Adam state come back from the
-    engine's checkpoint (its values feed step 2's advantages)."""
+    resume from step 1 (as after a kill during step 2) repeats step 2 exactly -- the adapter's and the critic's
+    weights and Adam state come back from the engine's checkpoint (the critic's values feed step 2's advantages)."""
     run = tmp_path / "zero"
     proc = _launch(stage, run, recipe=PPO_RECIPE)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -266,10 +264,13 @@ def test_ppo_under_zero_matches_data_parallel_and_resumes_exactly(stage, tmp_pat
     shutil.rmtree(resumed / "checkpoints" / "step_000002")
     proc = _launch(stage, resumed, ["--resume"], recipe=PPO_RECIPE)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stdout and "(step 1)" in proc.stdout
     again = _records(resumed)[-1]
     assert again["step"] == 2
-    for key in ("reward/mean", "train/grad_norm", "train/loss", *CRITIC_KEYS):
+    for key in ("reward/mean", "train/grad_norm", "train/loss", "parity/mae", "parity/kl_k3", *CRITIC_KEYS):
         assert again[key] == two[2][key], key
+    final_a, final_b = _adapter(run / "checkpoints" / "step_000002"), _adapter(resumed / "checkpoints" / "step_000002")
+    assert final_a.keys() == final_b.keys() and all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
 
 @pytest.mark.slow
@@ -278,7 +279,7 @@ def test_fp8_unified_under_zero2_matches_data_parallel(tmp_path):
     DeepSpeed give the same step 1, and the FP8 engine (fp8_weights on every sync) stays in step with it."""
     sets = [x for s in ["precision.recipe=fp8_unified", "train.steps=2", "checkpoint.every=0"] for x in ("--set", s)]
     for stage, name in ((2, "zero2"), (0, "dp")):
-        proc = _launch(stage, tmp_path / name, sets)
+        proc = _launch(stage, tmp_path / name, [*sets, *NO_EVAL])
         assert proc.returncode == 0, proc.stderr[-4000:]
     z, d = _records(tmp_path / "zero2"), _records(tmp_path / "dp")
     assert z[1]["reward/mean"] == d[1]["reward/mean"] and z[1]["parity/num_tokens"] == d[1]["parity/num_tokens"]
