@@ -68,10 +68,10 @@ def print_summary(h: list[dict], final_checkpoint: Optional[Path], logger: RunLo
     for line in (episodes_line(h, k), routing_line(h), distill_line(h, k)):
         if line:
             print(line)
-    held_out = held_out_line(logger.metrics_path)
+    evals = _last_row_per_step(logger.metrics_path, lambda row: any(k.startswith("eval/") for k in row)) or {}
+    held_out = held_out_line(evals)
     if held_out:
         print(held_out)
-    evals = _last_row_per_step(logger.metrics_path, lambda row: any(k.startswith("eval/") for k in row)) or {}
     probes = _last_row_per_step(logger.metrics_path, lambda row: "probe/mae" in row) or {}
     for line in health_warnings(h, k, evals, {s: r["probe/mae"] for s, r in probes.items()}):
         print(line)
@@ -132,10 +132,9 @@ def distill_line(h: list[dict], k: int) -> str:
     return line
 
 
-def held_out_line(metrics_path: Path) -> str:
-    """``held-out`` accuracy at the run's first and last evaluation (trainer/measurement/evaluation.py), or "" without any:
-    the last record of a step wins, as in ``whole_run``."""
-    by_step = _last_row_per_step(metrics_path, lambda row: any(k.startswith("eval/") for k in row))
+def held_out_line(by_step: dict[int, dict]) -> str:
+    """``held-out`` accuracy at the run's first and last evaluation (trainer/measurement/evaluation.py), or "" without any;
+    ``by_step``: step -> its last record holding ``eval/`` figures (as ``whole_run``, a resume's repeat wins)."""
     if not by_step:
         return ""
     first, last = by_step[min(by_step)], by_step[max(by_step)]
