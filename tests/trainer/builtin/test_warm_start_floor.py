@@ -36,6 +36,7 @@ def test_the_untrained_base_solves_nothing():
     assert held_out_greedy(GRPO_TINY, ensure_tiny_base()) == 0.0
 
 
+@pytest.mark.slow  # the judgement runs in its own process (about 10 s)
 def test_a_build_below_its_floor_fails_with_one_line_and_is_not_cached(untrained_build):
     untrained_build(0.05)
     with pytest.raises(BelowFloor) as e:
@@ -48,6 +49,7 @@ def test_a_build_below_its_floor_fails_with_one_line_and_is_not_cached(untrained
         [f".{out.name}.lock"]  # no scratch left beside the lock
 
 
+@pytest.mark.slow  # the judgement runs in its own process (about 10 s)
 def test_a_build_at_its_floor_is_cached_with_its_figure(untrained_build, capsys):
     untrained_build(0.0)
     out = warm_start.ensure_warm_started("builtin:tiny")
