@@ -27,8 +27,7 @@ from trainer.environments.episode_environment import EpisodeEnvironment
 from trainer.measurement.evaluation import Evaluator
 from trainer.models.policy import load_tokenizer
 from trainer.rewards.sources import build_reward_sources
-from trainer.sampling.episode_sampler import EpisodeSampler
-from trainer.sampling.sampler import Sampler
+from trainer.sampling.episode_sampler import sampler_for
 
 EVAL_DTYPE = "float32"
 
@@ -42,11 +41,9 @@ def held_out_greedy(recipe: Path, model_dir: Path) -> float:
     evaluator = Evaluator.from_config(cfg, dp, tokenizer, train_rows=[])
     reward_fns, _ = build_reward_sources(cfg.reward, "cpu")
     engine = HFEngine(str(model_dir), dtype=EVAL_DTYPE, device="cpu")
-    shared = dict(cfg=cfg, engine=engine, batcher=None, tokenizer=tokenizer, reward_fns=reward_fns, dp=dp)
-    if cfg.env.enabled:
-        sampler = EpisodeSampler(**shared, environment=EpisodeEnvironment.from_config(cfg, str(recipe)))
-    else:
-        sampler = Sampler(**shared)
+    environment = EpisodeEnvironment.from_config(cfg, str(recipe)) if cfg.env.enabled else None
+    sampler = sampler_for(environment, cfg=cfg, engine=engine, batcher=None, tokenizer=tokenizer,
+                          reward_fns=reward_fns, dp=dp)
     return evaluator(sampler, model=None, step=0)["eval/greedy"]
 
 

@@ -25,7 +25,7 @@ from trainer.rl.critic import NegativeKLWatch
 from trainer.rl.learner import Learner
 from trainer.rl.value_head import ValueHead
 from trainer.sampling.async_prefetch import Prefetch
-from trainer.sampling.episode_sampler import EpisodeSampler
+from trainer.sampling.episode_sampler import sampler_for
 from trainer.sampling.policy_sync import PolicySync
 from trainer.sampling.sampler import Sampler
 from trainer.teacher.teacher import Teacher
@@ -108,8 +108,5 @@ class Run:
     def sampler(self) -> Sampler:
         """The run as a sampling round sees it: completions (trainer/sampling/sampler.py), or episodes with ``env``
         (trainer/sampling/episode_sampler.py); both hand the step a ``Drawn``."""
-        shared = dict(cfg=self.cfg, engine=self.engine, batcher=self.batcher, tokenizer=self.tokenizer,
-                      reward_fns=self.reward_fns, dp=self.dp)
-        if self.environment is not None:
-            return EpisodeSampler(**shared, environment=self.environment)
-        return Sampler(**shared)
+        return sampler_for(self.environment, cfg=self.cfg, engine=self.engine, batcher=self.batcher,
+                           tokenizer=self.tokenizer, reward_fns=self.reward_fns, dp=self.dp)

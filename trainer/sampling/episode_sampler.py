@@ -114,3 +114,9 @@ def episode_stats(episodes, rollouts, tokenizer, env: EpisodeEnvironment) -> dic
                            ("drift", differs), ("drift_tokens", n), ("sampled_tokens", sum(mask))):
             out[key].append(float(value))
     return out
+
+
+def sampler_for(environment: EpisodeEnvironment | None, **shared) -> Sampler:
+    """The sampling round of a run: episodes with an ``env`` (``environment``), completions without; ``shared``:
+    ``Sampler``'s fields."""
+    return Sampler(**shared) if environment is None else EpisodeSampler(**shared, environment=environment)
