@@ -45,6 +45,7 @@ from trainer.data.datasets import load_prompt_dataset, looks_like_path
 from trainer.data.tasks import PROMPT_SOURCES
 from trainer.environments.episode_environment import EpisodeEnvironment
 from trainer.lifecycle.capacity import Machine, ModelSize, capacity_problems, gpu_total_bytes, host_available_bytes
+from trainer.lifecycle.extension_locks import check_extension_locks
 from trainer.lifecycle.teacher_checks import check_teacher_at_hand
 from trainer.lifecycle.teacher_memory import teacher_memory, teacher_size_at_hand
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
@@ -198,12 +199,13 @@ def check_before_loading(path: str | os.PathLike, overrides: list[str] = (), *, 
 
 def preflight(cfg: RunConfig, where: str, *, model: bool = True, report: Optional[Report] = None) -> None:
     """Every check of what the recipe names, cheapest first, each problem kept (``Report``): a CUDA build of torch
-    that reaches no GPU, the run directory, the reward functions, the dataset and whether the functions take its
+    that reaches no GPU, a dead extension build's lock a DeepSpeed launch would hang on, the run directory, the reward functions, the dataset and whether the functions take its
     columns, the model's path and context; then (``model``) the model's checks: its config (or a hub id's reachability), its layers (LoRA), its
     precision recipe, its weights' headers and tokenizer, and the sizes the machine must hold."""
     own = report is None
     report = Report() if own else report
     report.run(check_cuda_usable, where)
+    report.run(check_extension_locks, where)
     report.run(check_run_dir, cfg, where)
     report.run(check_reward_model_dirs, cfg, where)
     fns, problems = reward_functions(cfg, where)
