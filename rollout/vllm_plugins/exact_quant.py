@@ -8,8 +8,13 @@ unquantized linear layer (oneDNN via ``dispatch_cpu_unquantized_gemm``) gives a 
 bits for every batch of M >= 2 rows (checked up to M = 4096, float32 and bfloat16), but a
 single row (M = 1) takes another reduction order when the inner dimension is large (SmolLM2's
 down_proj, K = 1536: the last sequence still decoding, or a one-token prefill after a prefix
-hit). A trainer forward always has M >= 2, so the engine must never multiply one row alone:
-``invariant_linear`` repeats a lone row and keeps the first result.
+hit). On a CPU with AMX tiles, read from vLLM's source and not measured (no such host here): bf16 weights of
+up to 1 MiB (SmolLM2's q/k/v/o projections) go to SGLang's ``weight_packed_linear`` instead
+(``vllm/model_executor/layers/utils.py`` ``check_cpu_sgl_kernel``), whose AMX brgemm runs only for M > 4 rows
+(``csrc/cpu/sgl-kernels/gemm.h`` ``can_use_brgemm<at::BFloat16>``) and another kernel below: decode steps with
+1-4 sequences left would part from the trainer's prefill, our reading of exact mode's 3e-2 on SmolLM2 bf16 on
+an AMX host. A trainer forward always has many rows, so the engine must never multiply fewer than
+``MIN_ROWS``: ``invariant_linear`` pads a product of 1-4 rows with copies of its first and keeps its own.
 
 And the attention: vLLM splits a sequence's KV over threads depending on the batch
 (``kv_split``); an exact-mode engine's attention metadata is built without the split.
@@ -34,21 +39,28 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from rollout.vllm_plugins.names import EXACT
 
-__all__ = ["EXACT", "ExactConfig", "invariant_linear", "kv_split"]
+__all__ = ["EXACT", "ExactConfig", "MIN_ROWS", "invariant_linear", "kv_split"]
+
+
+# The fewest rows a product is computed with: above SGLang's AMX brgemm threshold (M > 4; module docstring), and
+# >= 2 for oneDNN's lone-row order.
+MIN_ROWS = 5
 
 
 def invariant_linear(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``gemm(x)`` that gives every row the bits it gets inside a batch of >= 2 rows.
+    """``gemm(x)`` that gives every row the bits it gets inside a batch of ``MIN_ROWS`` or more rows.
 
-    vLLM's CPU GEMM (oneDNN) reduces a lone row in another order when K is large (measured:
-    K = 1536 differs, K <= 576 does not; every M >= 2 agrees); ``rollout.vllm_plugins.exact_quant``
-    explains where the engine meets M = 1. A lone row is multiplied as two copies.
+    vLLM's CPU GEMMs pick their kernel or reduction order by the row count (module docstring): oneDNN for a lone
+    row when K is large (measured: K = 1536 differs, K <= 576 does not; every M >= 2 agrees), SGLang's AMX path
+    for M <= 4. A product of fewer than ``MIN_ROWS`` rows is computed with copies of its first row appended.
     """
-    if x.numel() // x.shape[-1] != 1:
-        return gemm(x)
     shape = x.shape
-    rows = x.reshape(1, shape[-1]).expand(2, shape[-1]).contiguous()
-    return gemm(rows)[:1].reshape(*shape[:-1], -1)
+    rows = x.numel() // shape[-1]
+    if rows >= MIN_ROWS:
+        return gemm(x)
+    flat = x.reshape(rows, shape[-1])
+    padded = torch.cat([flat, flat[:1].expand(MIN_ROWS - rows, shape[-1])]).contiguous()
+    return gemm(padded)[:rows].reshape(*shape[:-1], -1)
 
 
 def kv_split(vllm_config) -> bool:

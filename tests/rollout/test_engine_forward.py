@@ -84,3 +84,30 @@ def test_invariant_linear_gives_a_row_the_same_bits_alone_and_anywhere_in_any_ba
     assert torch.equal(invariant_linear(lin.cpu_linear_fn, x)[299], alone[2])
     # a 3-D input keeps its shape
     assert invariant_linear(lin.cpu_linear_fn, x[:1].reshape(1, 1, 1536)).shape == (1, 1, 576)
+    for m in (1, 2, 3, 4):  # the products of 1-4 rows a decode step has: each row as in a large batch
+        assert torch.equal(invariant_linear(lin.cpu_linear_fn, x[:m]), invariant_linear(lin.cpu_linear_fn, x)[:m]), m
+
+
+def test_invariant_linear_computes_fewer_than_min_rows_as_min_rows():
+    """A GEMM whose kernel depends on the row count, as SGLang's on an AMX CPU (another kernel for M <= 4;
+    rollout/vllm_plugins/exact_quant.py): through ``invariant_linear`` every product of 1-4 rows gets each row the
+    bits of a large batch, and its own rows only, in its shape."""
+    from rollout.vllm_plugins.exact_quant import MIN_ROWS, invariant_linear
+
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    seen = []
+
+    def by_count(rows):  # the small-M kernel rounds differently: a row's value depends on M
+        seen.append(rows.shape[0])
+        out = rows @ w.T
+        return out if rows.shape[0] > 4 else out + 1e-3
+
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    big = by_count(x)
+    assert MIN_ROWS == 5
+    for m in (1, 2, 3, 4):
+        seen.clear()
+        got = invariant_linear(by_count, x[:m].reshape(m, 1, 16))
+        assert seen == [MIN_ROWS] and got.shape == (m, 1, 8) and torch.equal(got.reshape(m, 8), big[:m]), m
+    seen.clear()
+    assert torch.equal(invariant_linear(by_count, x), big) and seen == [9]
