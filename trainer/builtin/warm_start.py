@@ -67,7 +67,7 @@ class WarmStart:
 # broken build -- a data function or trainer edit that teaches nothing -- and pass every build seen working. Measured
 # on a 2-core AVX2-only x86 CPU (2026-11-29): builtin:tiny 0.375 (32 rows), builtin:tiny-teacher 0.500; builtin:tiny-tools
 # 0.953 / 0.938 / 0.953 for build seeds 0 / 1 / 2 (64 rows), builtin:tiny-tools-teacher 0.969 (bench/RESULTS.md "The
-# tools warm start"). builtin:tiny-tools' floor refuses what its earlier 200-step build gave on some seeds and hosts
+# tools warm start"). builtin:tiny-tools' floor refuses what a 200-step build of it gave on some seeds and hosts
 # (0.20-0.67), which RL could not lift or unlearnt the tool from: such a build is a host or seed on which the warm
 # start did not converge, and says so in one line instead of handing the demo a model it cannot learn from.
 _GRPO_TINY = REPO_ROOT / "recipes" / "grpo_tiny.yaml"

@@ -72,6 +72,12 @@ def deepspeed_stage(accelerator) -> int:
     return stage
 
 
+def deepspeed_requested() -> bool:
+    """Whether DeepSpeed is asked for: what ``accelerate launch`` sets from a DeepSpeed config
+    (``accelerate/utils/launch.py``), or set by hand under ``torchrun``."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def accelerator_kwargs() -> dict:
     """Keyword arguments for ``Accelerator(...)``: the process group's backend, and DeepSpeed on CPU-only hosts too.
 
@@ -82,7 +88,7 @@ def accelerator_kwargs() -> dict:
     """
     from accelerate.utils import InitProcessGroupKwargs
 
-    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    use_deepspeed = deepspeed_requested()
     if torch.cuda.is_available():
         backend = launch_backend()
         return {} if backend is None else {"kwargs_handlers": [InitProcessGroupKwargs(backend=backend)]}

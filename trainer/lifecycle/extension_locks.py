@@ -19,6 +19,7 @@ from typing import Optional
 from torch.utils.cpp_extension import get_default_build_root
 
 from trainer.config import RecipeError
+from trainer.distributed.deepspeed import deepspeed_requested
 
 # Ten builds' time: a live build of DeepSpeed's CPU ops takes about a minute on two cores.
 STALE_AFTER_S = 600.0
@@ -45,11 +46,6 @@ def stale_extension_locks(now: Optional[float] = None, older_than_s: float = STA
         if age > older_than_s:
             out.append((lock, age))
     return out
-
-
-def deepspeed_requested() -> bool:
-    """What ``accelerate launch`` sets from a DeepSpeed config (``accelerate/utils/launch.py``)."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def check_extension_locks(where: str) -> None:
