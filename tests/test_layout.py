@@ -42,7 +42,8 @@ ENTRY_POINTS = {"trainer/__init__.py", "trainer/__main__.py", "trainer/cli.py", 
 # DDP, DeepSpeed, the launch line; config: the recipes' schema (it reads the algorithms' option types); algorithms:
 # pure tensor functions and their records.
 TRAINER_ORDER = ("commands", "doctor", "diagnostics", "rl", "teacher", "measurement", "sampling", "lifecycle", "builtin", "supervised",
-                 "environments", "rewards", "precision", "models", "io", "data", "distributed", "config", "algorithms")
+                 "environments", "rewards", "precision", "models", "io", "data", "distributed", "config", "off_policy",
+                 "algorithms")
 
 
 def module_name(path: Path) -> str:

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from parity.corrections import CorrectionPlan
 from trainer.algorithms import ALGORITHMS
+from trainer.off_policy import OFF_POLICY
 
 
 class RecipeError(ValueError):
@@ -35,6 +36,11 @@ class RecipeError(ValueError):
 
 # --------------------------------------------------------------------------- sections
 
+
+# The largest rollout.max_staleness: prime-rl's default bound (max_off_policy_steps 8) and the top of AReaL's
+# sweep (max_head_offpolicyness 2-8). Each pending batch holds its rollouts and a snapshot of the trainable
+# tensors in memory and in every checkpoint.
+MAX_STALENESS = 8
 
 @dataclass
 class LoraConfig:
@@ -130,6 +136,13 @@ class AlgorithmConfig:
     # get distill_coef x -(log pi_student - log pi_teacher) per sampled token (needs teacher.path). 0 = off.
     # The `opd` algorithm is that signal alone (docs/distillation.md).
     distill_coef: float = 0.0
+    # How an update treats a batch an older policy generated (rollout.max_staleness >= 1;
+    # trainer/off_policy/): behaviour_clip, PPO's ratio and clip against the behaviour policy;
+    # decoupled, AReaL's (arXiv 2505.24298): the clip against the policy before this step's update, times the
+    # weight pi_prox / pi_behaviour, tokens whose weight exceeds behaviour_weight_cap left out (AReaL's
+    # behav_imp_weight_cap; 5 in its example recipes). Both are the on-policy update at k = 0.
+    off_policy: str = "behaviour_clip"
+    behaviour_weight_cap: float = 5.0
     options: Any = None  # the record's options; None = its defaults
 
     def __post_init__(self) -> None:
@@ -140,6 +153,11 @@ class AlgorithmConfig:
     def record(self):
         """The registered ``trainer.algorithms.Algorithm`` of ``name``."""
         return ALGORITHMS.get(self.name)
+
+    @property
+    def off_policy_record(self):
+        """The registered ``trainer.off_policy.OffPolicyObjective`` of ``off_policy``."""
+        return OFF_POLICY[self.off_policy]
 
 
 @dataclass
@@ -192,9 +210,10 @@ class RolloutConfig:
     # is lost). auto: adapter wherever the engine, the precision recipe and the LoRA targets allow it, else
     # merged, the reason printed once at start (trainer/precision/lora_sync.py).
     lora_sync: Literal["auto", "adapter", "merged"] = "auto"
-    # 1: one step off-policy (trainer/sampling/async_prefetch.py): the next step's batch is generated with the
-    # weights before this step's update while this step trains; in server mode the server generates in
-    # parallel with the trainer. 0: generate, then train (on-policy). staleness/* measures the lag.
+    # k >= 1: off-policy (trainer/sampling/async_prefetch.py): the batch of step s is generated k steps ahead,
+    # by the weights before step s-k's update, while steps s-k .. s-1 train; in server mode the server
+    # generates in parallel with the trainer. 0: generate, then train (on-policy). staleness/* measures the
+    # lag. At most MAX_STALENESS.
     max_staleness: int = 0
 
 

@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterable
 from parity.corrections import rules as correction_rules
 from rollout.completions_scorer import endpoint_url_problem
 from rollout.server_engine import parse_server_url
-from trainer.config.schema import RecipeError, RunConfig, recipe_key
+from trainer.off_policy import OFF_POLICY
+from trainer.config.schema import MAX_STALENESS, RecipeError, RunConfig, recipe_key
 
 Need = Callable[[bool, str, Any, str], None]
 # One section of the validation: raises RecipeError (through ``need`` or its own) for its problems.
@@ -150,13 +151,23 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
     need(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "a number of seconds > 0")
     need(r.server_connect_timeout_s > 0, "rollout.server_connect_timeout_s", r.server_connect_timeout_s,
          "a number of seconds > 0")
-    need(r.max_staleness in (0, 1), "rollout.max_staleness", r.max_staleness, "0 (on-policy) or 1 (one step off-policy)")
+    need(isinstance(r.max_staleness, int) and 0 <= r.max_staleness <= MAX_STALENESS, "rollout.max_staleness",
+         r.max_staleness, f"an integer from 0 (on-policy) to {MAX_STALENESS} (steps off-policy; each pending batch and "
+         "its behaviour adapter is held in memory and in every checkpoint)")
+    a = cfg.algorithm
+    need(a.off_policy in OFF_POLICY, "algorithm.off_policy", a.off_policy, f"one of {sorted(OFF_POLICY)}")
+    need(isinstance(a.behaviour_weight_cap, (int, float)) and a.behaviour_weight_cap > 1,
+         "algorithm.behaviour_weight_cap", a.behaviour_weight_cap,
+         "a number > 1 (tokens whose pi_prox / pi_behaviour exceeds it are left out of a decoupled update)")
+    need(a.off_policy_record.weight is None or a.record.token_weights, "algorithm.off_policy", a.off_policy,
+         f"'behaviour_clip' for {a.name}, whose loss weighs whole sequences ({a.off_policy} weighs each token)")
     if r.max_staleness:
-        a = cfg.algorithm
+        k = r.max_staleness
         need(not a.dynamic_sampling, "algorithm.dynamic_sampling", a.dynamic_sampling,
-             "false with rollout.max_staleness 1 (a prefetched batch is drawn once, not refilled)")
+             f"false with rollout.max_staleness {k} (a prefetched batch is drawn once, not refilled)")
         need(not a.record.critic, "algorithm.name", a.name,
-             "a critic-free algorithm with rollout.max_staleness 1 (the critic's values are not kept per behaviour policy)")
+             f"a critic-free algorithm with rollout.max_staleness {k} (the critic's values are not kept per behaviour "
+             "policy)")
     # A server is a vLLM server started by `parityrl serve`: the HF engine cannot be served (what a
     # precision recipe cannot run on a server, its record says: trainer.precision).
     need(r.mode != "server" or r.engine == "vllm", "rollout.mode", r.mode,
@@ -338,7 +349,8 @@ def _check_correction(cfg: RunConfig, need: Need) -> None:
         need(not record.critic, "parity.correction.bypass", True,
              f"false for {a.name}: its critic's values and pi_old come from the trainer's pass before the update")
         need(not cfg.rollout.max_staleness, "parity.correction.bypass", True,
-             "false with rollout.max_staleness 1: pi_old is the behaviour adapter's pass, which parity/* measures")
+             f"false with rollout.max_staleness {cfg.rollout.max_staleness}: pi_old is the behaviour adapter's pass, "
+             "which parity/* measures")
         need(plan.weight_rule is None, "parity.correction.rule", c.rule,
              "rejection rules only with parity.correction.bypass: PPO's ratio pi_theta / pi_rollout is then the "
              "importance weight (verl's bypass_ppo_clip)")

@@ -37,7 +37,7 @@ REFUSED = {
     "algorithm.group_size": "the data position and per-step sample seeds are counted in groups of this size",
     "precision.recipe": "the adapter was trained under this precision recipe (FP8 layers are part of the model)",
     "data.": "the checkpoint's data position indexes this dataset",
-    "rollout.max_staleness": "a checkpoint of an off-policy run holds the next batch and its behaviour adapter",
+    "rollout.max_staleness": "a checkpoint of an off-policy run holds the next k batches and their behaviour adapters",
     "rollout.prompts_per_step": "the checkpoint's data position counts batches of this size",
     "train.seed": "the data order and mini-batch shuffles of the run derive from it",
 }

@@ -3,7 +3,6 @@ TorchTitan bitwise RL work, vLLM blog 2025-11-10)."""
 from rollout.engine_forward import check_supported
 from rollout.engine_options import exact_kwargs
 from trainer.precision.record import (
-    ASYNC,
     COMPARE,
     CUDA,
     HF_ENGINE,
@@ -41,7 +40,6 @@ EXACT = register_recipe(PrecisionRecipe(
                             MaeFloor(0.0, any_depth=True)),
     refuses={HF_ENGINE: "it reruns vLLM's kernels",
              SERVER: "the trainer reads the engine's rotary tables and kernel choices in-process",
-             ASYNC: "exact mode is on-policy",
              CUDA: _CUDA,
              PROCESSES: _ONE_PROCESS, ZERO2: _ONE_PROCESS, ZERO3: _ONE_PROCESS,
              COMPARE: "compare scores with the trainer's HF forward; exact mode's figures are the training run's "

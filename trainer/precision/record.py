@@ -32,7 +32,7 @@ SERVER = "server"  # rollout.mode server, and the server `parityrl serve` starts
 HF_ENGINE = "hf_engine"  # rollout.engine hf (and `parityrl compare --engine hf`)
 ZERO2 = "zero2"  # DeepSpeed ZeRO stage 2
 ZERO3 = "zero3"  # DeepSpeed ZeRO stage 3
-ASYNC = "async"  # rollout.max_staleness 1: rollouts one step off-policy
+ASYNC = "async"  # rollout.max_staleness >= 1: off-policy rollouts
 PROCESSES = "processes"  # a launch of several processes (data parallel)
 COMPARE = "compare"  # `parityrl compare`
 CUDA = "cuda"  # a CUDA device is present

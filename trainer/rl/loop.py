@@ -74,6 +74,7 @@ from trainer.measurement.routing_parity import (
 )
 from trainer.measurement.sampled_support import kept_metrics
 from trainer.measurement.scoring import Scores, check_engine_logprobs
+from trainer.measurement.staleness import staleness_metrics
 from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.exact import ExactLogprobs
 from trainer.models.memory import peak_memory_gb
@@ -331,9 +332,9 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
     cfg, a, m = run.cfg, run.cfg.algorithm, {}
     sampler = run.sampler
     taken = run.prefetch.take(step)
-    run.behaviour = None
-    if taken is not None:  # generated during the previous step, by the adapter it was launched with
-        train_part, run.behaviour = taken
+    run.behaviour, run.lag = None, 0
+    if taken is not None:  # generated during an earlier step, by the adapter it was launched with
+        train_part, run.behaviour, run.lag = taken.drawn, taken.behaviour, step - 1 - taken.version
         drawn = [train_part]
     elif a.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
         train_part, drawn, ds_metrics = fill_with_signal(
@@ -344,11 +345,13 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
         train_part = sampler.draw(step)
         drawn = [train_part]
     m.update(drawn_metrics(Drawn.concat(drawn), run.dp))
-    if cfg.rollout.max_staleness:
-        # The engine still holds theta_{step-1}: the next batch is launched with it now, and trained on
-        # after this step's update. Server mode overlaps it with this step (a thread; another process).
-        # Also after the last step: the final checkpoint then holds it, so the run can be extended exactly.
-        run.prefetch.launch(step + 1, lambda: sampler.draw(step + 1), snapshot(run.policy),
+    launch = run.prefetch.missing(step, cfg.rollout.max_staleness)
+    if launch:
+        # The engine still holds theta_{step-1}: the batches up to step + k are launched with it now (the first
+        # step launches k, every later one the batch of step + k), and trained on after this step's update.
+        # Server mode overlaps them with this step (a thread; another process). Also near the last step: the
+        # final checkpoint then holds them, so the run can be extended exactly.
+        run.prefetch.launch(launch, sampler.draw, snapshot(run.policy), version=step - 1,
                             threaded=cfg.rollout.mode == "server")
     return train_part, m
 
@@ -382,14 +385,17 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
                                                     token_rewards=distill, all_sum=run.dp.all_sum), a.options)
     if a.distill_coef:
         advantages = add_distillation(advantages, distill, batch.mask, a.distill_coef)
+    run.proximal = None
     if run.behaviour is not None:
         # An off-policy batch: pi_old is its behaviour adapter (parity/* = engine vs it: numerics only);
-        # staleness/* = behaviour vs the current adapter (policy lag only). Ratios against pi_old.
+        # staleness/* = behaviour vs the current adapter (policy lag only). The update's ratios are against
+        # the objective's anchor (algorithm.off_policy: trainer/off_policy/).
         with behaviour_weights(run.policy, run.behaviour):
             scored = score_pass(learner, batch)
-        if updates_per_batch(cfg) > 1:  # one update: its own forward gives pi_theta (update_phase), no extra pass
-            current = score_pass(learner, batch)
-            m.update(run.dp.pooled_parity(current.logprobs, scored.logprobs, batch.mask, prefix="staleness/"))
+        # one update with the behaviour anchor: its own forward gives pi_theta (update_phase), no extra pass
+        if updates_per_batch(cfg) > 1 or a.off_policy_record.anchor == "proximal":
+            run.proximal = score_pass(learner, batch)
+            m.update(staleness_metrics(run.dp, run.proximal.logprobs, scored.logprobs, batch.mask, run.lag))
         return scored, advantages, None
     if not scores_first(cfg):
         scored, metrics = policy_gradient_pass(learner, batch, advantages)
@@ -397,7 +403,8 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
     else:
         scored = score_pass(learner, batch)  # pi_old, before any update
     # on-policy: the behaviour policy is the current one, by construction no lag
-    m.update(run.dp.pooled_parity(scored.logprobs, scored.logprobs, batch.mask, prefix="staleness/"))
+    m.update(staleness_metrics(run.dp, scored.logprobs, scored.logprobs, batch.mask,
+                               0 if cfg.rollout.max_staleness else None))
     return scored, advantages, None
 
 
@@ -497,13 +504,27 @@ def update_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, advanta
     if not scores_first(run.cfg) and run.value_head is None and run.behaviour is None:
         m["train/grad_norm"] = run.update()  # the gradient is already there (score_phase)
     else:
-        metrics, last = several_updates(run.learner, batch, advantages, scored, step, returns=returns)
+        anchor, weights = off_policy_anchor(run, batch, scored, m)
+        metrics, last = several_updates(run.learner, batch, advantages, anchor, step, returns=returns,
+                                        numerics=scored, anchor_weights=weights)
         m.update(metrics)
-        if run.behaviour is not None and one_update:  # off-policy batch: pi_theta before its one step
+        if run.behaviour is not None and one_update and run.proximal is None:  # pi_theta before its one step
             c = last.logprobs.shape[1]
-            m.update(run.dp.pooled_parity(last.logprobs, scored.logprobs[:, :c], batch.mask[:, :c],
-                                          prefix="staleness/"))
+            m.update(staleness_metrics(run.dp, last.logprobs, scored.logprobs[:, :c], batch.mask[:, :c], run.lag))
     run.scheduler.step()
+
+
+def off_policy_anchor(run: Run, batch: TokenBatch, scored: Scores, m: dict) -> tuple[Scores, Optional[torch.Tensor]]:
+    """(the scores the update's ratios are taken against, their per-token weights or None): the behaviour pass
+    ``scored`` on-policy and under ``behaviour_clip``; pi_prox with the weights pi_prox / pi_behaviour under
+    ``decoupled`` (trainer/off_policy/)."""
+    objective = run.cfg.algorithm.off_policy_record
+    if run.behaviour is None or objective.anchor == "behaviour":
+        return scored, None
+    weights, metrics = objective.weight(run.proximal.logprobs, scored.logprobs, batch.mask,
+                                        run.cfg.algorithm.behaviour_weight_cap)
+    m.update(metrics)
+    return run.proximal, weights
 
 
 def sync_phase(run: Run, step: int, m: dict) -> None:

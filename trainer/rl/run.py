@@ -20,6 +20,7 @@ from trainer.lifecycle.truncation import TruncationWatch
 from trainer.measurement.evaluation import BestCheckpoint, Evaluator
 from trainer.measurement.merge_cost import MergeCost
 from trainer.measurement.probe import Probe
+from trainer.measurement.scoring import Scores
 from trainer.models.exact import ExactLogprobs
 from trainer.rl.critic import NegativeKLWatch
 from trainer.rl.learner import Learner
@@ -73,10 +74,12 @@ class Run:
     tokens_seen: float = 0.0  # completion tokens trained on so far (checkpointed)
     truncation: TruncationWatch = field(default_factory=TruncationWatch)
     tool_use: ToolUseWatch = field(default_factory=ToolUseWatch)
-    # rollout.max_staleness 1 (trainer/sampling/async_prefetch.py): the next step's batch, and the behaviour
-    # adapter of the batch this step trains on (None: the current weights generated it)
+    # rollout.max_staleness k (trainer/sampling/async_prefetch.py): the next k steps' batches, and the behaviour
+    # adapter of the batch this step trains on (None: the current weights generated it) with its lag in versions
     prefetch: Prefetch = field(default_factory=Prefetch)
     behaviour: Optional[dict] = None
+    lag: int = 0
+    proximal: Optional[Scores] = None  # an off-policy batch scored by the weights before this step's update
     records: RecordWrites = field(default_factory=RecordWrites)  # a failed write of a record, till the step's end
     environment: Optional[EpisodeEnvironment] = None  # env: multi-turn episodes (trainer/sampling/episode_sampler.py)
     teacher: Optional[Teacher] = None  # on-policy distillation's teacher (trainer/teacher/), None without one

@@ -156,8 +156,14 @@ def mini_batch_rows(num_samples: int, cfg: RunConfig, step: int, epoch: int) -> 
 
 
 def several_updates(learner: Learner, batch: TokenBatch, advantages: torch.Tensor, old: Scores, step: int,
-                    returns: Optional[torch.Tensor] = None) -> tuple[dict[str, float], Scores]:
+                    returns: Optional[torch.Tensor] = None, numerics: Optional[Scores] = None,
+                    anchor_weights: Optional[torch.Tensor] = None) -> tuple[dict[str, float], Scores]:
     """``epochs`` x ``mini_batches`` optimizer steps on one rollout batch, ratios against pi_old (``old``).
+
+    An off-policy objective (trainer/off_policy/) may anchor the ratios elsewhere than the policy that
+    sampled: ``numerics`` is then the trainer's pass under the behaviour policy, against which the corrections
+    weigh the engine's numerics (default: ``old``), and ``anchor_weights`` [S, C] multiply every token's term
+    (the decoupled objective's pi_prox / pi_behaviour).
 
     ``learner.backward(loss)`` per micro-batch and ``learner.step()`` per mini-batch. Returns the
     metrics, means over the updates (``train/approx_kl_last`` is k3(pi_old || pi_theta) on the
@@ -167,7 +173,9 @@ def several_updates(learner: Learner, batch: TokenBatch, advantages: torch.Tenso
     cfg = learner.cfg
     # pi_old is fixed for the batch: its rules' weights are computed once, on the whole batch; a rule on the current
     # policy (OPSM) is computed by each update's pass from its own forward, since the policy moves between updates
-    weights = correction_weights(cfg, old.logprobs, batch, advantages, all_sum=learner.dp.all_sum, policy="old")
+    weights = correction_weights(cfg, (old if numerics is None else numerics).logprobs, batch, advantages,
+                                 all_sum=learner.dp.all_sum, policy="old")
+    weights = _times(weights, anchor_weights)
     sums: dict[str, float] = {}
     for epoch in range(cfg.algorithm.epochs):
         for idx in mini_batch_rows(len(batch), cfg, step, epoch):

@@ -122,8 +122,6 @@ def test_only_fp8_unified_transforms_the_trainer_model(monkeypatch):
                                                               "without the FP8 weights and layers"]),
     (["precision.recipe=exact", "rollout.engine=hf"], ["rollout.engine = 'hf'", "reruns vLLM's kernels"]),
     (["precision.recipe=exact", "rollout.mode=server"], ["rollout.mode = 'server'", "rotary tables"]),
-    (["precision.recipe=exact", "rollout.max_staleness=1"], ["precision.recipe = 'exact'",
-                                                            "not exact with rollout.max_staleness 1", "on-policy"]),
 ])
 def test_each_refusal_at_load_names_key_value_and_reason(overrides, needles):
     (line,) = broken(*overrides)

@@ -14,7 +14,7 @@ import trainer.sampling.engines
 from trainer.config import RecipeError
 from trainer.lifecycle.preflight import load_recipe
 from trainer.precision import RECIPES, PrecisionRecipe, compare_choices, register_recipe
-from trainer.precision.record import COMPARE, FLOAT32_FLOOR, SERVER
+from trainer.precision.record import ASYNC, COMPARE, FLOAT32_FLOOR, SERVER
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
@@ -41,7 +41,8 @@ def toy(monkeypatch):
         name="toy_fp32", doc="a float32 toy (this test)", dtypes=("float32",), dtype_reason="the toy runs in float32",
         mae_floor={"float32": FLOAT32_FLOOR},
         engine_options=toy_engine_options, transform=toy_transform,
-        refuses={SERVER: "the toy has no server", COMPARE: "the toy is not compared"}))
+        refuses={SERVER: "the toy has no server", COMPARE: "the toy is not compared",
+                 ASYNC: "the toy is on-policy"}))
 
 
 def test_an_unregistered_recipe_is_refused():
@@ -59,6 +60,10 @@ def test_a_toy_recipe_is_valid_refused_where_it_says_and_starts_its_engine(toy, 
     with pytest.raises(RecipeError, match=r"rollout.mode = 'server': expected 'colocate' with precision.recipe "
                                           r"toy_fp32 \(the toy has no server\)"):
         load_recipe(RECIPE, ["precision.recipe=toy_fp32", "model.dtype=float32", "rollout.mode=server"],
+                    check_paths=False)
+    with pytest.raises(RecipeError, match=r"precision.recipe = 'toy_fp32': expected not toy_fp32 with "
+                                          r"rollout.max_staleness 2 \(the toy is on-policy\)"):
+        load_recipe(RECIPE, ["precision.recipe=toy_fp32", "model.dtype=float32", "rollout.max_staleness=2"],
                     check_paths=False)
     assert "toy_fp32" not in compare_choices()
 

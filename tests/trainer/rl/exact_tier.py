@@ -75,6 +75,34 @@ def test_engine_and_trainer_logprobs_are_identical_at_every_step(tmp_path, dtype
         assert all(0.0 < r["train/kl_ref"] < 10.0 for r in steps)
 
 
+def test_off_policy_split_numerics_exactly_zero_while_the_lag_is_measured(tmp_path):
+    """rollout.max_staleness 2, colocated: parity/* compares the engine with the trainer under the adapter that
+    sampled each batch (exactly 0 in exact mode), staleness/* that adapter with the trainer's current one (> 0
+    from step 2): the split puts the whole mismatch of a stale batch in the lag and none in the numerics."""
+    rows = [r for r in _run(tmp_path, "exact-k2", "model.dtype=float32", "rollout.max_staleness=2", "train.steps=4",
+                            "rollout.prompts_per_step=4", "algorithm.group_size=4", "train.micro_batch_size=16")
+            if "parity/mae" in r]
+    assert [r["staleness/lag"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    for r in rows:
+        for key in ZERO_KEYS:
+            assert r[key] == 0.0, (r["step"], key, r[key])
+    assert rows[0]["staleness/kl_k3"] == 0.0 and all(r["staleness/kl_k3"] > 0.0 for r in rows[1:])
+
+
+def test_float32_numerics_stay_at_their_level_three_steps_off_policy(tmp_path):
+    """Without exact mode, float32 on both sides, rollout.max_staleness 3: parity/mae at float32's level (<= 1e-4,
+    docs/parity-metrics.md) at every lag, while staleness/* is the lag's."""
+    cfg = load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [
+        "name=fp32-k3", f"logging.run_dir={tmp_path / 'fp32-k3'}", "logging.wandb.mode=disabled", "checkpoint.every=0",
+        "eval.every=0", "model.dtype=float32", "train.steps=4", "rollout.max_staleness=3", "rollout.prompts_per_step=4",
+        "algorithm.group_size=4", "train.micro_batch_size=16"])
+    history = train(cfg).history
+    print("float32 k=3:", [(h["staleness/lag"], f"{h['parity/mae']:.1e}", f"{h['staleness/mae']:.1e}") for h in history])
+    assert [h["staleness/lag"] for h in history] == [0.0, 1.0, 2.0, 3.0]
+    assert all(h["parity/mae"] <= 1e-4 for h in history)
+    assert all(h["staleness/mae"] > 100 * h["parity/mae"] for h in history[1:])
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_architecture_matrix_decode_is_reproduced_bit_for_bit(arch):
     """Qwen2's q/k/v biases and Qwen3's per-head q/k norms, std-0.2 weights (trainer/builtin/zoo.py), exact engine."""
