@@ -19,8 +19,9 @@ def engine_forward(vllm_engine, hf_reference):
 
 
 @pytest.mark.slow
-def test_decoded_logprobs_topk_and_entropy_are_the_engines_bit_for_bit(vllm_engine, engine_forward):
-    r = vllm_engine.generate(PROMPTS, SamplingSpec(n=3, temperature=0.8, max_new_tokens=12, seed=7, logprobs_topk=4))
+def test_decoded_logprobs_topk_and_entropy_are_the_engines_bit_for_bit(restored_engine, engine_forward):
+    # restored_engine: the reference weights engine_forward holds, whatever ran before on the session's engine
+    r = restored_engine.generate(PROMPTS, SamplingSpec(n=3, temperature=0.8, max_new_tokens=12, seed=7, logprobs_topk=4))
     seqs = [p + c for p, c in zip(r.prompt_ids, r.completion_ids)]
     tops = [torch.tensor(t, dtype=torch.long) for t in r.topk_ids]
     lps, ents, top = engine_forward.logprobs(seqs, [len(p) for p in r.prompt_ids], temperature=0.8, topk_ids=tops)
@@ -31,9 +32,9 @@ def test_decoded_logprobs_topk_and_entropy_are_the_engines_bit_for_bit(vllm_engi
 
 
 @pytest.mark.slow
-def test_prefill_scores_equal_and_batch_composition_does_not_matter(vllm_engine, engine_forward):
+def test_prefill_scores_equal_and_batch_composition_does_not_matter(restored_engine, engine_forward):
     seqs = [PROMPTS[0] + [40, 41, 42, 43], PROMPTS[2] + [50, 51], PROMPTS[1] + [60, 61, 62, 63, 64, 65, 66]]
-    scored = vllm_engine.score(seqs)
+    scored = restored_engine.score(seqs)
     together = engine_forward.logprobs(seqs, [1] * len(seqs))
     for k, seq in enumerate(seqs):
         assert torch.equal(together[k], torch.tensor(scored.logprobs[k], dtype=torch.float32)), k
