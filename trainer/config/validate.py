@@ -9,8 +9,8 @@ from typing import Any, Callable, Iterable
 from parity.corrections import rules as correction_rules
 from rollout.completions_scorer import endpoint_url_problem
 from rollout.server_engine import parse_server_url
-from trainer.off_policy import OFF_POLICY
 from trainer.config.schema import MAX_STALENESS, RecipeError, RunConfig, recipe_key
+from trainer.off_policy import OFF_POLICY
 
 Need = Callable[[bool, str, Any, str], None]
 # One section of the validation: raises RecipeError (through ``need`` or its own) for its problems.
