@@ -24,7 +24,8 @@ properties learnt from its source and checked in ``tests/rollout``:
   therefore carry whole fused groups; ``load_weights`` refuses otherwise, and
   ``rollout.weight_export.merged_lora_weights`` adds the unchanged siblings.
 - The prefix cache keeps KV blocks computed with the old weights; it is reset
-  after every load (and after wake-up).
+  after every load (and after wake-up), and the first generate after each checks
+  that it was (``rollout.stale_kv``).
 - The reload copies each layer's new values into its original storage
   (``layerwise.py: _copy_and_restore_kernel_tensors``, "preserves cudagraph refs"): every parameter
   keeps its address across a sync, so CUDA graphs captured at start stay valid and the engine runs
@@ -60,6 +61,7 @@ from rollout.moe_config import is_moe, moe_shape, route_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import validate_request, validate_score_request
 from rollout.routes import NO_ROUTE, ROUTE_DTYPE
+from rollout.stale_kv import StaleKVAlarm
 from rollout.support import Support
 from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.vllm_adapters import ServedAdapter, lora_options
@@ -289,6 +291,7 @@ class VLLMEngine(InProcessEngine):
         self._adapter: ServedAdapter | None = None  # the adapter served (max_lora_rank set)
         self.adapter_dtype: torch.dtype | None = None  # the dtype its weights run in; None: no adapter served
         self._base_changed = False  # a merged update replaced base weights: an adapter needs them back first
+        self.stale_kv = StaleKVAlarm()  # every update arms it; the next generate checks its cache reads
         self.return_routes = bool(return_routes)
         if self.return_routes:  # CUDA: vLLM's own capture (Model Runner V2); not run on a GPU by this project yet
             routes = route_options(self.cuda, enable_prefix_caching)
@@ -403,6 +406,7 @@ class VLLMEngine(InProcessEngine):
             if truncated and not self.cuda:
                 self.llm.collective_rpc(begin_supports)
             outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
+        self.stale_kv.check([o.num_cached_tokens for o in outputs])
         routes = self._routes(outputs) if self.return_routes else []
         support = self._supports(outputs) if truncated else []
 
@@ -498,6 +502,7 @@ class VLLMEngine(InProcessEngine):
         with _preserve_rng():
             self._reset_routes()
             outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
+        self.stale_kv.spent()  # its requests filled the cache without reading it (rollout.stale_kv)
         # the sequence's routes; the one token sampled after it is not part of it
         routes = ([r[:len(seq)] for r, seq in zip(self._routes(outputs), sequences)] if self.return_routes else [])
 
@@ -541,6 +546,7 @@ class VLLMEngine(InProcessEngine):
             self._adapter.forget()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
+        self.stale_kv.updated("a weight update")
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
         check_update(named, self._shapes, self.model, self.packed_modules)
@@ -564,6 +570,7 @@ class VLLMEngine(InProcessEngine):
         self._adapter.load(self.llm, adapter)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after an adapter update (requests running?)")
+        self.stale_kv.updated("an adapter update")
 
     def drop_adapter(self) -> None:
         """Serve the base weights alone again, as before the first ``load_adapter`` (a diagnosis that synced an
@@ -573,6 +580,7 @@ class VLLMEngine(InProcessEngine):
         self._adapter.drop(self.llm)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after an adapter update (requests running?)")
+        self.stale_kv.updated("an adapter update")
 
     @property
     def adapter_version(self) -> int | None:
@@ -613,6 +621,7 @@ class VLLMEngine(InProcessEngine):
         self._asleep -= wake
         if "kv_cache" in wake:
             self.llm.reset_prefix_cache()
+            self.stale_kv.updated("a wake-up")
 
     def close(self) -> None:
         """Shut the engine down and free its memory; safe to call twice."""
