@@ -140,9 +140,12 @@ class AlgorithmConfig:
     # trainer/off_policy/): behaviour_clip, PPO's ratio and clip against the behaviour policy;
     # decoupled, AReaL's (arXiv 2505.24298): the clip against the policy before this step's update, times the
     # weight pi_prox / pi_behaviour, tokens whose weight exceeds behaviour_weight_cap left out (AReaL's
-    # behav_imp_weight_cap; 5 in its example recipes). Both are the on-policy update at k = 0.
+    # behav_imp_weight_cap; 5 in its example recipes); m2po (arXiv 2510.01161): the surrogate against
+    # pi_behaviour on the tokens kept when the batch's mean (log pi_prox / pi_behaviour)^2 is brought below
+    # m2_threshold by masking its largest terms (the paper's tau_M2, 0.04). Each is the on-policy update at k = 0.
     off_policy: str = "behaviour_clip"
     behaviour_weight_cap: float = 5.0
+    m2_threshold: float = 0.04
     options: Any = None  # the record's options; None = its defaults
 
     def __post_init__(self) -> None:

@@ -159,6 +159,8 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
     need(isinstance(a.behaviour_weight_cap, (int, float)) and a.behaviour_weight_cap > 1,
          "algorithm.behaviour_weight_cap", a.behaviour_weight_cap,
          "a number > 1 (tokens whose pi_prox / pi_behaviour exceeds it are left out of a decoupled update)")
+    need(isinstance(a.m2_threshold, (int, float)) and a.m2_threshold > 0, "algorithm.m2_threshold", a.m2_threshold,
+         "a number > 0 (the mean squared log importance weight an m2po update keeps its tokens below)")
     need(a.off_policy_record.weight is None or a.record.token_weights, "algorithm.off_policy", a.off_policy,
          f"'behaviour_clip' for {a.name}, whose loss weighs whole sequences ({a.off_policy} weighs each token)")
     if r.max_staleness:

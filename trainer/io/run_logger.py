@@ -286,6 +286,15 @@ class RunLogger:
         self.wandb_run.log({key: wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges))),
                             STEP_METRIC: step}, step=step)
 
+    def log_image(self, key: str, path: Path) -> None:
+        """A picture (the run's timeline) as a ``wandb.Image`` under ``key`` (wandb only: the file is in the run
+        folder already)."""
+        if not self.enabled or self.wandb_run is None:
+            return
+        import wandb
+
+        self.wandb_run.log({key: wandb.Image(str(path))})
+
     def summary(self, values: dict[str, Any]) -> None:
         if self.enabled and self.wandb_run is not None:
             for k, v in values.items():

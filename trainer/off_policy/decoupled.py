@@ -37,4 +37,5 @@ DECOUPLED = register_objective(OffPolicyObjective(
     reference="Fu et al. 2025 (AReaL), arXiv 2505.24298",
     anchor="proximal",
     weight=decoupled_weights,
+    parameter="behaviour_weight_cap",
 ))

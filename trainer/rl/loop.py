@@ -128,7 +128,7 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)
             # with a teacher (on-policy distillation): its log-probs of the sampled ids, distill/* and teacher_parity/*
             teacher_lp = None if run.teacher is None else run.teacher.score_step(step, drawn.rollouts, batch, m)
-            t = time.perf_counter()
+            t, t_line = time.perf_counter(), run.timeline.now()
             with update_threads(cfg.train.update_cpu_threads):
                 scored, advantages, returns = score_phase(run, step, batch, rewards, m, teacher_lp)
                 tables = correction_phase(run, step, batch, scored, advantages, m)
@@ -140,10 +140,11 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             boundary.update_applied()
             unlogged = (step, m)
             m["perf/train_s"] = time.perf_counter() - t
-            sync_phase(run, step, m)
+            run.timeline.add("train", step, step - 1, t_line, run.timeline.now())
+            run.timeline.timed("sync", step, step, sync_phase, run, step, m)
             # the step without its held-out evaluation (perf/eval_s), which benchmarks of steps must not time
             m["perf/step_s"] = time.perf_counter() - t_step
-            eval_phase(run, step, m)
+            run.timeline.timed("eval", step, step, eval_phase, run, step, m)
             m["perf/peak_memory_gb"] = peak_memory_gb(run.device)  # the run's peak so far (GiB; CPU: RSS)
             quantized = fp8_weight_quantizations(run.policy, reset=True)
             if quantized:  # only the real FP8 GEMM layers keep a weight cache (precision fp8_unified on CUDA)
@@ -174,6 +175,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
         raise
     finally:
         preemption.restore()
+        if run.is_main:
+            write_timeline(run)
         run.logger.close()
         if run.own_engine:
             run.engine.close()
@@ -338,11 +341,11 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
         drawn = [train_part]
     elif a.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
         train_part, drawn, ds_metrics = fill_with_signal(
-            lambda round_index: sampler.draw(step, round_index), share=cfg.rollout.prompts_per_step // run.dp.world,
+            lambda round_index: run.timeline.timed("generate", step, step - 1, sampler.draw, step, round_index), share=cfg.rollout.prompts_per_step // run.dp.world,
             group_size=a.group_size, mini_batches=a.mini_batches, max_rounds=a.max_sampling_rounds, dp=run.dp)
         m.update(ds_metrics)
     else:
-        train_part = sampler.draw(step)
+        train_part = run.timeline.timed("generate", step, step - 1, sampler.draw, step)
         drawn = [train_part]
     m.update(drawn_metrics(Drawn.concat(drawn), run.dp))
     launch = run.prefetch.missing(step, cfg.rollout.max_staleness)
@@ -351,8 +354,8 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
         # step launches k, every later one the batch of step + k), and trained on after this step's update.
         # Server mode overlaps them with this step (a thread; another process). Also near the last step: the
         # final checkpoint then holds them, so the run can be extended exactly.
-        run.prefetch.launch(launch, sampler.draw, snapshot(run.policy), version=step - 1,
-                            threaded=cfg.rollout.mode == "server")
+        run.prefetch.launch(launch, lambda s: run.timeline.timed("generate", s, step - 1, sampler.draw, s),
+                            snapshot(run.policy), version=step - 1, threaded=cfg.rollout.mode == "server")
     return train_part, m
 
 
@@ -393,7 +396,7 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
         with behaviour_weights(run.policy, run.behaviour):
             scored = score_pass(learner, batch)
         # one update with the behaviour anchor: its own forward gives pi_theta (update_phase), no extra pass
-        if updates_per_batch(cfg) > 1 or a.off_policy_record.anchor == "proximal":
+        if updates_per_batch(cfg) > 1 or a.off_policy_record.weight is not None:
             run.proximal = score_pass(learner, batch)
             m.update(staleness_metrics(run.dp, run.proximal.logprobs, scored.logprobs, batch.mask, run.lag))
         return scored, advantages, None
@@ -517,14 +520,28 @@ def update_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, advanta
 def off_policy_anchor(run: Run, batch: TokenBatch, scored: Scores, m: dict) -> tuple[Scores, Optional[torch.Tensor]]:
     """(the scores the update's ratios are taken against, their per-token weights or None): the behaviour pass
     ``scored`` on-policy and under ``behaviour_clip``; pi_prox with the weights pi_prox / pi_behaviour under
-    ``decoupled`` (trainer/off_policy/)."""
+    ``decoupled``; the behaviour pass with M2PO's 0/1 mask under ``m2po`` (trainer/off_policy/)."""
     objective = run.cfg.algorithm.off_policy_record
-    if run.behaviour is None or objective.anchor == "behaviour":
+    if run.behaviour is None or objective.weight is None:
         return scored, None
     weights, metrics = objective.weight(run.proximal.logprobs, scored.logprobs, batch.mask,
-                                        run.cfg.algorithm.behaviour_weight_cap)
+                                        getattr(run.cfg.algorithm, objective.parameter))
     m.update(metrics)
-    return run.proximal, weights
+    return (run.proximal if objective.anchor == "proximal" else scored), weights
+
+
+def write_timeline(run: Run) -> None:
+    """The run's timeline (trainer/measurement/timeline.py) into its folder and, as an image, to wandb; each
+    lane's busy share into wandb's summary. A failure here must not hide how the run ended."""
+    try:
+        fractions = run.timeline.busy_fractions()
+        png = run.timeline.write(run.cfg.run_dir, f"{run.cfg.name}: rollout.max_staleness "
+                                                  f"{run.cfg.rollout.max_staleness}, {run.cfg.rollout.mode} mode")
+        run.logger.summary({f"timeline/{lane}_busy_frac": v for lane, v in fractions.items()})
+        if png is not None:
+            run.logger.log_image("timeline", png)
+    except Exception as e:  # noqa: BLE001 - an OS or plotting failure: said, and the run's own outcome stands
+        print(f"the run's timeline was not written: {type(e).__name__}: {e}", flush=True)
 
 
 def sync_phase(run: Run, step: int, m: dict) -> None:

@@ -21,6 +21,7 @@ from trainer.measurement.evaluation import BestCheckpoint, Evaluator
 from trainer.measurement.merge_cost import MergeCost
 from trainer.measurement.probe import Probe
 from trainer.measurement.scoring import Scores
+from trainer.measurement.timeline import Timeline
 from trainer.models.exact import ExactLogprobs
 from trainer.rl.critic import NegativeKLWatch
 from trainer.rl.learner import Learner
@@ -88,6 +89,7 @@ class Run:
     sync: Optional[PolicySync] = None  # the engine's sync: the adapter, or the merged weights (rollout.lora_sync)
     merge_cost: Optional[MergeCost] = None  # sync/merge_* of every sync
     routing: str = "off"  # parity.routing_replay resolved: replay | measure | off (trainer/models/routing_mode.py)
+    timeline: Timeline = field(default_factory=Timeline)  # when the engine generated, when the trainer trained
 
     @property
     def device(self):
