@@ -50,10 +50,16 @@ lint: setup
 # -n $(TEST_WORKERS) --dist loadfile: pytest-xdist runs two files at a time, each file whole on one worker, so a
 # module's shared engine starts once; one test at a time left a 2-core runner's second core idle for a third of
 # the suite (wall 3,615 s against 4,848 CPU-s). OMP_WAIT_POLICY=PASSIVE as for the demo: two workers' OpenMP pools
-# sleep at their barriers instead of spinning against each other.
+# sleep at their barriers instead of spinning against each other. OMP_NUM_THREADS=$(TEST_THREADS) (1): each
+# worker, and every process a test starts, computes on one thread, so two workers fill two cores without a
+# pool sized to every core waiting at each barrier for a thread the other worker descheduled
+# (trainer/distributed/cpu_threads.py says what that costs a decode); the tiny models' matrices gain nothing
+# from a second thread there. Measured on a 2-core AVX2 CPU, four slow-tier files on two workers: 429 s with
+# torch's default pool, 364 s with one thread. Set TEST_THREADS to the cores per worker on a larger machine.
 TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
 test: setup lint
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_EXTRA)
+	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_EXTRA)
 
 test-fast: setup
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"

@@ -1,5 +1,6 @@
 """Session-wide setup: offline, hermetic cache, one tiny model and one vLLM engine per session."""
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Built models live in the checkout, so a test run never depends on (or disturbs) a user's cache.
 os.environ.setdefault("PARITYRL_CACHE", str(REPO / ".cache" / "parityrl"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with more slow tests first, each file's own order kept (a stable sort). ``make test`` runs files on
+    two workers (``--dist loadfile``), which take them in this order as they free up: the long files start first
+    and the many short ones fill both workers to the end (longest first, the classic rule for packing jobs on
+    machines), where collection order could start a long file last with the other worker idle beside it."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 # The tiny Llama's decoder linears: what model.lora.target_modules [all-linear] resolves to on it.

@@ -143,13 +143,16 @@ def one_process(tmp_path_factory, tiny_model_dir, vllm_engine):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_training_matches_one_process(stage, tmp_path, one_process):
-    """The resume from a ZeRO checkpoint, at each stage: test_ppo_under_zero_matches_data_parallel_and_resumes_exactly
-    (the same engine checkpoint, with the value head in it too)."""
+def test_zero3_training_matches_one_process(tmp_path, one_process):
+    """ZeRO-3, whose weights every rank holds a shard of, against one process. ZeRO-2 (whole weights on every
+    rank, optimizer state sharded) is held to the same 2 ranks without DeepSpeed by
+    test_ppo_under_zero_matches_data_parallel_and_resumes_exactly (reward, parity, gradient norm, the critic, and
+    a resume from its checkpoint shards bit for bit) and test_fp8_unified_under_zero2_matches_data_parallel;
+    those 2 ranks are held to one process by tests/trainer/distributed/test_data_parallel.py. The resume from a
+    ZeRO checkpoint, at each stage: the PPO test (the same engine checkpoint, with the value head in it too)."""
     one, one_dir = one_process
     run = tmp_path / "zero"
-    proc = _launch(stage, run)
+    proc = _launch(3, run)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # run-wide lines come from the main process alone: once per launch, not once per rank
     assert proc.stdout.count("LoRA targets (") == 1 and proc.stdout.count("launch: 2 processes") == 1, proc.stdout
