@@ -40,6 +40,8 @@ writes the rows. Rows in order (each: check, the issue-44 item it covers, status
   data parallel (2 ranks, each engine on its own GPU; 1 rank on one GPU), every rank serving the same versions;
   ``recipes/grpo_olmoe_gpu.yaml`` as it resolves on CUDA (adapter sync + routing replay), 2 steps on a reduced
   random OLMoE;
+- ``parityrl train`` for issue 58 (bench/gpu/gpu_rows_staleness.py): ``rollout.max_staleness`` 3 with M2PO on the
+  colocated engine, whose prefix cache is live on CUDA, so the stale-KV alarm checks every update;
 - ``GRPO steps, HF engine`` (CUDA): ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps with
   ``rollout.engine=hf`` on the Qwen2.5-0.5B-shaped model, LoRA r 32: step time and ``perf/peak_memory_gb``;
 - ``gradient checkpointing memory`` (CUDA): one LoRA forward + backward of 8 x 2048 tokens on that model
@@ -85,6 +87,7 @@ import gpu_rows_scaleout_adapters as scaleout_adapters  # noqa: E402
 import gpu_rows_server as server  # noqa: E402
 import gpu_rows_setup as setup  # noqa: E402
 import gpu_rows_shaped as shaped_rows  # noqa: E402
+import gpu_rows_staleness as staleness_rows  # noqa: E402
 import gpu_rows_teacher as teacher_rows  # noqa: E402
 import gpu_rows_teacher_doctor as teacher_doctor  # noqa: E402
 import gpu_rows_training as training  # noqa: E402
@@ -212,6 +215,8 @@ def checks(m: Models, steps: int) -> list[Check]:
         Check(scaleout_adapters.DP_ADAPTER_ROWS, lambda: scaleout_adapters.dp_adapter_row(m.tiny), "57.7", 180,
               trains=True),
         Check(scaleout_adapters.OLMOE_ROWS, lambda: scaleout_adapters.olmoe_row(m.root), "57.7", 150, trains=True),
+        Check(("k = 3 off-policy with M2PO, stale-KV alarm live",), lambda: staleness_rows.staleness_row(m.tiny), "58.1",
+              240, trains=True),
         Check(("GRPO steps, HF engine",), lambda: sh.grpo_steps(m.shaped(), steps), min_s=120, trains=True),
         Check(("gradient checkpointing memory",), lambda: sh.checkpointing_memory(m.shaped()), min_s=60),
         *(Check((f"colocated vLLM, precision {name}",), lambda name=name: sh.precision_step(name, m.shaped),
