@@ -2,39 +2,22 @@
 skipped on a CPU saying what they need, and what they rest on checked here without a GPU: the OLMoE recipe resolves
 to the adapter sync and routing replay on CUDA (merged on vLLM's CPU build), and the rows' pass rules fail on the
 records a broken run would leave (run in this process: nothing is built or started)."""
-import importlib.util
-import re
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from gpu_check_loader import listed, load_gpu_check
 
-REPO = Path(__file__).resolve().parents[2]
 ROWS = [("57.7", "LoRA adapter served under data parallel"), ("57.7", "OLMoE recipe on CUDA: adapter + routes, 2 steps")]
 
 
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu" / "gpu_check.py")
-    gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
-    spec.loader.exec_module(gpu_check)  # puts bench/gpu/ on sys.path: its row modules import
-    return gpu_check
-
-
 def _rows():
-    _gpu_check()
+    load_gpu_check()
     import gpu_rows_scaleout_adapters
 
     return gpu_rows_scaleout_adapters
 
 
 def test_list_names_both_rows_with_their_item(capsys):
-    gpu_check = _gpu_check()
-    capsys.readouterr()
-    assert gpu_check.main(["--list", "--only", "57.7"]) == 0
-    listed = [tuple(line.split(None, 1)) for line in capsys.readouterr().out.splitlines()
-              if re.match(r"^(\d+\.\d+|-) +\S", line)]
-    assert listed == ROWS
+    assert listed(capsys, "--only", "57.7") == ROWS
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behaviour (on a GPU the rows train for minutes)")
