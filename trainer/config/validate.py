@@ -167,6 +167,15 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
         k = r.max_staleness
         need(not a.dynamic_sampling, "algorithm.dynamic_sampling", a.dynamic_sampling,
              f"false with rollout.max_staleness {k} (a prefetched batch is drawn once, not refilled)")
+        # decoupled clips pi_theta / pi_prox, pi_prox being the policy before this step's update: with one update per
+        # batch pi_theta is pi_prox when that update's gradient is taken, the clip never acts, and the update is an
+        # unclipped importance-weighted policy gradient on k-step-old data (measured: the demo at k = 4 fell from
+        # held-out 0.711 to 0.012 in 40 steps, bench/RESULTS.md "Learning at staleness"). AReaL runs it with 4
+        # mini-batches (ppo_n_minibatches).
+        need(a.off_policy != "decoupled" or a.epochs * a.mini_batches > 1, "algorithm.off_policy", a.off_policy,
+             f"algorithm.mini_batches or algorithm.epochs above 1 with rollout.max_staleness {k} (decoupled's clip is "
+             "anchored to the policy before the step's update, which one update per batch never leaves: the clip "
+             "would never act)")
         need(not a.record.critic, "algorithm.name", a.name,
              f"a critic-free algorithm with rollout.max_staleness {k} (the critic's values are not kept per behaviour "
              "policy)")

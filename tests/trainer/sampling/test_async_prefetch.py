@@ -157,6 +157,7 @@ def test_a_pending_batchs_routes_survive_the_checkpoint_as_json():
     (["rollout.max_staleness=1", "algorithm.dynamic_sampling=true"], "algorithm.dynamic_sampling"),
     (["rollout.max_staleness=1", "algorithm.name=ppo"], "algorithm.name = 'ppo'"),
     (["rollout.max_staleness=4", "algorithm.name=ppo"], "critic-free algorithm with rollout.max_staleness 4"),
+    (["rollout.max_staleness=2", "algorithm.off_policy=decoupled"], "decoupled's clip is anchored to the policy"),
 ])
 def test_refused_combinations(sets, words):
     with pytest.raises(RecipeError, match=words):
@@ -195,14 +196,16 @@ def test_staleness_is_zero_on_policy_and_grows_to_k_steps_off(tmp_path, vllm_eng
     # parity/* stays the numerics of same-weights scoring: the level of the on-policy run (bf16, ~1e-3)
     assert all(h["parity/mae"] < 5 * on[1]["parity/mae"] for h in off)
     assert all(h["staleness/mae"] > h["parity/mae"] for h in off[1:])
-    # AReaL's decoupled objective on the same batches: step 1 (lag 0) is the same update; from step 2 the ratios
-    # are taken against pi_prox and weighted by pi_prox / pi_behaviour, so the loss differs
-    dec = train(_cfg(tmp_path, "decoupled", "train.steps=2", "rollout.max_staleness=3", "algorithm.off_policy=decoupled"),
-                engine=vllm_engine).history
-    assert dec[0]["train/loss"] == off[0]["train/loss"] and "staleness/decoupled_weight_mean" not in dec[0]
-    assert dec[1]["reward/mean"] == off[1]["reward/mean"] and dec[1]["train/loss"] != off[1]["train/loss"]
+    # AReaL's decoupled objective (two mini-batches: with one update its clip never acts, and it is refused) against
+    # behaviour_clip with two: step 1 (lag 0) is the same update; from step 2 the ratios are taken against pi_prox and
+    # weighted by pi_prox / pi_behaviour, so the loss differs
+    two = ("train.steps=2", "rollout.max_staleness=3", "algorithm.mini_batches=2")
+    clip2 = train(_cfg(tmp_path, "clip2", *two), engine=vllm_engine).history
+    dec = train(_cfg(tmp_path, "decoupled", *two, "algorithm.off_policy=decoupled"), engine=vllm_engine).history
+    assert dec[0]["train/loss"] == clip2[0]["train/loss"] and "staleness/decoupled_weight_mean" not in dec[0]
+    assert dec[1]["reward/mean"] == clip2[1]["reward/mean"] and dec[1]["train/loss"] != clip2[1]["train/loss"]
     assert 0.5 < dec[1]["staleness/decoupled_weight_mean"] < 2.0 and dec[1]["staleness/decoupled_filtered_frac"] < 0.1
-    assert dec[1]["staleness/kl_k3"] == off[1]["staleness/kl_k3"]  # the same lag measured (pi_prox: one forward)
+    assert dec[1]["staleness/kl_k3"] == clip2[1]["staleness/kl_k3"]  # the same lag measured (pi_prox: one forward)
     # M2PO with a threshold below the lag's second moment: its largest (log pi_prox / pi_behaviour)^2 are masked,
     # the rest is behaviour_clip's surrogate; its M2 is the squared staleness RMSE (the same tokens, one definition)
     m2 = train(_cfg(tmp_path, "m2po", "train.steps=2", "rollout.max_staleness=3", "algorithm.off_policy=m2po",
