@@ -79,17 +79,10 @@ class Timeline:
             for s in self.spans:
                 f.write(json.dumps(asdict(s)) + "\n")
         try:
-            import matplotlib
+            # late: the plot module imports matplotlib, an optional extra that a run without it never needs
+            from trainer.measurement.timeline_plot import save
         except ImportError:
             return None
-        matplotlib.use("Agg")  # files only, never a window
-        from matplotlib import pyplot as plt
-
-        # late: the plot module imports matplotlib, an optional extra that a run without it never needs
-        from trainer.measurement.timeline_plot import draw
-
-        fig = draw(self.spans, self.busy_fractions(), title)
         path = run_dir / "timeline.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
+        save(self.spans, self.busy_fractions(), title, path)
         return path

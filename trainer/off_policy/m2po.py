@@ -29,8 +29,7 @@ def m2po_mask(prox: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
         raise ValueError(f"m2po_mask: shapes {tuple(prox.shape)}, {tuple(behaviour.shape)}, {tuple(mask.shape)} "
                          "differ")
     live = mask > 0
-    d = torch.where(live, prox.detach().double() - behaviour.detach().double(), torch.zeros((), dtype=torch.float64))
-    m2 = (d * d)[live]
+    m2 = (prox.detach().double() - behaviour.detach().double())[live] ** 2
     keep = torch.zeros(mask.shape, dtype=torch.bool)
     n = m2.numel()
     if n == 0:

@@ -341,8 +341,9 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
         drawn = [train_part]
     elif a.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
         train_part, drawn, ds_metrics = fill_with_signal(
-            lambda round_index: run.timeline.timed("generate", step, step - 1, sampler.draw, step, round_index), share=cfg.rollout.prompts_per_step // run.dp.world,
-            group_size=a.group_size, mini_batches=a.mini_batches, max_rounds=a.max_sampling_rounds, dp=run.dp)
+            lambda round_index: run.timeline.timed("generate", step, step - 1, sampler.draw, step, round_index),
+            share=cfg.rollout.prompts_per_step // run.dp.world, group_size=a.group_size, mini_batches=a.mini_batches,
+            max_rounds=a.max_sampling_rounds, dp=run.dp)
         m.update(ds_metrics)
     else:
         train_part = run.timeline.timed("generate", step, step - 1, sampler.draw, step)
