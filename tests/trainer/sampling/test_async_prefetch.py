@@ -158,6 +158,8 @@ def test_a_pending_batchs_routes_survive_the_checkpoint_as_json():
     (["rollout.max_staleness=1", "algorithm.name=ppo"], "algorithm.name = 'ppo'"),
     (["rollout.max_staleness=4", "algorithm.name=ppo"], "critic-free algorithm with rollout.max_staleness 4"),
     (["rollout.max_staleness=2", "algorithm.off_policy=decoupled"], "decoupled's clip is anchored to the policy"),
+    (["algorithm.off_policy=m2po", "algorithm.m2_threshold=0"], r"algorithm.m2_threshold = 0\.0: expected a number > 0"),
+    (["algorithm.off_policy=m2p"], "algorithm.off_policy = 'm2p': expected one of"),
 ])
 def test_refused_combinations(sets, words):
     with pytest.raises(RecipeError, match=words):
