@@ -164,7 +164,7 @@ def _hist_quantile(hist: torch.Tensor, q: float, cap: float) -> float:
     """Upper edge of the bin holding the nearest-rank q-quantile, capped at ``cap`` (the max)."""
     n = float(hist.sum())
     rank = max(1, math.ceil(q * n - 1e-9))
-    k = int(torch.searchsorted(torch.cumsum(hist, 0), torch.tensor(float(rank), dtype=torch.float64)))
+    k = int(torch.searchsorted(torch.cumsum(hist, 0), float(rank)))  # a scalar: on the histogram's device
     upper = _HIST_LO * 10 ** (k / _HIST_PER_DECADE) if k < _HIST_BINS - 1 else math.inf
     return min(upper, cap)
 

@@ -115,6 +115,14 @@ def run_check(name: str, fn: Callable[[], str]) -> Row:
 # ---------------------------------------------------------------- processes
 
 
+def child_env(**extra: str) -> dict:
+    """The environment of a child process: this one's, offline, with the checkout first on PYTHONPATH and what was
+    on it kept behind (a machine whose packages sit in a PYTHONPATH folder, such as wheels unpacked beside the
+    image's Python, loses them if it is replaced)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **extra}
+
+
 def run_process(cmd: Sequence[str], *, cap_s: float, what: str, env: Optional[dict] = None,
                 cwd: Path = REPO) -> subprocess.CompletedProcess:
     """``cmd`` in its own process group, for at most ``cap_s`` seconds or what the budget has left.
@@ -123,8 +131,7 @@ def run_process(cmd: Sequence[str], *, cap_s: float, what: str, env: Optional[di
     timeout = min(cap_s, BUDGET.left())
     if timeout < 5:
         raise Skip(f"time budget spent (--budget-s {BUDGET.seconds:.0f}); run it alone with --only")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO),
-           **(env or {})}
+    env = {**child_env(), "WANDB_MODE": "disabled", **(env or {})}
     env.pop("WANDB_API_KEY", None)
     proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

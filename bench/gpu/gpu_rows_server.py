@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from gpu_rows_common import (
     REPO,
+    child_env,
     free_port,
     need_cuda,
     need_gpus,
@@ -113,8 +114,7 @@ def server_nccl_row(dense_dir) -> str:
         server = subprocess.Popen(
             [sys.executable, "-m", "trainer", "serve", str(REPO / "recipes" / "grpo_tiny.yaml"), "--set", model,
              "--set", f"rollout.server_url={url}", "--transfer-backend", "nccl"],
-            cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": server_gpu, "PYTHONPATH": str(REPO),
-                           "HF_HUB_OFFLINE": "1"},
+            cwd=REPO, env=child_env(CUDA_VISIBLE_DEVICES=server_gpu),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc, rows = train("grpo_tiny.yaml", [model, "rollout.mode=server", f"rollout.server_url={url}",

@@ -29,7 +29,17 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from gpu_rows_common import BENCH, REPO, free_port, need_gpus, need_vllm_cuda, run_process, stop_server_group, tail
+from gpu_rows_common import (
+    BENCH,
+    REPO,
+    child_env,
+    free_port,
+    need_gpus,
+    need_vllm_cuda,
+    run_process,
+    stop_server_group,
+    tail,
+)
 
 from rollout.server_engine.engine import SERVED_VERSION
 
@@ -60,8 +70,7 @@ def server_teacher_ranks_row() -> str:
             [sys.executable, "-m", "trainer", "serve", str(REPO / "recipes" / "grpo_tiny.yaml"),
              "--set", "model.path=builtin:tiny-teacher", "--set", f"rollout.server_url={url}",
              "--transfer-backend", "nccl"],
-            cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": server_gpu, "PYTHONPATH": str(REPO),
-                           "HF_HUB_OFFLINE": "1"},
+            cwd=REPO, env=child_env(CUDA_VISIBLE_DEVICES=server_gpu),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -68,9 +68,9 @@ def signed_quantile(neg: torch.Tensor, pos: torch.Tensor, q: float, lowest: floa
     n_neg, n = float(neg.sum()), float(neg.sum() + pos.sum())
     rank = max(1, math.ceil(q * n - 1e-9))
     if rank <= n_neg:  # the (n_neg - rank + 1)-th smallest |x| among the negatives
-        k = int(torch.searchsorted(torch.cumsum(neg, 0), torch.tensor(n_neg - rank + 1, dtype=torch.float64)))
+        k = int(torch.searchsorted(torch.cumsum(neg, 0), float(n_neg - rank + 1)))
         return max(-_edge(k), lowest)
-    k = int(torch.searchsorted(torch.cumsum(pos, 0), torch.tensor(rank - n_neg, dtype=torch.float64)))
+    k = int(torch.searchsorted(torch.cumsum(pos, 0), float(rank - n_neg)))
     return min(_edge(k), highest)
 
 
@@ -104,7 +104,7 @@ def correction_stats(inputs: CorrectionInputs, out: PlanOutput, plan: Optional[C
         stats.update({"sum_a": a.sum(), "sum_wa": (w * a).sum(), "sum_abs_a": a.abs().sum(),
                       "sum_w_abs_a": (w * a.abs()).sum()})
     if out.norm_factor is not None:  # already pooled (the same on every rank): max-reduced
-        stats["norm_factor_max"] = torch.tensor(out.norm_factor, dtype=torch.float64)
+        stats["norm_factor_max"] = torch.tensor(out.norm_factor, dtype=torch.float64, device=md.device)
     if plan is not None and len(plan.rules) > 1:
         for name, r in out.per_rule.items():
             stats[f"{name}.n_clipped"] = (r.clipped & mask).double().sum()

@@ -30,17 +30,17 @@ def m2po_mask(prox: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                          "differ")
     live = mask > 0
     m2 = (prox.detach().double() - behaviour.detach().double())[live] ** 2
-    keep = torch.zeros(mask.shape, dtype=torch.bool)
+    keep = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
     n = m2.numel()
     if n == 0:
         return keep.float(), {"staleness/m2po_m2": 0.0, "staleness/m2po_m2_kept": 0.0, "staleness/m2po_masked_frac": 0.0}
     order = torch.argsort(m2, descending=True, stable=True)
     ranked = m2[order]
     # mean of ranked[i:] for every i: the M2 left after masking the i largest
-    tail_mean = ranked.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=torch.float64)
+    tail_mean = ranked.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=torch.float64, device=m2.device)
     below = torch.nonzero(tail_mean < threshold)
     masked = int(below[0]) if below.numel() else n - 1
-    kept_flat = torch.ones(n, dtype=torch.bool)
+    kept_flat = torch.ones(n, dtype=torch.bool, device=m2.device)
     kept_flat[order[:masked]] = False
     keep[live] = kept_flat
     return keep.float(), {"staleness/m2po_m2": float(m2.mean()), "staleness/m2po_m2_kept": float(tail_mean[masked]),
