@@ -47,12 +47,14 @@ module imports without the ``deepspeed`` extra.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
 
+from trainer.distributed.gradient_guard import nonfinite_gradients, skipped_update_message
 from trainer.distributed.process_group import launch_backend
 
 Gather = Callable[[Sequence[nn.Parameter]], ContextManager]
@@ -208,7 +210,8 @@ def optimizer_step(accelerator, model, optimizer, params, max_grad_norm: float) 
     """Clip, step and zero the gradients once the micro-batches' backwards are done; return the grad norm.
 
     Without DeepSpeed: ``accelerator.clip_grad_norm_`` (the pre-clip total norm), ``step``,
-    ``zero_grad(set_to_none=True)``, as the loop does today. Under DeepSpeed:
+    ``zero_grad(set_to_none=True)``; where a gradient is not finite, no ``step`` (trainer/distributed/gradient_guard.py)
+    and a norm that is NaN or inf. Under DeepSpeed:
     ``engine.step()`` finalizes the accumulated (reduced) gradients, clips them at the
     config's ``gradient_clipping`` (= ``max_grad_norm``, ``fill_deepspeed_config``), updates
     and zeroes; its ``get_global_grad_norm()`` is the pre-clip norm, as torch's.
@@ -217,9 +220,19 @@ def optimizer_step(accelerator, model, optimizer, params, max_grad_norm: float) 
     if deepspeed_stage(accelerator):
         model.step()
         norm = model.get_global_grad_norm()
-        return float(norm.item() if hasattr(norm, "item") else norm)
+        norm = float(norm.item() if hasattr(norm, "item") else norm)
+        if not math.isfinite(norm) and accelerator.is_main_process:
+            print(f"warning: the gradient norm is {norm} and DeepSpeed's engine has stepped with it (it steps "
+                  "inside engine.step(), before the norm can be read)", flush=True)
+        return norm
+    bad = nonfinite_gradients(p for p in accelerator.unwrap_model(model).named_parameters() if p[1].requires_grad)
     norm = float(accelerator.clip_grad_norm_(params, max_grad_norm))
-    optimizer.step()
+    if bad:  # trainer/distributed/gradient_guard.py: the weights stay as they were
+        if accelerator.is_main_process:
+            print(skipped_update_message(bad, norm), flush=True)
+        norm = norm if not math.isfinite(norm) else math.nan  # a non-finite gradient the norm rounded away
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
 

@@ -12,6 +12,8 @@ evaluation:
   episode.
 - **entropy ran away** (``train/entropy``): doubled, and up by ``ENTROPY_RISE`` nats or more: the sampling
   distribution spreading, which is where a small model's samples turn to noise.
+- **updates were skipped** (``train/skipped_updates``): a gradient that was not finite, whose update
+  ``trainer/distributed/gradient_guard.py`` kept out of the weights; the steps are named.
 - **the probe's mismatch grew** (``probe/mae``, the fixed prompts re-scored after each sync): ``PROBE_FACTOR`` (10x)
   or more over its first value -- the factor README.md and docs/troubleshooting.md give as "not rounding".
 
@@ -83,6 +85,11 @@ def health_warnings(h: list[dict], k: int, evals: dict[int, dict], probes: dict[
         out.append(f"warning: entropy ran away, {entropy[0]:.2f} -> {entropy[1]:.2f} nats per token ({window}): "
                    "the policy's samples are spreading toward noise; a lower train.learning_rate or a tighter clip "
                    "holds it (docs/troubleshooting.md)")
+    skipped = [r.get("step") for r in h if (r.get("train/skipped_updates") or 0) > 0]
+    if skipped:
+        steps = ", ".join(str(x) for x in skipped[:8]) + (" ..." if len(skipped) > 8 else "")
+        out.append(f"warning: {len(skipped)} of {len(h)} steps skipped an update whose gradient was not finite "
+                   f"(steps {steps}): the weights did not move there; the console named the parameters")
     if probe_grew:
         why = ("it grew with the entropy, as a spreading distribution's mismatch does" if entropy_ran else
                "the entropy did not run away, so not a spreading distribution")

@@ -15,6 +15,7 @@ update passes live in trainer/rl/update.py. How a batch is drawn is ``trainer.sa
 """
 from __future__ import annotations
 
+import math
 import signal
 import time
 from pathlib import Path
@@ -507,6 +508,7 @@ def update_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, advanta
     one_update = updates_per_batch(run.cfg) == 1
     if not scores_first(run.cfg) and run.value_head is None and run.behaviour is None:
         m["train/grad_norm"] = run.update()  # the gradient is already there (score_phase)
+        m["train/skipped_updates"] = float(not math.isfinite(m["train/grad_norm"]))
     else:
         anchor, weights = off_policy_anchor(run, batch, scored, m)
         metrics, last = several_updates(run.learner, batch, advantages, anchor, step, returns=returns,

@@ -13,6 +13,7 @@ grouping of rows into micro-batches free: every pass cuts them longest-first
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -177,6 +178,7 @@ def several_updates(learner: Learner, batch: TokenBatch, advantages: torch.Tenso
                                  all_sum=learner.dp.all_sum, policy="old")
     weights = _times(weights, anchor_weights)
     sums: dict[str, float] = {}
+    skipped = 0
     for epoch in range(cfg.algorithm.epochs):
         for idx in mini_batch_rows(len(batch), cfg, step, epoch):
             idx = idx.sort().values.to(batch.mask.device)
@@ -186,10 +188,12 @@ def several_updates(learner: Learner, batch: TokenBatch, advantages: torch.Tenso
                                                  returns=None if returns is None else returns[idx, :c],
                                                  weights=None if weights is None else weights[idx, :c])
             metrics["train/grad_norm"] = learner.step()
+            skipped += not math.isfinite(metrics["train/grad_norm"])  # trainer/distributed/gradient_guard.py
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
     n = updates_per_batch(cfg)
     metrics = {k: v / n for k, v in sums.items()}
+    metrics["train/skipped_updates"] = float(skipped)
     # tokens were sampled from pi_old: k3 with log r = log(pi_theta / pi_old) estimates KL(pi_old || pi_theta)
     k3 = kl_k3(old.logprobs[idx, :c] * sub.mask, last.logprobs * sub.mask) * sub.mask
     kl = learner.dp.sum_metrics({"k3": float(k3.sum()), "n": float(sub.mask.sum())})

@@ -92,7 +92,7 @@ def test_without_deepspeed_the_loop_steps_as_today():
     acc, calls = _accelerator(), _Calls()
     acc.backward, acc.clip_grad_norm_ = calls.backward, calls.clip_grad_norm_
     assert D.make_backward(acc, model=None) is acc.backward
-    assert D.optimizer_step(acc, None, calls, [], 0.5) == 3.0
+    assert D.optimizer_step(acc, torch.nn.Linear(2, 2), calls, [], 0.5) == 3.0
     assert calls.log == [("clip", 0.5), ("step",), ("zero_grad", True)]
 
 
