@@ -118,11 +118,15 @@ def _check_finite(x: torch.Tensor, mask: torch.Tensor, name: str, allow_neg_inf:
         n_neg = int((vals == -math.inf).sum())
         n_pos = int((vals == math.inf).sum())
         n_nan = int(torch.isnan(vals).sum())
-        raise ValueError(
-            f"{name}: {int(bad.sum())} of {int(mask.sum())} valid (mask=1) tokens are not finite "
-            f"({n_neg} -inf, {n_pos} +inf, {n_nan} nan); a -inf log-prob means that side gave the "
-            f"sampled token zero probability (e.g. a top-k/top-p filtered distribution)"
-        )
+        why = []  # only the causes the values point at
+        if n_neg:
+            why.append("a -inf log-prob means that side gave the sampled token zero probability (e.g. a top-k/top-p "
+                       "filtered distribution)")
+        if n_nan or n_pos:
+            why.append("a NaN (or +inf) log-prob means that side's forward did not compute a number: its weights or "
+                       "activations are not finite (an overflow, or an update that wrote NaN)")
+        raise ValueError(f"{name}: {int(bad.sum())} of {int(mask.sum())} valid (mask=1) tokens are not finite "
+                         f"({n_neg} -inf, {n_pos} +inf, {n_nan} nan); " + "; ".join(why))
 
 
 def _prepare(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor):

@@ -42,6 +42,8 @@ writes the rows. Rows in order (each: check, the issue-44 item it covers, status
   random OLMoE;
 - ``parityrl train`` for issue 58 (bench/gpu/gpu_rows_staleness.py): ``rollout.max_staleness`` 3 with M2PO on the
   colocated engine, whose prefix cache is live on CUDA, so the stale-KV alarm checks every update;
+- ``the demo's recipe on CUDA, HF engine`` (bench/gpu/gpu_rows_training.py): ``recipes/grpo_tools_tiny.yaml`` for 4
+  steps with no update skipped for a non-finite gradient and the probe finite;
 - ``GRPO steps, HF engine`` (CUDA): ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps with
   ``rollout.engine=hf`` on the Qwen2.5-0.5B-shaped model, LoRA r 32: step time and ``perf/peak_memory_gb``;
 - ``gradient checkpointing memory`` (CUDA): one LoRA forward + backward of 8 x 2048 tokens on that model
@@ -217,6 +219,7 @@ def checks(m: Models, steps: int) -> list[Check]:
         Check(scaleout_adapters.OLMOE_ROWS, lambda: scaleout_adapters.olmoe_row(m.root), "57.7", 150, trains=True),
         Check(("k = 3 off-policy with M2PO, stale-KV alarm live",), lambda: staleness_rows.staleness_row(m.tiny), "58.1",
               240, trains=True),
+        Check(("the demo's recipe on CUDA, HF engine, 4 steps",), t.demo_hf_row, min_s=120, trains=True),
         Check(("GRPO steps, HF engine",), lambda: sh.grpo_steps(m.shaped(), steps), min_s=120, trains=True),
         Check(("gradient checkpointing memory",), lambda: sh.checkpointing_memory(m.shaped()), min_s=60),
         *(Check((f"colocated vLLM, precision {name}",), lambda name=name: sh.precision_step(name, m.shaped),

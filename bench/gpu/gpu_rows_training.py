@@ -8,6 +8,11 @@
   and false (eager, so the two engines start alike). Pass: both exit 0; every step's ``rollout/*`` and ``reward/*``
   metrics and the samples table's completions identical, parity/mae within 1e-6; the peak memory
   (``perf/peak_memory_gb``) with sleep no higher than without (1% slack), both printed.
+- ``demo_hf_row`` (CUDA; no vLLM needed): the demo's recipe, ``recipes/grpo_tools_tiny.yaml``, for 4 steps with
+  ``rollout.engine=hf`` and a held-out evaluation every 2. Pass: exit 0, 4 steps, no update skipped for a
+  non-finite gradient (``train/skipped_updates`` 0) and the probe finite every step. On an H200 (torch 2.11,
+  transformers 5.17) this recipe's probe read NaN from the trainer after update 3, and the opd recipe's likewise,
+  where the same commands on CPU ran clean; this row is that run.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from gpu_rows_common import KV_BYTES, need_vllm_cuda, tail, train
+from gpu_rows_common import KV_BYTES, need_cuda, need_vllm_cuda, tail, train
 
 AGREE_FLOOR = 0.9
 
@@ -83,4 +88,19 @@ def sleep_training_row(shaped) -> str:
               f"{peak_off:.2f} without; perf/sync_s {sync_s} with sleep")
     if bad:
         raise AssertionError(f"{figure}: " + "; ".join(bad[:4]))
+    return figure
+
+
+def demo_hf_row() -> str:
+    need_cuda()
+    steps = 4
+    with tempfile.TemporaryDirectory(prefix="gpu_check_demo_hf_") as tmp:
+        proc, rows = train("grpo_tools_tiny.yaml", ["rollout.engine=hf", f"train.steps={steps}", "eval.every=2"],
+                           Path(tmp), cap_s=300)
+    skipped = [r["step"] for r in rows if (r.get("train/skipped_updates") or 0) > 0]
+    probe = [r.get("probe/mae", math.nan) for r in rows]
+    figure = (f"{len(rows)}/{steps} steps, probe/mae {_fmt(probe)}, updates skipped at steps {skipped or 'none'}, "
+              f"reward {_fmt([r.get('reward/mean', math.nan) for r in rows], '.3f')}")
+    if proc.returncode != 0 or len(rows) < steps or skipped or not all(math.isfinite(p) for p in probe):
+        raise AssertionError(f"exit {proc.returncode}, {figure}: {tail(proc)}")
     return figure

@@ -129,6 +129,19 @@ def test_non_finite_valid_tokens_raise_naming_side_and_count(side):
         compare(*args, MASK)
 
 
+def test_the_error_names_only_the_causes_its_values_point_at():
+    """A NaN is a forward that computed no number (NaN weights after an update did this on a GPU), not a filtered
+    distribution: the message says which, by the values it found."""
+    nan = TRAIN.clone()
+    nan[0, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"\(0 -inf, 0 \+inf, 1 nan\); a NaN \(or \+inf\) log-prob means") as e:
+        compare(nan, ROLL, MASK)
+    assert "top-k" not in str(e.value)
+    nan[0, 0] = float("-inf")
+    with pytest.raises(ValueError, match=r"zero probability .*; a NaN"):
+        compare(nan, ROLL, MASK)
+
+
 def test_merge_of_halves_equals_whole():
     g = torch.Generator().manual_seed(0)
     train = -torch.rand(6, 9, generator=g) * 3
