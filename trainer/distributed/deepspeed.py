@@ -227,10 +227,10 @@ def optimizer_step(accelerator, model, optimizer, params, max_grad_norm: float) 
         return norm
     bad = nonfinite_gradients(p for p in accelerator.unwrap_model(model).named_parameters() if p[1].requires_grad)
     norm = float(accelerator.clip_grad_norm_(params, max_grad_norm))
-    if bad:  # trainer/distributed/gradient_guard.py: the weights stay as they were
-        if accelerator.is_main_process:
-            print(skipped_update_message(bad, norm), flush=True)
-        norm = norm if not math.isfinite(norm) else math.nan  # a non-finite gradient the norm rounded away
+    if bad or not math.isfinite(norm):  # trainer/distributed/gradient_guard.py: the weights stay as they were
+        if accelerator.is_main_process:  # a parameter outside the policy module (PPO's value head) has no name here
+            print(skipped_update_message(bad or ["a parameter outside the policy module"], norm), flush=True)
+        norm = norm if not math.isfinite(norm) else math.nan
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

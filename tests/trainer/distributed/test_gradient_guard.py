@@ -71,6 +71,20 @@ def test_a_nonfinite_gradient_leaves_the_weights_and_the_optimizer_as_they_were(
     assert not torch.equal(weights[0], params[0])
 
 
+def test_a_nonfinite_gradient_outside_the_policy_module_is_kept_out_too(capsys):
+    """PPO's value head is stepped by the same optimizer but is not a parameter of the policy module."""
+    acc, model, opt, params = _setup()
+    head = torch.nn.Linear(3, 1)
+    opt.add_param_group({"params": list(head.parameters())})
+    head(torch.ones(2, 3)).sum().backward()
+    head.bias.grad[0] = math.nan
+    _backward(model)
+    weights = [p.detach().clone() for p in params]
+    assert math.isnan(optimizer_step(acc, model, opt, [*params, *head.parameters()], 1.0))
+    assert all(torch.equal(w, p) for w, p in zip(weights, params))
+    assert "a parameter outside the policy module" in capsys.readouterr().out
+
+
 def test_the_names_are_those_of_the_nonfinite_gradients_only():
     model = _Policy()
     _backward(model)
