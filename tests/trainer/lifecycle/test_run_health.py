@@ -16,7 +16,7 @@ def test_the_collapse_warns_on_every_sign_and_ties_the_mismatch_to_the_entropy()
     for r in h:  # the first and last 5 steps' means as that run's summary printed them
         r["reward/mean"] = 0.066 if r["step"] <= 5 else (0.016 if r["step"] > 45 else 0.04)
     evals = {0: {"eval/mean@4": 0.051, "eval/greedy": 0.203}, 50: {"eval/mean@4": 0.0, "eval/greedy": 0.016}}
-    lines = health_warnings(h, 5, evals, {0: 2.0e-3, 25: 9e-3, 50: 3.2e-2})
+    lines = health_warnings(h, 5, evals, {0: 2.0e-3, 1: 2.0e-3, 25: 9e-3, 50: 3.2e-2})
     assert [line.split(",")[0] for line in lines] == [
         "warning: held-out mean@4 fell over the run", "warning: training reward fell", "warning: tool use collapsed",
         "warning: entropy ran away", "warning: the probe's mismatch grew 16x"]
@@ -43,6 +43,16 @@ def test_a_grown_mismatch_without_a_runaway_entropy_is_not_blamed_on_it():
     h = _steps(10, train__entropy=(0.5, 0.6))
     (line,) = health_warnings(h, 2, {}, {0: 1e-3, 10: 1.2e-2})
     assert "grew 12x" in line and "the entropy did not run away" in line
+
+
+def test_the_growth_is_counted_from_the_first_probe_after_a_sync():
+    """A healthy HF-engine run with a merged bf16 sync (the demo's recipe, 12 steps on CPU): the probe before step 1
+    compares the engine with its own implementation at the same weights, and the first merged sync's rounding alone
+    takes it 5,000x up. Counted from the first synced probe, a later doubling is not a grown mismatch."""
+    h = _steps(12, train__entropy=(0.03, 0.014))
+    assert health_warnings(h, 3, {}, {0: 1.5e-6, 1: 7.5e-3, 2: 7.5e-3, 6: 8.1e-3, 12: 1.8e-2}) == []
+    (line,) = health_warnings(h, 3, {}, {0: 1.5e-6, 1: 7.5e-3, 6: 8.1e-3, 12: 9.0e-2})
+    assert "grew 12x, 7.5e-03 -> 9.0e-02" in line
 
 
 def test_greedy_is_read_where_no_sampled_accuracy_was_evaluated():
