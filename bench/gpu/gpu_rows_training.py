@@ -10,9 +10,8 @@
   (``perf/peak_memory_gb``) with sleep no higher than without (1% slack), both printed.
 - ``demo_hf_row`` (CUDA; no vLLM needed): the demo's recipe, ``recipes/grpo_tools_tiny.yaml``, for 4 steps with
   ``rollout.engine=hf`` and a held-out evaluation every 2. Pass: exit 0, 4 steps, no update skipped for a
-  non-finite gradient (``train/skipped_updates`` 0) and the probe finite every step. On an H200 (torch 2.11,
-  transformers 5.17) this recipe's probe read NaN from the trainer after update 3, and the opd recipe's likewise,
-  where the same commands on CPU ran clean; this row is that run.
+  non-finite gradient (``train/skipped_updates`` 0) and the probe finite every step: the case bench/RESULTS.md
+  "On an H200" leaves open (the trainer's log-probs NaN after update 3 on CUDA, clean on CPU).
 """
 from __future__ import annotations
 

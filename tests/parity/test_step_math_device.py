@@ -1,7 +1,7 @@
 """The per-step math makes its tensors on its inputs' device, so that what passes on CPU also runs on CUDA.
 
 A tensor made without ``device=`` lands on the CPU; beside CUDA inputs that is "Expected all tensors to be on the
-same device" at the first CUDA step (M2PO's mask did this on an H200 while every CPU test passed). Under
+same device" at the first CUDA step, which no CPU test sees by itself. Under
 ``torch.device("meta")`` as the default device, such a tensor is made on ``meta`` instead and meets the CPU
 inputs with the same error, so a CPU run sees the bug: each function here runs on CPU inputs under it and must
 return what it returns without it.
@@ -82,7 +82,7 @@ def test_the_parity_metrics_stay_on_the_inputs_device(fn):
 
 def test_a_tensor_made_without_a_device_is_caught():
     """The check itself: arithmetic between an input and a tensor made on the default device (M2PO's running mean
-    divided by a ``torch.arange`` before the fix) fails under it, as it fails on CUDA."""
+    divided by a ``torch.arange`` made on the default device) fails under it, as it fails on CUDA."""
     def careless(x: torch.Tensor) -> torch.Tensor:
         return x.cumsum(0) / torch.arange(1, x.numel() + 1)
 
