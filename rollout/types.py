@@ -90,6 +90,12 @@ class Rollouts:
     support: [S] with top-k / top-p / min-p, the set of token ids the engine kept at every completion position
         (``rollout.support.Support``; an empty set at a context position), the sampled token always inside it;
         empty when sampling was not truncated.
+    versions: [S][C_i] the engine's weight version that sampled each token (``rollout.in_flight``: weights can change
+        in the middle of a generation; a context token carries the version of the sampled token before it, or of the
+        first one after it at the completion's start). Empty: every token of the batch came from the weights it was
+        launched with. The engine's own numbering (a server: its pushes); the trainer maps it to policy versions.
+    stale_kv: [S][C_i] 1 where the token was sampled over KV that older weights computed (``in_flight: keep``
+        continues a request on the KV of the weights it started with), else 0. Empty: none was.
     """
 
     prompt_ids: list[list[int]]
@@ -103,6 +109,8 @@ class Rollouts:
     completion_mask: list[list[int]] = field(default_factory=list)
     routes: list = field(default_factory=list)
     support: list = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)
+    stale_kv: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         s = len(self.completion_ids)
@@ -121,6 +129,10 @@ class Rollouts:
                          "Rollouts.routes")
         if self.support:
             check_supports(self.support, self.completion_ids, self.completion_mask, "Rollouts.support")
+        for name in ("versions", "stale_kv"):
+            rows = getattr(self, name)
+            if rows and (len(rows) != s or any(len(r) != len(c) for r, c in zip(rows, self.completion_ids))):
+                raise ValueError(f"Rollouts.{name} must hold one entry per completion token of every sample")
         if self.group_size < 1 or s % self.group_size:
             raise ValueError(f"Rollouts: {s} samples is not a multiple of group_size={self.group_size}")
 
@@ -185,7 +197,8 @@ class Rollouts:
                         rollout_logprobs=pick(self.rollout_logprobs), finish_reasons=pick(self.finish_reasons),
                         group_size=g, completion_texts=pick(self.completion_texts), topk_ids=pick(self.topk_ids),
                         topk_logprobs=pick(self.topk_logprobs), completion_mask=pick(self.completion_mask),
-                        routes=pick(self.routes), support=pick(self.support))
+                        routes=pick(self.routes), support=pick(self.support), versions=pick(self.versions),
+                        stale_kv=pick(self.stale_kv))
 
     @classmethod
     def concat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
@@ -203,14 +216,14 @@ class Rollouts:
         # A part without a mask sampled every token: spelled out only when another part has one.
         masks = ([m for p in parts for m in (p.completion_mask or [[1] * len(c) for c in p.completion_ids])]
                  if any(p.completion_mask for p in parts) else [])
-        for name in ("routes", "support"):
+        for name in ("routes", "support", "versions", "stale_kv"):
             if any(getattr(p, name) for p in parts) and not all(getattr(p, name) or not len(p) for p in parts):
                 raise ValueError(f"Rollouts.concat: some parts carry {name} and others none")
         return cls(prompt_ids=joined("prompt_ids"), completion_ids=joined("completion_ids"),
                    rollout_logprobs=joined("rollout_logprobs"), finish_reasons=joined("finish_reasons"),
                    group_size=parts[0].group_size, completion_texts=texts, topk_ids=joined("topk_ids"),
                    topk_logprobs=joined("topk_logprobs"), completion_mask=masks, routes=joined("routes"),
-                   support=joined("support"))
+                   support=joined("support"), versions=joined("versions"), stale_kv=joined("stale_kv"))
 
 
 @dataclass

@@ -29,10 +29,10 @@ def _unclamp(x: float) -> float:
     return -math.inf if x == _CLAMPED else float(x)
 
 
-def parse_sample(url: str, s: int, resp: dict, k: int, version: str, adapter: str | None = None):
+def parse_sample(url: str, s: int, resp: dict, k: int, version: str | None, adapter: str | None = None):
     """One ``generate`` answer (sample ``s``): (token ids, log-probs, finish reason, top-k ids, top-k log-probs);
     the top ``k`` re-sorted by log-prob (package docstring); an answer of another weight version or adapter is
-    refused."""
+    refused. ``version`` None: the caller reads the answer's per-token versions itself (in-flight updates)."""
     def bad(msg: str) -> ServerEngineError:
         return ServerEngineError(f"vLLM server at {url}, sample {s}: {msg}")
 
@@ -42,7 +42,8 @@ def parse_sample(url: str, s: int, resp: dict, k: int, version: str, adapter: st
     c = choices[0]
     if c.get("finish_reason") not in ("stop", "length"):
         raise bad(f"finished with reason {c.get('finish_reason')!r} (expected 'stop' or 'length')")
-    _check_version(c, version, bad)
+    if version is not None:
+        _check_version(c, version, bad)
     _check_adapter(resp, adapter, bad)
     ids = [int(t) for t in c.get("token_ids") or []]
     content = (c.get("logprobs") or {}).get("content")

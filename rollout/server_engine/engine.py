@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import json
 import secrets
 import time
@@ -24,6 +25,14 @@ from rollout.server_engine.captures import SERVER_ROUTES_ON_CUDA, SERVER_SUPPORT
 from rollout.server_engine.errors import MalformedAnswer, ServerEngineError, UnusableServer
 from rollout.server_engine.health import wait_for_health
 from rollout.server_engine.http_channel import _Http, _json, parse_server_url
+from rollout.server_engine.in_flight import (
+    MODES,
+    pause_for_update,
+    recompute_running,
+    resume_after_update,
+    stale_kv_flags,
+    token_versions,
+)
 from rollout.server_engine.keys import ROLLOUT_SERVER, ServerKeys
 from rollout.server_engine.weight_transfer import HTTPWeightSyncClient, nccl_ready, start_transfer
 from rollout.types import Rollouts, SamplingSpec, Scored
@@ -88,6 +97,8 @@ class ServerEngine:
     # The server runs vLLM in BF16/FP16 (the recipe check refuses FP8 recipes in server mode).
     fp8_block_weights = False
     served_weights = False  # set per client (``served_weights``)
+    in_flight = "off"  # set per client (``in_flight``)
+    _paused = False  # inside ``in_flight_update``: the server's requests are frozen
 
     def __init__(self, url: str, *, model_dir: str | Path, timeout_s: float = 300.0, dtype: str = "bfloat16",
                  max_model_len: int | None = None, eos_ids: Sequence[int] | None = None,
@@ -95,9 +106,13 @@ class ServerEngine:
                  version_tag: str | None = None, connect_timeout_s: float | None = None,
                  return_routes: bool = False, adapter_rank: int | None = None,
                  adapter_targets: Sequence[str] | None = None, adapter_required: bool = False,
-                 return_supports: bool = False, served_weights: bool = False,
+                 return_supports: bool = False, served_weights: bool = False, in_flight: str = "off",
                  keys: ServerKeys = ROLLOUT_SERVER) -> None:
         self.host, self.port = parse_server_url(url)
+        if in_flight not in MODES:
+            raise ValueError(f"in_flight = {in_flight!r}: expected one of {', '.join(MODES)}")
+        if in_flight != "off" and not pushes_weights:
+            raise ValueError("in_flight: only the client that pushes the weights updates them in flight")
         if served_weights and pushes_weights:
             raise ValueError("served_weights: the server's own weights are never pushed; expected "
                              "pushes_weights=False")
@@ -127,6 +142,7 @@ class ServerEngine:
         self._lora: dict[str, Any] | None = None  # the server's LoRA settings (None: started without LoRA)
         self._adapter: str | None = None  # the adapter every request names (its version's name), None: the base
         self._loaded_adapters = False  # this client loaded adapters on the server (close() unloads them)
+        self.in_flight = in_flight  # rollout.in_flight (in_flight.py): weight updates while requests run
 
         self.startup_wait_s = wait_for_health(self.url, self.timeout_s, connect_timeout_s=connect_timeout_s, keys=keys)
         self._http = _Http(self.url, self.timeout_s, keys)
@@ -152,6 +168,12 @@ class ServerEngine:
                 self.route_shape = self._start_routes(info)
             if self.return_supports:
                 self._start_supports(info)
+            if in_flight == "keep" and info.get("prefix_caching") is not False:
+                raise ServerEngineError(f"vLLM server at {self.url}: prefix caching is {info.get('prefix_caching')!r}; "
+                                        "rollout.in_flight: keep needs it off (the cache cannot be emptied while "
+                                        "requests run, so a request started after an update would read the old "
+                                        "weights' prompt KV): restart it with `parityrl serve <recipe>` for this "
+                                        "recipe")
             # A version of our own: responses generated with anything else are refused.
             self._version_tag, self._version_n = version_tag or secrets.token_hex(4), 0
             if self.served_weights:
@@ -296,6 +318,7 @@ class ServerEngine:
             self._check_max_logprobs(k + 1, f"spec.logprobs_topk = {k}: this client asks for k + 1")
         tag = secrets.token_hex(4)
         version, adapter = self._version(), self._adapter  # as at launch: the batch must come from these
+        in_flight = self.in_flight != "off"
         bodies = []
         for i, p in enumerate(prompt_ids):
             for j in range(spec.n):
@@ -311,9 +334,12 @@ class ServerEngine:
                         # k + 1: see the package docstring (the route cuts [sampled, top...] to this many).
                         "logprobs": k + 1 if k else 0}})
         responses = _run_coroutine(self._post_all(bodies, action=f"generate ({len(bodies)} requests)"))
-        completion_ids, logprobs, finish, top_ids, top_lps = [], [], [], [], []
+        completion_ids, logprobs, finish, top_ids, top_lps, versions = [], [], [], [], [], []
         for s, resp in enumerate(responses):
-            ids, lps, reason, t_ids, t_lps = parse_sample(self.url, s, resp, k, version, adapter)
+            # in flight, a sample may span this client's pushes since the launch: read per token below
+            ids, lps, reason, t_ids, t_lps = parse_sample(self.url, s, resp, k, None if in_flight else version, adapter)
+            if in_flight:
+                versions.append(self._token_versions(s, resp, len(ids)))
             completion_ids.append(ids)
             logprobs.append(lps)
             finish.append(reason)
@@ -327,7 +353,41 @@ class ServerEngine:
                    if spec.truncated and self.return_supports else [])
         return Rollouts(prompt_ids=prompts, completion_ids=completion_ids, rollout_logprobs=logprobs,
                         finish_reasons=finish, group_size=spec.n, topk_ids=top_ids if k else [],
-                        topk_logprobs=top_lps if k else [], routes=routes, support=support)
+                        topk_logprobs=top_lps if k else [], routes=routes, support=support, versions=versions,
+                        stale_kv=[stale_kv_flags(v, self.in_flight) for v in versions])
+
+    @property
+    def weight_version(self) -> int:
+        """This client's pushes so far: the number ``Rollouts.versions`` gives the weights that sampled a token."""
+        return self._version_n
+
+    def _token_versions(self, s: int, resp: dict, num_tokens: int) -> list[int]:
+        def number(label: str) -> int | None:
+            head, _, n = label.rpartition("-")
+            ok = head == f"parityrl-{self._version_tag}" and n.isdigit() and int(n) <= self._version_n
+            return int(n) if ok else None
+
+        def bad(msg: str) -> ServerEngineError:
+            return ServerEngineError(f"vLLM server at {self.url}, sample {s}: {msg}")
+
+        return token_versions((resp.get("choices") or [{}])[0], num_tokens, number, bad)
+
+    @contextlib.contextmanager
+    def in_flight_update(self):
+        """A weight push inside reaches the requests running now (``rollout.in_flight``, in_flight.py): they are
+        frozen first, and continue after it on the KV they hold (keep) or re-prefilled under the new weights
+        (recompute). Only merged pushes: a running request keeps the adapter it was started with."""
+        if self.in_flight == "off":
+            raise RuntimeError(f"ServerEngine({self.url}) was created with in_flight='off'")
+        pause_for_update(self.http)
+        self._paused = True
+        try:
+            yield self
+            if self.in_flight == "recompute":
+                recompute_running(self.http, self.url)
+        finally:
+            self._paused = False
+            resume_after_update(self.http)
 
     def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (``VLLMEngine.score``)."""
@@ -434,7 +494,8 @@ class ServerEngine:
         self._version_n += 1
         self._set_version()
         self._adapter = None  # the merged weights alone from now on, as the colocated engine after a merged update
-        self._reset_prefix_cache("weight push")
+        if not self._paused:  # in flight the requests hold their blocks: in_flight_update empties the cache or has none
+            self._reset_prefix_cache("weight push")
         self.last_push = {**totals, "seconds": time.perf_counter() - t0}
 
     def _reset_prefix_cache(self, action: str) -> None:
@@ -452,6 +513,9 @@ class ServerEngine:
             raise RuntimeError(f"load_adapter(): the server at {self.url} does not serve adapters for this client "
                                f"({self.adapter_unavailable or 'construct ServerEngine(..., adapter_rank=r)'})")
         self._refuse_served("load_adapter")
+        if self._paused:
+            raise RuntimeError(f"load_adapter(): an in-flight update of the server at {self.url} takes merged weights "
+                               "only (a running request keeps the adapter it was started with)")
         if not self.pushes_weights:
             raise RuntimeError(f"ServerEngine({self.url}) was created with pushes_weights=False (a data-parallel rank "
                                "other than 0): rank 0 pushes; call follow_push(adapter=True) after it")

@@ -16,6 +16,7 @@ The server gets exactly the settings the trainer's checks rely on
   on CUDA vLLM's own GPU share, ``gpu_memory_utilization`` 0.92 of every GPU the server sees
   (``vllm/config/cache.py``): the server owns its devices, so the trainer must run on others
   (said when it starts, ``GPU_SHARE_NOTE``);
+- ``rollout.in_flight: keep``: prefix caching off (``rollout.server_engine.in_flight``);
 - routes (an MoE recipe whose ``parity.routing_replay`` is on or measure): on CPU prefix caching off, for the
   project's capture in the workers; on CUDA refused before anything starts (``SERVER_ROUTES_ON_CUDA``);
 - truncated sampling (top-p, top-k, min-p): the workers record the kept sets (chunked prefill off, as always, so that
@@ -151,6 +152,10 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
             raise RecipeError(f"{where}: parity.routing_replay = {setting!r} with a "
                               f"mixture-of-experts model: a server on CUDA cannot return routes: {SERVER_ROUTES_ON_CUDA}")
         argv.append("--no-enable-prefix-caching")  # a cached token is never computed, so it would have no route
+    if r.in_flight == "keep" and "--no-enable-prefix-caching" not in argv:
+        # the cache cannot be emptied while requests run: a request started after an in-flight update would read
+        # a running request's prompt KV of the old weights (rollout/server_engine/in_flight.py)
+        argv.append("--no-enable-prefix-caching")
     if cuda and (r.top_p < 1 or r.top_k > 1 or r.min_p > 0):
         raise RecipeError(f"{where}: rollout.top_p = {r.top_p}, top_k = {r.top_k}, min_p = {r.min_p}: a server on CUDA "
                           f"cannot return the kept sets: {SERVER_SUPPORTS_ON_CUDA}")

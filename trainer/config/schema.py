@@ -218,6 +218,12 @@ class RolloutConfig:
     # generates in parallel with the trainer. 0: generate, then train (on-policy). staleness/* measures the
     # lag. At most MAX_STALENESS.
     max_staleness: int = 0
+    # Weight updates while a generation runs (server mode, k >= 1, merged sync; trainer/sampling/in_flight.py): off
+    # waits for the launched generations before each sync (every token of a batch has its batch's version). keep:
+    # the server pauses its requests, takes the new weights and continues them on the KV the old weights computed
+    # (PipelineRL); recompute: the paused requests are re-prefilled under the new weights before they continue
+    # (NeMo-RL's KV recompute). Every token carries the version that sampled it (Rollouts.versions).
+    in_flight: Literal["off", "keep", "recompute"] = "off"
 
 
 @dataclass

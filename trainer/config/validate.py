@@ -179,6 +179,24 @@ def _check_rollout(cfg: RunConfig, need: Need) -> None:
         need(not a.record.critic, "algorithm.name", a.name,
              f"a critic-free algorithm with rollout.max_staleness {k} (the critic's values are not kept per behaviour "
              "policy)")
+    need(r.in_flight in ("off", "keep", "recompute"), "rollout.in_flight", r.in_flight, "one of off, keep, recompute")
+    if r.in_flight != "off":
+        # the weights change in the middle of a generation only where one runs beside training: a server, with
+        # batches launched ahead (trainer/sampling/in_flight.py); a colocated engine generates between updates
+        need(r.mode == "server", "rollout.in_flight", r.in_flight,
+             f"'off' with rollout.mode {r.mode} (a colocated engine generates between updates, never during one; "
+             "in-flight updates need rollout.mode: server)")
+        need(r.max_staleness >= 1, "rollout.in_flight", r.in_flight,
+             "'off' with rollout.max_staleness 0 (nothing is generating while the trainer updates; set "
+             "rollout.max_staleness >= 1)")
+        need(r.lora_sync != "adapter", "rollout.lora_sync", r.lora_sync,
+             f"'merged' or 'auto' with rollout.in_flight {r.in_flight} (a running request keeps the adapter it was "
+             "started with; an in-flight update replaces the weights it runs on)")
+        # exact mode's engine log-probs are the trainer's own kernel's over the same context: a token sampled over
+        # another version's KV has no single set of weights whose forward reproduces it
+        need(not (r.in_flight == "keep" and cfg.precision.recipe == "exact"), "rollout.in_flight", r.in_flight,
+             "'recompute' or 'off' with precision.recipe exact (keep continues on KV of older weights, which no "
+             "single version's forward reproduces bit for bit)")
     # A server is a vLLM server started by `parityrl serve`: the HF engine cannot be served (what a
     # precision recipe cannot run on a server, its record says: trainer.precision).
     need(r.mode != "server" or r.engine == "vllm", "rollout.mode", r.mode,

@@ -57,8 +57,21 @@ def sample_rows(drawn: SampledRows, batch: TokenBatch, train_logprobs: torch.Ten
         rows.append({"prompt": drawn.rows[i // r.group_size]["prompt"], "completion": text,
                      "reward": drawn.rewards[i], **{f"reward/{name}": v[i] for name, v in drawn.per_fn.items()},
                      "length": len(r.completion_ids[i]), "finish_reason": r.finish_reasons[i],
-                     "parity_mean_abs": float(d[i].sum()) / n, "parity_max_abs": float(d[i].max()) if n else 0.0})
+                     "parity_mean_abs": float(d[i].sum()) / n, "parity_max_abs": float(d[i].max()) if n else 0.0,
+                     **({"versions": version_runs(r.versions[i])} if r.versions else {})})
     return rows
+
+
+def version_runs(versions: list[int]) -> str:
+    """A sample's per-token policy versions as runs, oldest first: "3x12 4x8" = 12 tokens of version 3, then 8 of
+    version 4 (an in-flight update in the middle of it: trainer/sampling/in_flight.py)."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return " ".join(f"{v}x{n}" for v, n in runs)
 
 
 def transcript(ids: list[int], mask: list[int], tokenizer) -> str:

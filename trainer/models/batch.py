@@ -47,6 +47,10 @@ class TokenBatch:
     topk_logprobs: torch.Tensor | None = None
     routes: torch.Tensor | None = None
     support: list[Support] | None = None
+    # in-flight weight updates (``Rollouts.versions`` / ``stale_kv``): [S, C] the policy version that sampled each
+    # token (long) and 1.0 where it read older weights' KV; None when every token has the batch's version
+    versions: torch.Tensor | None = None
+    stale_kv: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -70,6 +74,8 @@ class TokenBatch:
             topk_logprobs=None if self.topk_logprobs is None else self.topk_logprobs[idx, :c],
             routes=None if self.routes is None else self.routes[idx, cols],
             support=None if self.support is None else _pick(self.support, idx),
+            versions=None if self.versions is None else self.versions[idx, :c],
+            stale_kv=None if self.stale_kv is None else self.stale_kv[idx, :c],
         )
 
     def kernel_support(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -102,7 +108,19 @@ def batch_from_rollouts(rollouts: Rollouts, pad_id: int, device: torch.device | 
         batch.routes = aligned_routes(rollouts.routes, batch).to(device)
     if rollouts.support:
         batch.support = list(rollouts.support)
+    if rollouts.versions:
+        batch.versions = _padded(rollouts.versions, batch.mask.shape, torch.long).to(device)
+        batch.stale_kv = _padded(rollouts.stale_kv, batch.mask.shape, torch.float32).to(device)
     return batch
+
+
+def _padded(rows: list[list], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Per-token rows laid out on the [S, C] completion grid, 0 past each row's end."""
+    out = torch.zeros(shape, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = torch.tensor(r, dtype=dtype)
+    return out
 
 
 def _pick(values: list, idx) -> list:

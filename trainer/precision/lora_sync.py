@@ -52,6 +52,9 @@ def merged_reasons(cfg: RunConfig, recipe: Optional[PrecisionRecipe] = None, *, 
         reasons.append(f"model.lora.target_modules {served}: the engine serves adapters of linear layers only")
     if lora.r > VLLM_LORA_RANKS[-1]:
         reasons.append(f"model.lora.r {lora.r}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}")
+    if cfg.rollout.in_flight != "off":
+        reasons.append(f"rollout.in_flight {cfg.rollout.in_flight}: a running request keeps the adapter it was "
+                       "started with, so an update in the middle of a generation must replace the weights it runs on")
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if model_config is not None and is_moe(model_config) and cfg.rollout.engine == "vllm" and not cuda:
         reasons.append("a mixture-of-experts model on vLLM's CPU build: its LoRA runs the experts through vLLM's "

@@ -75,13 +75,14 @@ from trainer.measurement.routing_parity import (
 )
 from trainer.measurement.sampled_support import kept_metrics
 from trainer.measurement.scoring import Scores, check_engine_logprobs
-from trainer.measurement.staleness import staleness_metrics
+from trainer.measurement.staleness import lag_histogram, stale_kv_metrics, staleness_metrics
 from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.exact import ExactLogprobs
 from trainer.models.memory import peak_memory_gb
 from trainer.models.optim import make_scheduler
 from trainer.models.policy import load_tokenizer
 from trainer.models.precision import fp8_weight_quantizations
+from trainer.off_policy.by_version import score_by_version, versions_present
 from trainer.precision import recipe_for
 from trainer.precision.checks import check_launch, check_model_config
 from trainer.precision.float32_backward_gemms import with_float32_backward_gemms
@@ -95,6 +96,7 @@ from trainer.sampling.async_prefetch import behaviour_weights, snapshot
 from trainer.sampling.drawn import Drawn
 from trainer.sampling.dynamic_sampling import fill_with_signal
 from trainer.sampling.engines import make_engine
+from trainer.sampling.in_flight import InFlight
 from trainer.sampling.policy_sync import policy_sync
 from trainer.sampling.sampler import drawn_metrics
 from trainer.teacher.teacher import Teacher
@@ -274,6 +276,9 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     # Always align the engine with the policy being trained (fresh adapter = base weights,
     # resumed adapter = its weights), so a reused engine never carries another run's weights.
     run.sync(run.engine)
+    if cfg.rollout.in_flight != "off":  # weight updates while the launched batches generate (trainer/sampling/in_flight.py)
+        run.in_flight = InFlight(cfg.rollout.in_flight)
+        run.in_flight.pushed(run.engine, run.start_step)
     run.logger = RunLogger(cfg.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb.mode,
                            project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity, name=cfg.name,
                            total_steps=cfg.train.steps, print_every=cfg.logging.print_every, enabled=run.is_main,
@@ -336,9 +341,10 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
     cfg, a, m = run.cfg, run.cfg.algorithm, {}
     sampler = run.sampler
     taken = run.prefetch.take(step)
-    run.behaviour, run.lag = None, 0
+    run.behaviour, run.behaviours, run.lag = None, {}, 0
     if taken is not None:  # generated during an earlier step, by the adapter it was launched with
         train_part, run.behaviour, run.lag = taken.drawn, taken.behaviour, step - 1 - taken.version
+        run.behaviours = taken.behaviours  # in flight: its tokens' versions may be newer (score_phase)
         drawn = [train_part]
     elif a.dynamic_sampling:  # DAPO: keep groups with signal, draw more to refill
         train_part, drawn, ds_metrics = fill_with_signal(
@@ -348,6 +354,8 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
         m.update(ds_metrics)
     else:
         train_part = run.timeline.timed("generate", step, step - 1, sampler.draw, step)
+        if run.in_flight is not None:  # the engine's versions as policy versions, as for a prefetched batch
+            train_part = run.in_flight.mapped(train_part)
         drawn = [train_part]
     m.update(drawn_metrics(Drawn.concat(drawn), run.dp))
     launch = run.prefetch.missing(step, cfg.rollout.max_staleness)
@@ -356,8 +364,13 @@ def rollout_phase(run: Run, step: int) -> tuple[Drawn, dict]:
         # step launches k, every later one the batch of step + k), and trained on after this step's update.
         # Server mode overlaps them with this step (a thread; another process). Also near the last step: the
         # final checkpoint then holds them, so the run can be extended exactly.
-        run.prefetch.launch(launch, lambda s: run.timeline.timed("generate", s, step - 1, sampler.draw, s),
-                            snapshot(run.policy), version=step - 1, threaded=cfg.rollout.mode == "server")
+        def draw(s: int) -> Drawn:
+            drawn = run.timeline.timed("generate", s, step - 1, sampler.draw, s)
+            # in flight, the tokens' engine versions as policy versions the moment the batch is complete
+            return drawn if run.in_flight is None else run.in_flight.mapped(drawn)
+
+        run.prefetch.launch(launch, draw, snapshot(run.policy), version=step - 1,
+                            threaded=cfg.rollout.mode == "server")
     return train_part, m
 
 
@@ -395,8 +408,7 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
         # An off-policy batch: pi_old is its behaviour adapter (parity/* = engine vs it: numerics only);
         # staleness/* = behaviour vs the current adapter (policy lag only). The update's ratios are against
         # the objective's anchor (algorithm.off_policy: trainer/off_policy/).
-        with behaviour_weights(run.policy, run.behaviour):
-            scored = score_pass(learner, batch)
+        scored = behaviour_pass(run, step, batch)
         # one update with the behaviour anchor: its own forward gives pi_theta (update_phase), no extra pass
         if updates_per_batch(cfg) > 1 or a.off_policy_record.weight is not None:
             run.proximal = score_pass(learner, batch)
@@ -411,6 +423,23 @@ def score_phase(run: Run, step: int, batch: TokenBatch, rewards: torch.Tensor,
     m.update(staleness_metrics(run.dp, scored.logprobs, scored.logprobs, batch.mask,
                                0 if cfg.rollout.max_staleness else None))
     return scored, advantages, None
+
+
+def behaviour_pass(run: Run, step: int, batch: TokenBatch) -> Scores:
+    """The trainer's scores of an off-policy batch under the weights that sampled it: its launch adapter, or with
+    in-flight updates each token's own version (one pass per version; the step's lag becomes per token)."""
+    if batch.versions is None:
+        with behaviour_weights(run.policy, run.behaviour):
+            return score_pass(run.learner, batch)
+    missing = [v for v in versions_present(batch.versions, batch.mask) if v not in run.behaviours]
+    if missing:
+        raise RuntimeError(f"step {step}: tokens of policy versions {missing} have no behaviour snapshot (held: "
+                           f"{sorted(run.behaviours)})")
+    run.lag = (step - 1) - batch.versions
+    if run.is_main:
+        run.logger.log_histogram(step, "staleness/lag_hist", *lag_histogram(run.lag, batch.mask))
+    return score_by_version(lambda: score_pass(run.learner, batch),
+                            lambda v: behaviour_weights(run.policy, run.behaviours[v]), batch.versions, batch.mask)
 
 
 def breakdown_step(cfg: RunConfig, step: int) -> bool:
@@ -440,7 +469,13 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict
     (if the previous sync worked): this is what the metrics measure.
     """
     cfg = run.cfg
-    stats = run.dp.pooled_stats(scored.logprobs, batch.rollout_logprobs, batch.mask, train_topk_logprobs=scored.topk,
+    mask = batch.mask
+    if batch.stale_kv is not None:
+        # in_flight keep: a token sampled over older weights' KV differs from the trainer's one-version forward by
+        # more than numerics; measured apart (trainer/sampling/in_flight.py), parity/* keeps the rest
+        m.update(stale_kv_metrics(run.dp, scored.logprobs, batch.rollout_logprobs, batch.mask, batch.stale_kv))
+        mask = batch.mask * (1 - batch.stale_kv)
+    stats = run.dp.pooled_stats(scored.logprobs, batch.rollout_logprobs, mask, train_topk_logprobs=scored.topk,
                                 rollout_topk_logprobs=batch.topk_logprobs)
     m.update(finalize(stats))
     if scored.routing is not None:
@@ -516,7 +551,8 @@ def update_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, advanta
         m.update(metrics)
         if run.behaviour is not None and one_update and run.proximal is None:  # pi_theta before its one step
             c = last.logprobs.shape[1]
-            m.update(staleness_metrics(run.dp, last.logprobs, scored.logprobs[:, :c], batch.mask[:, :c], run.lag))
+            lag = run.lag[:, :c] if isinstance(run.lag, torch.Tensor) else run.lag
+            m.update(staleness_metrics(run.dp, last.logprobs, scored.logprobs[:, :c], batch.mask[:, :c], lag))
     run.scheduler.step()
 
 
@@ -550,10 +586,15 @@ def write_timeline(run: Run) -> None:
 def sync_phase(run: Run, step: int, m: dict) -> None:
     """Push the updated weights into the engine, then probe it."""
     t = time.perf_counter()
-    run.prefetch.wait()  # the next batch must come from the weights it was launched with
-    m["perf/prefetch_wait_s"] = time.perf_counter() - t
-    if run.cfg.rollout.sync_weights:
-        m.update(run.sync(run.engine))
+    if run.in_flight is not None and run.cfg.rollout.sync_weights:
+        # the launched generations go on under the new weights (trainer/sampling/in_flight.py): no wait
+        m["perf/prefetch_wait_s"] = 0.0
+        m.update(run.in_flight.sync(run.sync, run.engine, run.policy, run.prefetch, step))
+    else:
+        run.prefetch.wait()  # the next batch must come from the weights it was launched with
+        m["perf/prefetch_wait_s"] = time.perf_counter() - t
+        if run.cfg.rollout.sync_weights:
+            m.update(run.sync(run.engine))
     m["perf/sync_s"] = time.perf_counter() - t
     m.update(run.merge_cost())  # what a merged sync loses of this update, in both modes
     warning = run.merge_cost.warning(step, m, run.sync.mode)

@@ -28,6 +28,7 @@ from trainer.rl.learner import Learner
 from trainer.rl.value_head import ValueHead
 from trainer.sampling.async_prefetch import Prefetch
 from trainer.sampling.episode_sampler import sampler_for
+from trainer.sampling.in_flight import InFlight
 from trainer.sampling.policy_sync import PolicySync
 from trainer.sampling.sampler import Sampler
 from trainer.teacher.teacher import Teacher
@@ -79,7 +80,9 @@ class Run:
     # adapter of the batch this step trains on (None: the current weights generated it) with its lag in versions
     prefetch: Prefetch = field(default_factory=Prefetch)
     behaviour: Optional[dict] = None
-    lag: int = 0
+    behaviours: dict = field(default_factory=dict)  # in flight: the snapshot of every version its tokens may have
+    lag: object = 0  # an int; with in-flight updates, [S, C] per token (trainer/measurement/staleness.py)
+    in_flight: Optional[InFlight] = None  # rollout.in_flight (trainer/sampling/in_flight.py), None when off
     proximal: Optional[Scores] = None  # an off-policy batch scored by the weights before this step's update
     records: RecordWrites = field(default_factory=RecordWrites)  # a failed write of a record, till the step's end
     environment: Optional[EpisodeEnvironment] = None  # env: multi-turn episodes (trainer/sampling/episode_sampler.py)

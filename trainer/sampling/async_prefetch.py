@@ -14,7 +14,8 @@ are 0, 1, .., k, k, k: admission is paced, never dropped — a batch is trained 
 for, and the engine generates at most k steps ahead (no group is discarded for being stale, which would bias
 the data toward the rollouts that finish fast: tinker-cookbook PR #822, SkyRL's admission control). The
 engine's weights change only at syncs, after the launched generations finished, so every token of a batch has
-its batch's version (in-flight weight updates, which would mix versions within a sequence, are not built).
+its batch's version; with ``rollout.in_flight`` the syncs do not wait, and a batch holds tokens of several
+versions, each with its snapshot (``add_behaviour``; trainer/sampling/in_flight.py).
 
 In server mode the launches run in a thread and the server (another process) generates while this process
 trains: real overlap. With a colocated engine the same batches are generated inline, before the update: the
@@ -38,7 +39,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import threading
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -82,6 +83,11 @@ class Pending:
     behaviour: dict[str, torch.Tensor]
     drawn: Optional[Drawn] = None
     error: Optional[BaseException] = None
+    # with in-flight updates, the snapshot of every version that may have sampled its tokens (``version``'s included)
+    behaviours: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.behaviours.setdefault(self.version, self.behaviour)
 
 
 class Prefetch:
@@ -121,6 +127,11 @@ class Prefetch:
         else:
             work()
 
+    def add_behaviour(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """An in-flight sync pushes ``version`` while the pending batches generate: any of them may hold its tokens."""
+        for e in self.pending.values():
+            e.behaviours[version] = state
+
     def wait(self) -> None:
         """Block until the launched batches are generated (before the engine's weights change).
 
@@ -159,8 +170,10 @@ class Prefetch:
             return None
         behaviours = {}
         for e in entries:
-            behaviours.setdefault(str(e.version), {n: _encode(t) for n, t in e.behaviour.items()})
-        return {"batches": [{"step": e.step, "version": e.version, "drawn": _encode_drawn(e.drawn)} for e in entries],
+            for v in _versions_used(e):
+                behaviours.setdefault(str(v), {n: _encode(t) for n, t in e.behaviours[v].items()})
+        return {"batches": [{"step": e.step, "version": e.version, "versions": _versions_used(e),
+                             "drawn": _encode_drawn(e.drawn)} for e in entries],
                 "behaviours": behaviours}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
@@ -173,8 +186,18 @@ class Prefetch:
         self.pending = {}
         for b in state["batches"]:
             step = int(b["step"])
-            self.pending[step] = Pending(step=step, version=int(b["version"]), behaviour=behaviours[str(b["version"])],
-                                         drawn=_decode_drawn(b["drawn"]))
+            version = int(b["version"])
+            self.pending[step] = Pending(step=step, version=version, behaviour=behaviours[str(version)],
+                                         drawn=_decode_drawn(b["drawn"]),
+                                         behaviours={int(v): behaviours[str(v)] for v in b.get("versions", [version])})
+
+
+def _versions_used(e: Pending) -> list[int]:
+    """The versions whose snapshots a pending batch needs: its launch version and those of its tokens."""
+    seen = {e.version}
+    for row in (e.drawn.rollouts.versions if e.drawn is not None else []):
+        seen.update(row)
+    return sorted(seen)
 
 
 def _encode_drawn(d: Drawn) -> dict:

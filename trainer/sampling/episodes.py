@@ -72,6 +72,10 @@ class Episode:
     # position, k zeros at each reply position (masked out, as a batch's padding is: trainer.models.batch)
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
+    # in-flight weight updates (Rollouts.versions / stale_kv): each sampled token's engine weight version and whether
+    # it read older weights' KV; a reply carries the version of the turn before it, never stale
+    versions: list[int] = field(default_factory=list)
+    stale_kv: list[int] = field(default_factory=list)
 
     def full_routes(self, like: torch.Tensor) -> torch.Tensor:
         """``routes`` over every position of the episode (the replies after its last turn have none; an episode
@@ -81,7 +85,8 @@ class Episode:
         return torch.cat([known, pad])
 
     def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
-               support: Optional[Support] = None, topk: Optional[tuple[list, list]] = None) -> None:
+               support: Optional[Support] = None, topk: Optional[tuple[list, list]] = None,
+               versions: Optional[tuple[list, list]] = None) -> None:
         """A sampled turn (with its log-probs, its kept sets when the sampling was truncated, and its top-k ids and
         log-probs when asked for) or a reply."""
         if support is not None or (self.support and not sampled):
@@ -93,6 +98,12 @@ class Episode:
             k = len(self.topk_ids[0])
             self.topk_ids.extend([0] * k for _ in ids)
             self.topk_logprobs.extend([0.0] * k for _ in ids)
+        if sampled and versions is not None:
+            self.versions.extend(int(v) for v in versions[0])
+            self.stale_kv.extend(int(v) for v in versions[1])
+        elif not sampled and self.versions:
+            self.versions.extend([self.versions[-1]] * len(ids))
+            self.stale_kv.extend([0] * len(ids))
         self.ids.extend(int(i) for i in ids)
         self.mask.extend([1 if sampled else 0] * len(ids))
         if sampled:
@@ -145,7 +156,9 @@ def run_episodes(engine, tokenizer, prompts: Sequence[list[dict]], rows: Sequenc
                         routes=[e.full_routes(routed[0]) for e in episodes] if routed else [],
                         support=[_full_support(e) for e in episodes] if any(e.support for e in episodes) else [],
                         topk_ids=[e.topk_ids for e in episodes] if spec.logprobs_topk else [],
-                        topk_logprobs=[e.topk_logprobs for e in episodes] if spec.logprobs_topk else [])
+                        topk_logprobs=[e.topk_logprobs for e in episodes] if spec.logprobs_topk else [],
+                        versions=[e.versions for e in episodes] if any(e.versions for e in episodes) else [],
+                        stale_kv=[e.stale_kv for e in episodes] if any(e.versions for e in episodes) else [])
     return rollouts, episodes
 
 
@@ -182,7 +195,8 @@ def _sample_turn(engine, live: list[Episode], spec: SamplingSpec, limits: Episod
             if out.routes:  # each position keeps the route of the turn that computed it first (rollout.routes)
                 e.routes = extend_routes(e.routes, out.routes[k])
             e.append(ids, True, lps, out.support[k] if out.support else None,
-                     (out.topk_ids[k], out.topk_logprobs[k]) if out.topk_ids else None)
+                     (out.topk_ids[k], out.topk_logprobs[k]) if out.topk_ids else None,
+                     (out.versions[k], out.stale_kv[k]) if out.versions else None)
             e.turns += 1
             if finish == "length":  # cut by the cap: the turn never ended, so neither does a reply follow it
                 e.live, e.finish = False, "length"

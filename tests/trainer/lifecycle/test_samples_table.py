@@ -51,3 +51,10 @@ def test_an_episode_row_shows_its_turns_and_which_tokens_were_trained():
 
     ids, mask = [1, 2, 0, 3, 0, 4], [1, 1, 1, 0, 0, 1]
     assert transcript(ids, mask, Letters()) == "[turn 1] ab [context] c<s> [turn 2] d"
+
+
+def test_a_sample_spanning_an_in_flight_update_shows_its_versions_as_runs():
+    from trainer.lifecycle.samples_table import version_runs
+
+    assert version_runs([3, 3, 3, 4, 4]) == "3x3 4x2"
+    assert version_runs([7]) == "7x1" and version_runs([]) == ""
