@@ -219,3 +219,30 @@ def test_an_episode_carries_each_turns_top_k_and_zero_rows_on_the_replies(tok):
                         [{}], Counter, SamplingSpec(n=1, max_new_tokens=8, seed=3),
                         EpisodeLimits(max_turns=5, max_tokens=200, max_observation_tokens=20))
     assert r.topk_ids == [] and r.topk == 0
+
+
+def test_an_episode_carries_each_turns_versions_and_its_replies_take_the_turn_befores(tok):
+    """In-flight updates (Rollouts.versions / stale_kv): turn 1 sampled by versions 3 then 4 (an update in the middle,
+    keep: its tokens after the update read older KV), turn 2 by version 4 alone on a fresh prefill."""
+    answer = words(tok, "7") + [EOS]
+
+    class Versioned(ScriptedEngine):
+        def generate(self, prompt_ids, spec):
+            r = super().generate(prompt_ids, spec)
+            turn = len(self.calls)
+            r.versions = [[3] + [4] * (len(c) - 1) if turn == 1 else [4] * len(c) for c in r.completion_ids]
+            r.stale_kv = [[0] + [1] * (len(c) - 1) if turn == 1 else [0] * len(c) for c in r.completion_ids]
+            return r
+
+    r, eps = run_episodes(Versioned(lambda call, prompt: (answer, "stop")), tok, [[{"role": "user", "content": "1+2"}]],
+                          [{}], Counter, SamplingSpec(n=1, max_new_tokens=8, seed=3),
+                          EpisodeLimits(max_turns=5, max_tokens=200, max_observation_tokens=20))
+    reply = len(eps[0].ids) - 2 * len(answer)
+    assert reply > 0 and len(answer) == 2
+    assert r.versions[0] == [3, 4] + [4] * reply + [4, 4]
+    assert r.stale_kv[0] == [0, 1] + [0] * reply + [0, 0]
+    # an engine without versions: none kept
+    r, _ = run_episodes(ScriptedEngine(lambda call, prompt: (answer, "stop")), tok,
+                        [[{"role": "user", "content": "1+2"}]], [{}], Counter, SamplingSpec(n=1, max_new_tokens=8),
+                        EpisodeLimits(max_turns=5, max_tokens=200, max_observation_tokens=20))
+    assert r.versions == [] and r.stale_kv == []
