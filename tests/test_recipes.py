@@ -56,8 +56,11 @@ def test_gpu_recipes_checkpoint_activations_and_fit_one_80_gib_gpu(name):
 def test_cpu_recipe_trains_two_steps(tmp_path, name, tiny_model_dir, vllm_engine):
     from trainer.rl.loop import train
 
+    # the recipe's held-out evaluation runs (before step 1 and after the last) on 8 of its prompts: at the recipes'
+    # 64 prompts x 4 samples and a greedy pass, multi-turn, the two evaluations held 5x the episodes of the two
+    # steps; evaluation itself is tested in tests/trainer/measurement/test_evaluation.py
     sets = [f"logging.run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "train.steps=2",
-            "checkpoint.every=0"]
+            "checkpoint.every=0", "eval.num_prompts=8"]
     cfg = load_recipe(REPO / "recipes" / name, sets)
     if cfg.model.path != "builtin:tiny":  # another base than the shared engine holds: its own engine, as a user runs it
         proc = subprocess.run([sys.executable, "-m", "trainer", "train", str(REPO / "recipes" / name),
@@ -67,6 +70,7 @@ def test_cpu_recipe_trains_two_steps(tmp_path, name, tiny_model_dir, vllm_engine
         rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if r["step"] > 0]
         assert [r["step"] for r in steps] == [1, 2] and all(r["parity/mae"] < 1e-2 for r in steps), steps
+        assert cfg.eval.every == 0 or any(k.startswith("eval/") for r in rows for k in r), rows[-1]
         return
     res = train(cfg, engine=vllm_engine)
     assert [h["step"] for h in res.history] == [1, 2]
