@@ -77,6 +77,9 @@ def _convert(value: Any, tp: Any, key: str, where: str, salvage: Optional["_Salv
                 pass
         raise bad()
     if origin is Literal:
+        # YAML 1.1 reads a bare off / on as false / true: a choice spelled 'off' (rollout.in_flight) takes it back
+        if isinstance(value, bool) and ("on" if value else "off") in typing.get_args(tp):
+            return "on" if value else "off"
         if value not in typing.get_args(tp):
             raise bad()
         return value

@@ -211,6 +211,14 @@ def test_refused_in_flight_combinations(sets, words):
         load_recipe(REPO / "recipes" / "grpo_tiny.yaml", sets)
 
 
+def test_a_bare_yaml_off_is_the_choice_off():
+    # YAML 1.1 reads `in_flight: off` (and --set rollout.in_flight=off) as false
+    cfg = load_recipe(REPO / "recipes" / "grpo_tiny.yaml", ["rollout.in_flight=off"])
+    assert cfg.rollout.in_flight == "off"
+    with pytest.raises(RecipeError, match="rollout.in_flight = True: expected one of 'off', 'keep', 'recompute'"):
+        load_recipe(REPO / "recipes" / "grpo_tiny.yaml", ["rollout.in_flight=on"])
+
+
 def test_serve_runs_a_keep_server_without_prefix_caching_and_without_lora(tiny_model_dir):
     def argv(mode):
         cfg = load_recipe(REPO / "recipes" / "grpo_tiny.yaml", [*SERVER, f"rollout.in_flight={mode}"])
