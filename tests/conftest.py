@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
     (``--dist loadfile``), which take them in this order as they free up: the long files start first and the many
     short ones fill both workers to the end (longest first, the classic rule for packing jobs on machines), where
     collection order could start a long file last with the other worker idle beside it. A file's length is its
-    measured seconds (``FILE_SECONDS``); an unmeasured one counts 10 s per slow test: counting slow tests alone put
-    two one-test files of 2-4 minutes each (the real-model and exact tiers) last."""
+    measured seconds (``FILE_SECONDS``); an unmeasured one counts 10 s per slow test. Counting slow tests alone
+    would start the one-test files of 2-4 minutes (the real-model and exact tiers) last."""
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
 
     def seconds(item) -> float:

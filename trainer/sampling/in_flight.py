@@ -13,7 +13,7 @@ versions. What that changes for the trainer:
 - **A behaviour policy per version.** Each in-flight sync snapshots theta_s (the LoRA tensors) onto every pending
   batch (``Prefetch.add_behaviour``); the batch is scored once per version present, each token under the weights
   that sampled it (``trainer.off_policy.by_version``): ``parity/*`` stays engine-vs-the-same-weights numerics and
-  ``staleness/*`` the lag, now per token.
+  ``staleness/*`` the lag, per token.
 - **Stale KV.** With ``keep`` a token sampled after an update read KV the older weights computed
   (``Rollouts.stale_kv``); the trainer's forward recomputes its whole context under one version, so the engine's
   log-prob of such a token differs by more than numerics. Those tokens are measured apart (``parity/stale_kv/*``)
