@@ -1,5 +1,4 @@
 """Session-wide setup: offline, hermetic cache, one tiny model and one vLLM engine per session."""
-import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -17,23 +16,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PARITYRL_CACHE", str(REPO / ".cache" / "parityrl"))
 
 
-# How long each heavy test file took in a full run (tests/file_seconds.json), for the order below.
-FILE_SECONDS = json.loads((REPO / "tests" / "file_seconds.json").read_text())["files"]
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest files first, each file's own order kept (a stable sort). ``make test`` runs files on two workers
-    (``--dist loadfile``), which take them in this order as they free up: the long files start first and the many
-    short ones fill both workers to the end (longest first, the classic rule for packing jobs on machines), where
-    collection order could start a long file last with the other worker idle beside it. A file's length is its
-    measured seconds (``FILE_SECONDS``); an unmeasured one counts 10 s per slow test. Counting slow tests alone
-    would start the one-test files of 2-4 minutes (the real-model and exact tiers) last."""
+    """Files with more slow tests first, each file's own order kept (a stable sort). ``make test`` runs files on
+    two workers (``--dist loadfile``), which take them in this order as they free up: the long files start first
+    and the many short ones fill both workers to the end (longest first, the classic rule for packing jobs on
+    machines), where collection order could start a long file last with the other worker idle beside it."""
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-
-    def seconds(item) -> float:
-        return FILE_SECONDS.get(item.path.relative_to(REPO).as_posix(), 10.0 * slow[item.path])
-
-    items.sort(key=lambda item: -seconds(item))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 # The tiny Llama's decoder linears: what model.lora.target_modules [all-linear] resolves to on it.
