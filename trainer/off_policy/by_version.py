@@ -31,18 +31,16 @@ def combine_by_version(parts: dict[int, Scores], versions: torch.Tensor) -> Scor
     newest = parts[max(parts)]
     out = {}
     for f in fields(newest):
-        values = {v: getattr(p, f.name) for v, p in parts.items()}
-        first = values[max(values)]
-        if not isinstance(first, torch.Tensor) or f.name in ("values", "ref_logprobs"):
+        like = getattr(newest, f.name)
+        if not isinstance(like, torch.Tensor) or f.name in ("values", "ref_logprobs"):
             continue
-        if first.shape[:2] != versions.shape:
-            raise ValueError(f"combine_by_version: Scores.{f.name} has shape {tuple(first.shape)}, the batch's "
+        if like.shape[:2] != versions.shape:
+            raise ValueError(f"combine_by_version: Scores.{f.name} has shape {tuple(like.shape)}, the batch's "
                              f"versions {tuple(versions.shape)}")
-        acc = torch.zeros_like(first)
-        for v, t in values.items():
-            where = (versions == v).to(t.device)
-            while where.dim() < t.dim():
-                where = where.unsqueeze(-1)
+        acc = torch.zeros_like(like)
+        for v, p in parts.items():
+            t = getattr(p, f.name)
+            where = (versions == v).to(t.device).reshape(*versions.shape, *[1] * (t.dim() - versions.dim()))
             acc = torch.where(where, t, acc)
         out[f.name] = acc
     return replace(newest, **out)
