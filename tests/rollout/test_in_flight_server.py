@@ -116,22 +116,31 @@ def continued_over(old, new, context, tokens):
 
 def test_training_with_in_flight_keep_measures_numerics_lag_and_stale_kv_apart(keep_server, tmp_path, monkeypatch):
     """Three GRPO steps, one off, with keep: parity/* (fresh-KV tokens, each under its own version) stays numerics,
-    staleness/* and the lag shares describe the lag, parity/stale_kv/* the tokens keep continued on old KV. Each
-    sync waits until the launched generation has run a moment, so that it lands inside it."""
+    staleness/* and the lag shares describe the lag, parity/stale_kv/* the tokens keep continued on old KV.
+
+    The push must land inside the launched generation whatever the machine's speed: a training step can outlast the
+    generation launched beside it (the first step's, on a loaded machine), and a sync after it would find nothing
+    running. So a launched generation starts only once the step's sync is reached, and the sync pushes a second
+    later (one request at a time at ~70 tokens/s: a batch takes several seconds)."""
     from trainer.rl import loop
     from trainer.rl.loop import train
 
-    started, real_generate, real_sync = threading.Event(), ServerEngine.generate, loop.sync_phase
+    at_sync, started = threading.Event(), threading.Event()
+    real_generate, real_sync = ServerEngine.generate, loop.sync_phase
 
     def generate(self, prompt_ids, spec):
-        started.set()
+        if threading.current_thread().name.startswith("parityrl-rollout-"):  # launched beside the step
+            assert at_sync.wait(timeout=300)
+            at_sync.clear()
+            started.set()
         return real_generate(self, prompt_ids, spec)
 
     def sync_phase(run, step, m):
-        if run.prefetch.pending:  # a batch was launched this step: push once it is under way
-            assert started.wait(timeout=120)
-            time.sleep(0.3)
-        started.clear()
+        if run.prefetch.pending:  # a batch was launched this step: let it start, push once it is under way
+            at_sync.set()
+            assert started.wait(timeout=300)
+            started.clear()
+            time.sleep(1.0)
         real_sync(run, step, m)
 
     monkeypatch.setattr(ServerEngine, "generate", generate)
