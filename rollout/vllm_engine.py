@@ -47,7 +47,7 @@ import gc
 import logging
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -384,20 +384,29 @@ class VLLMEngine(InProcessEngine):
         return self._llm
 
     # ---- generation -------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec,
+                 images: Sequence[Sequence[Any]] | None = None) -> Rollouts:
         """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n.
 
         Each sample is its own request with seed ``sample_seed(spec.seed, spec.sample_index(i))``,
         so the same weights and spec give the same samples, whichever rank draws them.
+
+        ``images``: per prompt, the images (PIL) of a vision-language model's prompt, in the order of its
+        placeholders (an empty list: a text-only prompt). The prompt holds one placeholder per image; vLLM's processor
+        expands each into the image's tokens, and ``Rollouts.prompt_ids`` are the ids it consumed, expanded: the
+        sequence the trainer must score (a trainer that expands on its own can disagree, TRL #6401).
         """
         validate_request(prompt_ids, spec, self.max_model_len)
+        if images is not None and len(images) != len(prompt_ids):
+            raise ValueError(f"images: expected one list per prompt ({len(prompt_ids)}), got {len(images)}")
         truncated = spec.truncated and self.sampling_supports  # the kept sets are returned when asked at start
         from vllm.inputs import TokensPrompt
 
         prompts, params = [], []
         for i, p in enumerate(prompt_ids):
             for j in range(spec.n):
-                prompts.append(TokensPrompt(prompt_token_ids=list(p)))
+                mm = {"multi_modal_data": {"image": list(images[i])}} if images is not None and images[i] else {}
+                prompts.append(TokensPrompt(prompt_token_ids=list(p), **mm))
                 params.append(rollout_params(spec, i * spec.n + j, eos_ids=self.eos_ids,
                                              detokenize=self.load_tokenizer, **self._mask_options(spec.top_k)))
         self.wake_up()
@@ -423,7 +432,8 @@ class VLLMEngine(InProcessEngine):
             finish.append(c.finish_reason)
             texts.append(c.text or "")
         return Rollouts(
-            prompt_ids=[list(prompt_ids[k // spec.n]) for k in range(len(outputs))],
+            prompt_ids=[list(o.prompt_token_ids) if images is not None else list(prompt_ids[k // spec.n])
+                        for k, o in enumerate(outputs)],
             completion_ids=completion_ids, rollout_logprobs=logprobs, finish_reasons=finish,
             group_size=spec.n, completion_texts=texts if self.load_tokenizer else [],
             topk_ids=top_ids if spec.logprobs_topk else [], topk_logprobs=top_lps if spec.logprobs_topk else [],

@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Optional
 
 from tokenizers import Tokenizer
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from trainer.config.utf8 import decode_utf8
 
@@ -51,6 +54,11 @@ def config_problem(model_dir: Path) -> Optional[str]:
     model_type = conf.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         return "config.json has no model_type (expected the Hugging Face architecture name, e.g. 'llama')"
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        # the engine serves one (rollout.vllm_engine's images=, bench/parity/vl_parity.py); the trainer's forward
+        # with the images, and data with an image column, are what is missing
+        return (f"config.json: model_type {model_type!r} is a vision-language model; parityrl trains text-only "
+                "decoder (*ForCausalLM) models, not vision-language ones yet")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return (f"config.json: model_type {model_type!r} is not a causal language model Transformers can build "
                 "(AutoModelForCausalLM); parityrl trains decoder-only *ForCausalLM models")

@@ -1,0 +1,122 @@
+"""Parity on a vision-language model: the vLLM engine against Transformers' forward, prompts with and without images.
+
+The tiny Idefics3 of ``trainer.builtin.zoo_vl`` (random init, std 0.2) in one in-process vLLM engine per dtype samples
+``--n`` completions of ``--tokens`` tokens for ``--prompts`` shapes-task prompts with their image
+(``trainer.data.tasks.shapes``) and as many text-only prompts (seeded, temperature 1). The prompts go to vLLM as token
+ids with one ``<image>`` placeholder per image and the image itself (``VLLMEngine.generate(..., images=)``); vLLM's
+processor expands the placeholder. Transformers' processor expands the same prompt text with the same image; the two
+expanded id sequences must be equal, and the pixels Transformers scores with are its processor's.
+
+Printed per dtype: the expanded prompt ids equal or not, then the mean |engine - HF| of the sampled tokens' log-probs
+(temperature 1, ``log_softmax(logits)`` of Transformers' float32 forward of the engine's dtype's weights) over the
+prompts with images and over those without. ``--json`` writes the same.
+
+    PYTHONPATH=. .venv/bin/python bench/parity/vl_parity.py --dtypes float32 bfloat16
+
+Engines start one after another in this process: run it as its own process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def _prompts(processor, count: int):
+    """(texts, images per prompt, answers): ``count`` shapes prompts with their image, then ``count`` text-only."""
+    from trainer.data.tasks.shapes import shapes_example, shapes_question
+
+    texts, images = [], []
+    for i in range(count):
+        ex = shapes_example(i, split="test")
+        texts.append(processor.apply_chat_template(shapes_question(), add_generation_prompt=True))
+        images.append([ex["image"]])
+    for i in range(count):
+        question = [{"role": "user", "content": f"Is {i + 3} more than {2 * i}?"}]
+        texts.append(processor.apply_chat_template(question, add_generation_prompt=True))
+        images.append([])
+    return texts, images
+
+
+def hf_logprobs(model, processor, text: str, images: list, prompt_len: int, completion: list[int]) -> list[float]:
+    """Transformers' log-probs of ``completion`` after the processor's expansion of ``text`` with ``images``.
+
+    The image features go to the prompt's placeholder positions only: a completion may sample the ``<image>`` id (a
+    random model does), which vLLM embeds as text, while Transformers' own merge would scatter image features into
+    every position holding that id (and fail: more positions than features)."""
+    enc = processor(text=[text], images=[images] if images else None, return_tensors="pt")
+    ids = torch.cat([enc["input_ids"][0], torch.tensor(completion, dtype=torch.long)])[None]
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+        if images:
+            feats = model.model.get_image_features(enc["pixel_values"].to(model.dtype), enc["pixel_attention_mask"],
+                                                   return_dict=True).pooler_output
+            slots = (enc["input_ids"][0] == model.config.image_token_id).nonzero().squeeze(-1)
+            embeds[0, slots] = feats.reshape(-1, feats.shape[-1]).to(embeds.dtype)
+        logits = model(inputs_embeds=embeds).logits[0, prompt_len - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1).tolist()
+
+
+def run(dtype: str, prompts: int, n: int, tokens: int) -> dict:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rollout.types import SamplingSpec
+    from rollout.vllm_engine import VLLMEngine
+    from trainer.builtin.zoo_vl import ensure_vl_model
+
+    path = str(ensure_vl_model(dtype="float32"))
+    processor = AutoProcessor.from_pretrained(path)
+    texts, images = _prompts(processor, prompts)
+    ids = [processor.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    engine = VLLMEngine(path, dtype=dtype, max_model_len=128, seed=0, kv_cache_memory_bytes=64 * 1024**2,
+                        load_tokenizer=True, limit_mm_per_prompt={"image": 1})
+    try:
+        r = engine.generate(ids, SamplingSpec(n=n, temperature=1.0, max_new_tokens=tokens, seed=0), images=images)
+    finally:
+        engine.close()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    errors = {"image": [], "text": []}
+    ids_equal = True
+    for s, (p_ids, c_ids, lps) in enumerate(zip(r.prompt_ids, r.completion_ids, r.rollout_logprobs)):
+        i = s // n
+        expanded = processor(text=[texts[i]], images=[images[i]] if images[i] else None)["input_ids"][0]
+        ids_equal &= list(expanded) == list(p_ids)
+        ref = hf_logprobs(model, processor, texts[i], images[i], len(p_ids), list(c_ids))
+        errors["image" if images[i] else "text"] += [abs(a - b) for a, b in zip(lps, ref)]
+    return {"dtype": dtype, "expanded_ids_equal": bool(ids_equal),
+            "prompt_tokens_with_image": len(r.prompt_ids[0]), "prompt_tokens_before_expansion": len(ids[0]),
+            "prompt_tokens_text_only": len(ids[prompts]),
+            **{f"mae_{k}": sum(v) / len(v) for k, v in errors.items()},
+            **{f"max_{k}": max(v) for k, v in errors.items()}, **{f"tokens_{k}": len(v) for k, v in errors.items()}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for dtype in args.dtypes:
+        row = run(dtype, args.prompts, args.n, args.tokens)
+        rows.append(row)
+        print(f"{dtype:9s} expanded ids equal: {row['expanded_ids_equal']} (prompt with image "
+              f"{row['prompt_tokens_before_expansion']} -> {row['prompt_tokens_with_image']} tokens, text-only {row['prompt_tokens_text_only']}); engine vs HF "
+              f"MAE with image {row['mae_image']:.3g} ({row['tokens_image']} tokens, max {row['max_image']:.3g}), "
+              f"without {row['mae_text']:.3g} ({row['tokens_text']} tokens, max {row['max_text']:.3g})", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
