@@ -38,11 +38,12 @@ ENTRY_POINTS = {"trainer/__init__.py", "trainer/__main__.py", "trainer/cli.py", 
 # supervised stage); supervised: SFT and reward-model training; environments: multi-turn environments, tools and
 # the recipe's env: resolved; rewards: reward functions and the reward-model scorer; precision: the precision
 # recipes' records (the trainer's model transform, the engine's options, their rules); models: loading and running
-# a policy; io: run directories, checkpoints, logs; data: prompt datasets and tasks; distributed: process groups,
+# a policy; vision: a vision-language batch's images and their features merged into the decoder's input; io: run
+# directories, checkpoints, logs; data: prompt datasets and tasks; distributed: process groups,
 # DDP, DeepSpeed, the launch line; config: the recipes' schema (it reads the algorithms' option types); algorithms:
 # pure tensor functions and their records.
 TRAINER_ORDER = ("commands", "doctor", "diagnostics", "rl", "teacher", "measurement", "sampling", "lifecycle", "builtin", "supervised",
-                 "environments", "rewards", "precision", "models", "io", "data", "distributed", "config", "off_policy",
+                 "environments", "rewards", "precision", "models", "vision", "io", "data", "distributed", "config", "off_policy",
                  "algorithms")
 
 

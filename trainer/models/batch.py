@@ -16,6 +16,7 @@ import torch
 from rollout.support import Support
 from rollout.types import Rollouts
 from trainer.models.routing_replay import PAD
+from trainer.vision.batch import VisionBatch
 
 IGNORE = -100  # target id that fused_logprobs skips (log-prob 0, no gradient)
 
@@ -51,6 +52,8 @@ class TokenBatch:
     # token (long) and 1.0 where it read older weights' KV; None when every token has the batch's version
     versions: torch.Tensor | None = None
     stale_kv: torch.Tensor | None = None
+    # a vision-language batch's images (their pixels, how many per row): None for text
+    vision: VisionBatch | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -76,6 +79,7 @@ class TokenBatch:
             support=None if self.support is None else _pick(self.support, idx),
             versions=None if self.versions is None else self.versions[idx, :c],
             stale_kv=None if self.stale_kv is None else self.stale_kv[idx, :c],
+            vision=None if self.vision is None else self.vision.select(idx),
         )
 
     def kernel_support(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -29,6 +29,7 @@ from trainer.models.batch import TokenBatch
 from trainer.models.packing import pack, packing_error, unpack
 from trainer.models.policy_forward import wrapped_policy_forward
 from trainer.models.routing_replay import attached_replay
+from trainer.vision.embeddings import merged_embeddings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -148,6 +149,8 @@ def completion_hidden(model, batch: TokenBatch, value_head=None, *, pack_sequenc
               if packed is None else
               dict(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids))
     if wrapped is not None:
+        if batch.vision is not None:
+            raise ValueError("completion_hidden: a vision-language batch under DeepSpeed is not supported")
         if value_head is not None and value_head is not wrapped.value_head:
             raise ValueError("completion_hidden: this value head is not the one inside the DeepSpeed engine "
                              "(pass it to trainer.models.policy_forward.wrap_for_prepare)")
@@ -156,6 +159,11 @@ def completion_hidden(model, batch: TokenBatch, value_head=None, *, pack_sequenc
         _, lm_head = split_model(wrapped.policy)
     else:
         backbone, lm_head = split_model(model)
+        if batch.vision is not None:  # the images' features at the prompt's placeholders (trainer.vision.embeddings)
+            if packed is not None:
+                raise ValueError("completion_hidden: packing a vision-language batch is not supported")
+            inputs["inputs_embeds"] = merged_embeddings(backbone, inputs.pop("input_ids"), batch.prompt_len,
+                                                        batch.vision)
         hidden = backbone(**inputs, use_cache=False).last_hidden_state
         # On every position, as the engine's forward does: the same GEMM shape, so both give the same bits.
         values = None if value_head is None else value_head(hidden)
