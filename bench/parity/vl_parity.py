@@ -7,8 +7,9 @@ ids with one ``<image>`` placeholder per image and the image itself (``VLLMEngin
 processor expands the placeholder. Transformers' processor expands the same prompt text with the same image; the two
 expanded id sequences must be equal, and the pixels Transformers scores with are its processor's.
 
-Printed per dtype: the expanded prompt ids equal or not, then the mean |engine - HF| of the sampled tokens' log-probs
-(temperature 1, ``log_softmax(logits)`` of Transformers' float32 forward of the engine's dtype's weights) over the
+Printed per dtype: the expanded prompt ids equal or not, then the mean |engine - trainer| of the sampled tokens'
+log-probs (temperature 1; the trainer's: the token batch of the engine's expanded ids, the images through the
+trainer's processor, ``completion_logprobs`` with the image features at the placeholders, ``trainer.vision``) over the
 prompts with images and over those without. ``--json`` writes the same.
 
     PYTHONPATH=. .venv/bin/python bench/parity/vl_parity.py --dtypes float32 bfloat16
@@ -44,31 +45,15 @@ def _prompts(processor, count: int):
     return texts, images
 
 
-def hf_logprobs(model, processor, text: str, images: list, prompt_len: int, completion: list[int]) -> list[float]:
-    """Transformers' log-probs of ``completion`` after the processor's expansion of ``text`` with ``images``.
-
-    The image features go to the prompt's placeholder positions only: a completion may sample the ``<image>`` id (a
-    random model does), which vLLM embeds as text, while Transformers' own merge would scatter image features into
-    every position holding that id (and fail: more positions than features)."""
-    enc = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    ids = torch.cat([enc["input_ids"][0], torch.tensor(completion, dtype=torch.long)])[None]
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(ids)
-        if images:
-            feats = model.model.get_image_features(enc["pixel_values"].to(model.dtype), enc["pixel_attention_mask"],
-                                                   return_dict=True).pooler_output
-            slots = (enc["input_ids"][0] == model.config.image_token_id).nonzero().squeeze(-1)
-            embeds[0, slots] = feats.reshape(-1, feats.shape[-1]).to(embeds.dtype)
-        logits = model(inputs_embeds=embeds).logits[0, prompt_len - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1).tolist()
-
-
 def run(dtype: str, prompts: int, n: int, tokens: int) -> dict:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from rollout.types import SamplingSpec
     from rollout.vllm_engine import VLLMEngine
     from trainer.builtin.zoo_vl import ensure_vl_model
+    from trainer.models.batch import batch_from_rollouts
+    from trainer.models.policy import completion_logprobs
+    from trainer.vision.pixels import vision_batch
 
     path = str(ensure_vl_model(dtype="float32"))
     processor = AutoProcessor.from_pretrained(path)
@@ -81,14 +66,20 @@ def run(dtype: str, prompts: int, n: int, tokens: int) -> dict:
     finally:
         engine.close()
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    ids_equal = all(
+        list(processor(text=[texts[s // n]], images=[images[s // n]] if images[s // n] else None)["input_ids"][0])
+        == list(p_ids) for s, p_ids in enumerate(r.prompt_ids))
+    # the trainer's scores: the token batch of the engine's expanded ids, the images' pixels through the trainer's
+    # processor, the fused log-prob kernel over the decoder with the features at the placeholders
+    batch = batch_from_rollouts(r, pad_id=processor.tokenizer.pad_token_id)
+    batch.vision = vision_batch(processor.image_processor, [images[s // n] for s in range(len(r.prompt_ids))],
+                                model.config.image_token_id)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, batch, temperature=1.0)
+    diff = ((lp - batch.rollout_logprobs).abs() * batch.mask)
     errors = {"image": [], "text": []}
-    ids_equal = True
-    for s, (p_ids, c_ids, lps) in enumerate(zip(r.prompt_ids, r.completion_ids, r.rollout_logprobs)):
-        i = s // n
-        expanded = processor(text=[texts[i]], images=[images[i]] if images[i] else None)["input_ids"][0]
-        ids_equal &= list(expanded) == list(p_ids)
-        ref = hf_logprobs(model, processor, texts[i], images[i], len(p_ids), list(c_ids))
-        errors["image" if images[i] else "text"] += [abs(a - b) for a, b in zip(lps, ref)]
+    for s in range(len(r.prompt_ids)):
+        errors["image" if images[s // n] else "text"] += diff[s][batch.mask[s] > 0].tolist()
     return {"dtype": dtype, "expanded_ids_equal": bool(ids_equal),
             "prompt_tokens_with_image": len(r.prompt_ids[0]), "prompt_tokens_before_expansion": len(ids[0]),
             "prompt_tokens_text_only": len(ids[prompts]),
@@ -109,7 +100,7 @@ def main(argv=None) -> int:
         row = run(dtype, args.prompts, args.n, args.tokens)
         rows.append(row)
         print(f"{dtype:9s} expanded ids equal: {row['expanded_ids_equal']} (prompt with image "
-              f"{row['prompt_tokens_before_expansion']} -> {row['prompt_tokens_with_image']} tokens, text-only {row['prompt_tokens_text_only']}); engine vs HF "
+              f"{row['prompt_tokens_before_expansion']} -> {row['prompt_tokens_with_image']} tokens, text-only {row['prompt_tokens_text_only']}); engine vs trainer "
               f"MAE with image {row['mae_image']:.3g} ({row['tokens_image']} tokens, max {row['max_image']:.3g}), "
               f"without {row['mae_text']:.3g} ({row['tokens_text']} tokens, max {row['max_text']:.3g})", flush=True)
     if args.json:
