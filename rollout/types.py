@@ -64,6 +64,19 @@ class SamplingSpec:
         return self.sample_indices[s] if self.sample_indices else self.index_offset + s
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One image as the engine consumed it: the fingerprint of its pixel tensor (``parity.input_digest``, in the
+    dtype the engine ran it in), that tensor's shape, and the placeholder span of the expanded prompt it fills
+    (``offset``: the span's first position, ``length``: its positions, markers included)."""
+
+    digest: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    length: int
+
+
 @dataclass
 class Rollouts:
     """A batch of sampled completions.
@@ -96,6 +109,9 @@ class Rollouts:
         launched with. The engine's own numbering (a server: its pushes); the trainer maps it to policy versions.
     stale_kv: [S][C_i] 1 where the token was sampled over KV that older weights computed (``in_flight: keep``
         continues a request on the KV of the weights it started with), else 0. Empty: none was.
+    images: [S] a vision-language prompt's images as the engine consumed them (``ImageInput``, in placeholder order;
+        an empty list for a text-only prompt); ``prompt_ids`` are then the ids the engine expanded. Empty: no
+        prompt of the batch came with images.
     """
 
     prompt_ids: list[list[int]]
@@ -111,6 +127,7 @@ class Rollouts:
     support: list = field(default_factory=list)
     versions: list[list[int]] = field(default_factory=list)
     stale_kv: list[list[int]] = field(default_factory=list)
+    images: list[list[ImageInput]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         s = len(self.completion_ids)
@@ -133,6 +150,8 @@ class Rollouts:
             rows = getattr(self, name)
             if rows and (len(rows) != s or any(len(r) != len(c) for r, c in zip(rows, self.completion_ids))):
                 raise ValueError(f"Rollouts.{name} must hold one entry per completion token of every sample")
+        if self.images and len(self.images) != s:
+            raise ValueError(f"Rollouts.images has {len(self.images)} samples, expected {s}")
         if self.group_size < 1 or s % self.group_size:
             raise ValueError(f"Rollouts: {s} samples is not a multiple of group_size={self.group_size}")
 
@@ -198,7 +217,7 @@ class Rollouts:
                         group_size=g, completion_texts=pick(self.completion_texts), topk_ids=pick(self.topk_ids),
                         topk_logprobs=pick(self.topk_logprobs), completion_mask=pick(self.completion_mask),
                         routes=pick(self.routes), support=pick(self.support), versions=pick(self.versions),
-                        stale_kv=pick(self.stale_kv))
+                        stale_kv=pick(self.stale_kv), images=pick(self.images))
 
     @classmethod
     def concat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
@@ -216,14 +235,15 @@ class Rollouts:
         # A part without a mask sampled every token: spelled out only when another part has one.
         masks = ([m for p in parts for m in (p.completion_mask or [[1] * len(c) for c in p.completion_ids])]
                  if any(p.completion_mask for p in parts) else [])
-        for name in ("routes", "support", "versions", "stale_kv"):
+        for name in ("routes", "support", "versions", "stale_kv", "images"):
             if any(getattr(p, name) for p in parts) and not all(getattr(p, name) or not len(p) for p in parts):
                 raise ValueError(f"Rollouts.concat: some parts carry {name} and others none")
         return cls(prompt_ids=joined("prompt_ids"), completion_ids=joined("completion_ids"),
                    rollout_logprobs=joined("rollout_logprobs"), finish_reasons=joined("finish_reasons"),
                    group_size=parts[0].group_size, completion_texts=texts, topk_ids=joined("topk_ids"),
                    topk_logprobs=joined("topk_logprobs"), completion_mask=masks, routes=joined("routes"),
-                   support=joined("support"), versions=joined("versions"), stale_kv=joined("stale_kv"))
+                   support=joined("support"), versions=joined("versions"), stale_kv=joined("stale_kv"),
+                   images=joined("images"))
 
 
 @dataclass

@@ -65,6 +65,7 @@ from rollout.stale_kv import StaleKVAlarm
 from rollout.support import Support
 from rollout.types import Rollouts, SamplingSpec, Scored
 from rollout.vllm_adapters import ServedAdapter, lora_options
+from rollout.vllm_image_capture import ImageCapture
 from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
 from rollout.vllm_plugins.support_capture import begin_supports, take_supports
 from rollout.vllm_requests import engine_top_k, rollout_params, score_params
@@ -324,6 +325,7 @@ class VLLMEngine(InProcessEngine):
         self.packed_modules = self._packed_modules()
         if self.fp8_block_weights:
             self._check_fp8_layers()
+        self._images = None  # the images each request consumed (rollout.vllm_image_capture), from the first image
         self._moe_layers = None  # the decoder layers that route (vLLM's own routes hold every layer)
         self.route_shape = self._install_route_capture() if self.return_routes else None
         if max_lora_rank is not None:
@@ -399,6 +401,8 @@ class VLLMEngine(InProcessEngine):
         validate_request(prompt_ids, spec, self.max_model_len)
         if images is not None and len(images) != len(prompt_ids):
             raise ValueError(f"images: expected one list per prompt ({len(prompt_ids)}), got {len(images)}")
+        if images is not None and self._images is None:
+            self._images = ImageCapture(self.llm)
         truncated = spec.truncated and self.sampling_supports  # the kept sets are returned when asked at start
         from vllm.inputs import TokensPrompt
 
@@ -438,6 +442,7 @@ class VLLMEngine(InProcessEngine):
             group_size=spec.n, completion_texts=texts if self.load_tokenizer else [],
             topk_ids=top_ids if spec.logprobs_topk else [], topk_logprobs=top_lps if spec.logprobs_topk else [],
             routes=routes, support=support,
+            images=[self._images.take(o.request_id) for o in outputs] if images is not None else [],
         )
 
     def _mask_options(self, top_k: int) -> dict:

@@ -1,4 +1,6 @@
 """rollout.types: the Rollouts container refuses inconsistent top-k fields and completion masks."""
+from dataclasses import replace
+
 import pytest
 
 from rollout.types import Rollouts
@@ -49,3 +51,19 @@ def test_completion_mask_follows_take_groups_and_concat():
     joined = Rollouts.concat([single, r])
     assert joined.completion_mask == [[1, 1], [1, 0, 1], [1]]
     assert Rollouts.concat([single, single]).completion_mask == []
+
+
+def test_images_follow_take_groups_and_concat_and_are_one_list_per_sample():
+    from rollout.types import ImageInput
+
+    a, b = ImageInput("aa", (3, 56, 56), "float32", 2, 7), ImageInput("bb", (3, 56, 56), "float32", 2, 7)
+    r = _episodes(None)
+    with_images = Rollouts(prompt_ids=[[1], [1]], completion_ids=[[2], [5]], rollout_logprobs=[[-1.0], [-1.0]],
+                           finish_reasons=["stop", "stop"], group_size=1, images=[[a], [b, a]])
+    assert with_images.take_groups([1]).images == [[b, a]]
+    text_only = replace(with_images, images=[[], []])
+    assert Rollouts.concat([with_images, text_only]).images == [[a], [b, a], [], []]
+    with pytest.raises(ValueError, match="some parts carry images and others none"):
+        Rollouts.concat([with_images, r])
+    with pytest.raises(ValueError, match="Rollouts.images has 1 samples, expected 2"):
+        replace(with_images, images=[[a]])

@@ -1,7 +1,7 @@
 """A vision-language model through the vLLM engine (slow tier): prompts with an image go to vLLM as token ids with one
-placeholder and the image; vLLM expands the placeholder as Transformers' processor does, and its log-probs match
-Transformers' float32 forward as closely with an image as without (bench/parity/vl_parity.py in a subprocess: the
-session already holds an engine, tests/conftest.py)."""
+placeholder and the image; vLLM expands the placeholder as Transformers' processor does, what it consumed (pixels,
+spans) is what the trainer scores, and its log-probs match the trainer's float32 forward as closely with an image as
+without (bench/parity/vl_parity.py in a subprocess: the session already holds an engine, tests/conftest.py)."""
 import json
 import os
 import subprocess
@@ -20,7 +20,7 @@ FLOAT32_MAE = 5e-6
 def test_images_reach_the_engine_expanded_as_the_processor_does_and_match_transformers(tmp_path):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(REPO / "bench" / "parity" / "vl_parity.py"), "--dtypes", "float32", "--prompts", "2",
-           "--tokens", "12", "--json", str(out)]
+           "--tokens", "12", "--faults", "--json", str(out)]
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,3 +31,10 @@ def test_images_reach_the_engine_expanded_as_the_processor_does_and_match_transf
     assert row["tokens_image"] >= 2 * 2 and row["tokens_text"] >= 2 * 2  # 2 prompts x 2 samples, each at least one
     assert row["mae_image"] < FLOAT32_MAE and row["mae_text"] < FLOAT32_MAE
     assert row["mae_image"] < 3 * row["mae_text"]  # an image costs no more parity than text
+    # what the engine consumed is what the trainer scored: every image's pixels the same bits, every span in place
+    assert row["mm/inputs_equal"] == 1.0 and row["mm/images"] == 2 * 2
+    # and a difference is named: the trainer's processor at another size, the engine's request without its image
+    assert row["faults"]["other_processor"][0].startswith("sample 0 (prompt 0), image 0: pixel tensors differ "
+                                                          "(engine float32 [1, 3, 56, 56]")
+    assert row["faults"]["image_dropped"] == ["sample 0 (prompt 0): the engine consumed 0 image(s), the trainer's "
+                                              "prompt holds 1"]

@@ -8,13 +8,17 @@ from trainer.builtin.zoo_vl import build_vl_model
 from trainer.data.tasks.shapes import shapes_example, shapes_question
 from trainer.models.batch import build_token_batch
 from trainer.models.policy import completion_logprobs
-from trainer.vision.pixels import vision_batch
+from trainer.vision.pixels import prompt_pixels, vision_batch
 
 
 @pytest.fixture(scope="module")
 def vl():
     model, processor = build_vl_model()
     return model.eval(), processor
+
+
+def _vision(processor, images_per_row, image_token_id):
+    return vision_batch([prompt_pixels(processor.image_processor, x) for x in images_per_row], image_token_id)
 
 
 def _prompt(processor, image):
@@ -39,8 +43,7 @@ def test_fused_logprobs_with_images_equal_the_models_own_forward(vl):
                                                                   add_generation_prompt=True))["input_ids"]
     completions = [[300, 301, 302, 2], [40, 41], [7, 8, 9]]
     batch = build_token_batch([p0, p1, text_only], completions, pad_id=0)
-    batch.vision = vision_batch(processor.image_processor, [[images[0]], [images[1]], []],
-                                model.config.image_token_id)
+    batch.vision = _vision(processor, [[images[0]], [images[1]], []], model.config.image_token_id)
     with torch.no_grad():
         lp, _ = completion_logprobs(model, batch, temperature=1.0)
     for row, image in enumerate(images):
@@ -48,7 +51,7 @@ def test_fused_logprobs_with_images_equal_the_models_own_forward(vl):
         assert (lp[row, :len(completions[row])].double() - own).abs().max() < 1e-5, row
     # an image changes what the rows score: the two image rows' first tokens are not scored alike
     swapped = build_token_batch([p0], [completions[0]], pad_id=0)
-    swapped.vision = vision_batch(processor.image_processor, [[images[1]]], model.config.image_token_id)
+    swapped.vision = _vision(processor, [[images[1]]], model.config.image_token_id)
     with torch.no_grad():
         other, _ = completion_logprobs(model, swapped, temperature=1.0)
     assert (other[0, :4] - lp[0, :4]).abs().max() > 1e-2
@@ -63,7 +66,7 @@ def test_a_sampled_placeholder_id_is_text_as_the_engine_embeds_it(vl):
     placeholder = model.config.image_token_id
     completion = [300, placeholder, 301, placeholder, 2]
     batch = build_token_batch([p], [completion], pad_id=0)
-    batch.vision = vision_batch(processor.image_processor, [[image]], placeholder)
+    batch.vision = _vision(processor, [[image]], placeholder)
     with torch.no_grad():
         lp, _ = completion_logprobs(model, batch, temperature=1.0)
         enc = processor(text=[text], images=[[image]], return_tensors="pt")
@@ -82,7 +85,7 @@ def test_placeholders_and_images_that_disagree_are_refused_by_row(vl):
     image = shapes_example(0)["image"]
     _, p = _prompt(processor, image)
     batch = build_token_batch([p, p], [[5], [6]], pad_id=0)
-    batch.vision = vision_batch(processor.image_processor, [[image], []], model.config.image_token_id)
+    batch.vision = _vision(processor, [[image], []], model.config.image_token_id)
     with pytest.raises(ValueError, match="row 1: its prompt holds 4 image placeholder positions for 0 image"):
         completion_logprobs(model, batch, temperature=1.0)
 
@@ -92,7 +95,7 @@ def test_micro_batches_take_their_rows_images(vl):
     images = [shapes_example(i)["image"] for i in range(3)]
     prompts = [_prompt(processor, im)[1] for im in images]
     batch = build_token_batch(prompts, [[5, 6], [7], [8, 9, 10]], pad_id=0)
-    batch.vision = vision_batch(processor.image_processor, [[im] for im in images], model.config.image_token_id)
+    batch.vision = _vision(processor, [[im] for im in images], model.config.image_token_id)
     with torch.no_grad():
         whole, _ = completion_logprobs(model, batch, temperature=1.0)
         part, _ = completion_logprobs(model, batch.select(slice(1, 3)), temperature=1.0)
