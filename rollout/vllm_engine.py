@@ -120,6 +120,11 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+# vLLM warns once, when an adapter request meets an engine holding a tokenizer, that per-adapter tokenizers are
+# deprecated: parityrl's adapters never bring one (the base model's tokenizer serves every request)
+_ADAPTER_TOKENIZER_NOTE = _DropMessage("vLLM has deprecated support for supporting different tokenizers")
+
+
 @contextlib.contextmanager
 def _drop_log(logger_name: str, prefix: str, active: bool = True):
     """Silence one known-harmless message (with its traceback) from one vLLM logger."""
@@ -194,6 +199,15 @@ def memory_options(cuda: bool, kv_cache_memory_bytes: int | None, gpu_memory_uti
                              "its default)")
         memory["gpu_memory_utilization"] = float(gpu_memory_utilization)
     return memory
+
+
+def image_options(max_images: int) -> dict:
+    """VLLMEngine options for prompts with images: room for ``max_images`` per prompt (vLLM's own default, 999,
+    sizes its start-up profiling for that many); the tokenizer, which vLLM's multimodal processor renders the
+    placeholders with; normalisation in the front end (``mm_device_do_normalize`` off: the pixels the engine core
+    receives, and ``rollout.vllm_image_capture`` fingerprints, are then the normalised tensor a Transformers processor
+    gives, on every model; vLLM's default moves it into the vision tower for Qwen-VL and a few others)."""
+    return {"limit_mm_per_prompt": {"image": int(max_images)}, "load_tokenizer": True, "mm_device_do_normalize": False}
 
 
 def route_options(cuda: bool, enable_prefix_caching: bool) -> dict:
@@ -329,6 +343,8 @@ class VLLMEngine(InProcessEngine):
         self._moe_layers = None  # the decoder layers that route (vLLM's own routes hold every layer)
         self.route_shape = self._install_route_capture() if self.return_routes else None
         if max_lora_rank is not None:
+            if load_tokenizer:
+                logging.getLogger("vllm.v1.engine.input_processor").addFilter(_ADAPTER_TOKENIZER_NOTE)
             self._adapter = ServedAdapter(max_lora_rank)
             self.adapter_dtype = self.torch_dtype  # LoRA runs in the model dtype (lora_dtype "auto", config/lora.py)
 

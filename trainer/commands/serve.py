@@ -65,11 +65,12 @@ from trainer.config import RecipeError, RunConfig
 from trainer.config.validate import sequence_length
 from trainer.io import third_party_output
 from trainer.io.child_processes import run_supervised
+from trainer.lifecycle.preflight import local_model_config
 from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.checks import server_problem
 from trainer.precision.lora_sync import ADAPTER, lora_sync_mode
-from trainer.sampling.engines import local_config, lora_target_leaves
+from trainer.sampling.engines import lora_target_leaves
 
 WORKER_EXTENSION = "rollout.vllm_plugins.server_transfer.ParityrlWorkerExtension"
 BACKENDS = ("auto", "parityrl_file", "nccl")
@@ -192,7 +193,7 @@ def lora_flags(cfg: RunConfig, model_dir: str, where: str, *, cuda: bool) -> lis
     model and the server's device); [] for one that takes merged weights (the server then runs without vLLM's LoRA
     wrappers)."""
     try:
-        mode = lora_sync_mode(cfg, model_config=local_config(model_dir), cuda=cuda)[0]
+        mode = lora_sync_mode(cfg, model_config=local_model_config(model_dir), cuda=cuda)[0]
     except RecipeError as e:  # an explicit adapter the engine cannot serve
         raise RecipeError(f"{where}: {e}") from None
     if mode != ADAPTER:
@@ -234,7 +235,7 @@ def run_serve(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_backend
           f"{cfg.rollout.server_url.rstrip('/')}/health answers 200", file=sys.stderr, flush=True)
     if cuda:
         print(GPU_SHARE_NOTE, file=sys.stderr, flush=True)
-    why = lora_sync_mode(cfg, model_config=local_config(resolve_model_path(cfg.model.path)), cuda=cuda)[1]
+    why = lora_sync_mode(cfg, model_config=local_model_config(resolve_model_path(cfg.model.path)), cuda=cuda)[1]
     if why:  # the trainer says the same at its start
         print(f"parityrl serve: rollout.lora_sync: merged ({why}): vLLM runs without LoRA", file=sys.stderr, flush=True)
     if cfg.rollout.mode != "server":

@@ -83,6 +83,13 @@ class DataConfig:
     # loaded: error = refuse to start, naming the rows; drop = train without them (verl's
     # data.filter_overlong_prompts), the count logged.
     overlong_prompts: Literal["error", "drop"] = "error"
+    # A vision-language model's images: the column holding each row's image(s) (a PIL image, a file path, encoded
+    # bytes, a datasets.Image value, or a list of those), rendered with one placeholder each (docs/vision-language.md);
+    # null = text prompts
+    image_column: Optional[str] = None
+    # Images a prompt may hold: what the engine reserves room for (vLLM's limit_mm_per_prompt, whose own default,
+    # 999, sizes its start-up profiling for 999 images); a row with more is refused by name.
+    max_images_per_prompt: int = 1
 
 
 @dataclass

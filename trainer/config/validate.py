@@ -254,6 +254,19 @@ def _check_data(cfg: RunConfig, need: Need) -> None:
     d = cfg.data
     need(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "an integer >= 1")
     need(d.num_examples is None or d.num_examples >= 1, "data.num_examples", d.num_examples, "null or an integer >= 1")
+    if d.image_column is not None:  # what a vision-language run is built for so far (docs/vision-language.md)
+        r = cfg.rollout
+        need(bool(d.image_column), "data.image_column", d.image_column, "a column name, or null for text prompts")
+        need(d.max_images_per_prompt >= 1, "data.max_images_per_prompt", d.max_images_per_prompt, "an integer >= 1")
+        need(r.engine == "vllm" and r.mode == "colocate", "data.image_column", d.image_column,
+             f"null with rollout.engine {r.engine!r} / rollout.mode {r.mode!r}: images go to the colocated vLLM "
+             "engine only")
+        need(not cfg.env.enabled, "data.image_column", d.image_column, "null with env: (multi-turn episodes with "
+             "images are not supported)")
+        need(not r.max_staleness, "data.image_column", d.image_column, "null with rollout.max_staleness > 0 (an "
+             "off-policy batch's images are not carried across steps yet)")
+        need(not cfg.train.pack_sequences, "data.image_column", d.image_column, "null with train.pack_sequences "
+             "(images are placed by prompt; packing is refused for vision-language batches)")
 
 
 def _check_reward(cfg: RunConfig, need: Need) -> None:

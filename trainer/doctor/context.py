@@ -25,6 +25,7 @@ from trainer.config import RunConfig
 from trainer.config.validate import sequence_length
 from trainer.data.datasets import encode_prompts, load_prompt_dataset
 from trainer.doctor.records import Finding, at_most
+from trainer.lifecycle.preflight import local_model_config
 from trainer.measurement.routing_parity import install_routing
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import batch_from_rollouts
@@ -32,7 +33,7 @@ from trainer.models.policy import load_base_model, load_tokenizer
 from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.levels import FLOOR_DEPTH, parity_level
-from trainer.sampling.engines import local_config, make_engine
+from trainer.sampling.engines import make_engine
 
 # A fixed batch small enough for the whole battery to run in under two minutes on two CPU cores with the tiny model,
 # large enough that a mean over it is steady (8 x 24 tokens).
@@ -115,7 +116,7 @@ class Doctor:
         """``parity.routing_replay`` resolved for this model as training resolves it: replay | measure | off (a dense
         model, or replay turned off), read from the model's config before anything loads."""
         if self._routing is None:
-            config = local_config(self.model_dir)
+            config = local_model_config(self.model_dir)
             self._routing = "off" if config is None else routing_mode(self.cfg.parity.routing_replay, config,
                                                                        where=f"recipe {self.cfg.name!r}")
         return self._routing

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 import datasets
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from rollout.cuda_driver import unusable_cuda_problem
 from rollout.device_placement import PlacementError
@@ -54,6 +54,8 @@ from trainer.precision import recipe_for
 from trainer.precision.checks import check_model_config, check_recipe
 from trainer.precision.lora_sync import lora_sync_mode
 from trainer.rewards.functions import resolve_reward
+from trainer.vision.images import image_column_problems
+from trainer.vision.support import auto_model_class, vision_language_type
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] = (), *, check_paths: bool = True) -> RunConfig:
@@ -232,12 +234,31 @@ def _check_model(cfg: RunConfig, where: str, report: Report) -> None:
     if not report.run(check_model_source, cfg, where)[0]:
         return
     report.run(check_lora_targets, cfg, where)
+    report.run(check_images_and_model, cfg, where)
     report.run(check_precision_model, cfg, where)
     report.run(check_routing, cfg, where)
     report.run(check_lora_sync, cfg, where)
     files_ok, size = report.run(check_model_files, cfg, where)
     if files_ok:
         report.run(check_capacity, cfg, where, size)
+
+
+def check_images_and_model(cfg: RunConfig, where: str) -> None:
+    """An image column needs a vision-language model (the model's config.json says, no weights read)."""
+    column = cfg.data.image_column
+    config = local_model_config(resolve_model_path(cfg.model.path)) if column is not None else None
+    if config is not None and not vision_language_type(config.model_type):
+        raise RecipeError(f"{where}: data.image_column = {column!r}: model.path {cfg.model.path!r} is a text-only "
+                          f"model (model_type {config.model_type!r}); images need a vision-language model "
+                          "(docs/vision-language.md)")
+
+
+def local_model_config(model_dir: str):
+    """The model's config, or None when it cannot be read here (a hub id offline)."""
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
 
 
 def check_cuda_usable(where: str) -> None:
@@ -426,6 +447,13 @@ def check_dataset(cfg: RunConfig, where: str) -> Optional[list[str]]:
         datasets.logging.set_verbosity(verbosity)
         if bars:
             datasets.enable_progress_bars()
+    if d.image_column is not None:  # every row's images decoded once, before anything loads
+        if d.image_column not in ds.column_names:
+            raise RecipeError(f"{where}: data.image_column = {d.image_column!r}: no such column in {d.source} "
+                              f"(its columns: {', '.join(ds.column_names)})")
+        bad = image_column_problems(ds, d.image_column)
+        if bad:
+            raise RecipeError(f"{where}: data.source = {d.source!r}: " + "; ".join(bad))
     n = cfg.rollout.prompts_per_step
     if len(ds) < n:
         rows = f"{len(ds)} rows" + (f" (data.num_examples = {d.num_examples})" if d.num_examples is not None else "")
@@ -458,15 +486,14 @@ def lora_target_problems(module_types: dict[str, str], targets: list[str]) -> li
 
 def meta_model(model_dir: str):
     """The model built on the meta device from its config (no weights read); None if the config is unreachable."""
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError):  # a hub id without network: left to training
+    config = local_model_config(model_dir)
+    if config is None:  # a hub id without network: left to training
         return None
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the console is for the one line of a refusal, not build notes
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return auto_model_class(config.model_type).from_config(config)
     finally:
         transformers.logging.set_verbosity(verbosity)
 

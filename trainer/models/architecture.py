@@ -56,17 +56,31 @@ def logit_transform(config) -> dict:
     return {"logit_softcap": cap, "logit_scale": scale}
 
 
+# Where a vision-language model's backbone holds its language model (Idefics3 / SmolVLM: text_model; Qwen-VL, Llava,
+# Gemma3 in Transformers 5: language_model): its decoder blocks are the ones LoRA adapts and routing replay reads.
+LANGUAGE_MODELS = ("text_model", "language_model")
+
+
+def is_vision_language(model) -> bool:
+    """Whether ``model`` (PEFT-wrapped or not) holds its decoder under a language model beside a vision tower."""
+    prefix, _ = decoder_layers(model)
+    return prefix.count(".") > 1
+
+
 def decoder_layers(model):
     """(name under the HF root, ModuleList of decoder layers) of a causal LM, PEFT-wrapped or not."""
     from torch import nn
 
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
     prefix = getattr(root, "base_model_prefix", "model")
-    layers = getattr(getattr(root, prefix, None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(root).__name__}: no decoder layers at .{prefix}.layers; parityrl supports "
-                        "*ForCausalLM models whose decoder blocks are <prefix>.layers")
-    return f"{prefix}.layers", layers
+    backbone = getattr(root, prefix, None)
+    for inner in ("", *LANGUAGE_MODELS):  # a causal LM's blocks, or a vision-language model's language model's
+        holder = getattr(backbone, inner, None) if inner else backbone
+        layers = getattr(holder, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return f"{prefix}.{inner + '.' if inner else ''}layers", layers
+    raise TypeError(f"{type(root).__name__}: no decoder layers at .{prefix}.layers; parityrl supports "
+                    "*ForCausalLM models whose decoder blocks are <prefix>.layers")
 
 
 def decoder_linear_leaves(model) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Optional
 
 import torch
@@ -18,7 +19,9 @@ from trainer.config import LoraConfig
 from trainer.config.schema import RecipeError
 from trainer.distributed.deepspeed import full_lm_head
 from trainer.models.architecture import (
+    decoder_layers,
     frozen_expert_params,
+    is_vision_language,
     logit_parity_error,
     logit_transform,
     resolve_lora_targets,
@@ -30,6 +33,7 @@ from trainer.models.packing import pack, packing_error, unpack
 from trainer.models.policy_forward import wrapped_policy_forward
 from trainer.models.routing_replay import attached_replay
 from trainer.vision.embeddings import merged_embeddings
+from trainer.vision.support import auto_model_class
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -73,11 +77,13 @@ def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cp
     ``pack_sequences`` (``train.pack_sequences``): also refuses a model whose forward does not keep
     packed sequences apart (``check_packing``).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
-    kwargs = attn_kwargs(AutoConfig.from_pretrained(model_dir), attn_implementation, dtype=dtype,
+    config = AutoConfig.from_pretrained(model_dir)
+    kwargs = attn_kwargs(config, attn_implementation, dtype=dtype,
                          device=device if train_device is None else train_device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], **kwargs).to(device)
+    auto = auto_model_class(config.model_type)  # a vision-language model's own class (trainer.vision.support)
+    model = auto.from_pretrained(model_dir, dtype=DTYPES[dtype], **kwargs).to(device)
     err = logit_parity_error(model)
     if not err <= LOGIT_PROBE_TOLERANCE[dtype]:
         raise RecipeError(f"model.path = {model_dir!r}: {type(model).__name__}'s own forward gives log-probs "
@@ -86,6 +92,9 @@ def load_base_model(model_dir: str, dtype: str, device: torch.device | str = "cp
                          f"{LOGIT_PROBE_TOLERANCE[dtype]}: "
                          "its logit post-processing is not supported")
     if pack_sequences:
+        if auto is AutoModelForImageTextToText:
+            raise RecipeError(f"train.pack_sequences = true: {type(model).__name__} is a vision-language model, whose "
+                              "images are placed by prompt; set train.pack_sequences = false")
         check_packing(model, dtype)
     return model
 
@@ -115,7 +124,13 @@ def add_lora(model, lora: LoraConfig):
         print(f"LoRA targets ({type(model).__name__}): {', '.join(targets)}"
               + (f"; {len(experts)} fused MoE expert tensors stay frozen (e.g. {experts[0]})" if experts else ""),
               flush=True)
-    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+    modules = targets
+    if is_vision_language(model):
+        # the language model's blocks only: the leaf names alone would also match the vision tower's projections
+        # (SigLIP's q_proj / k_proj / v_proj), which stay frozen; PEFT full-matches a string against module names
+        prefix, _ = decoder_layers(model)
+        modules = rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(map(re.escape, targets))})"
+    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=modules,
                          task_type="CAUSAL_LM")
     # PEFT keeps the adapter weights in float32 (autocast_adapter_dtype) while the base
     # stays in the model dtype: small updates are not rounded away in bf16.

@@ -100,6 +100,8 @@ from trainer.sampling.in_flight import InFlight
 from trainer.sampling.policy_sync import policy_sync
 from trainer.sampling.sampler import drawn_metrics
 from trainer.teacher.teacher import Teacher
+from trainer.vision.pixels import vision_batch
+from trainer.vision.prompts import vision_prompts
 
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
@@ -127,6 +129,10 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             drawn, m = rollout_phase(run, step)
             run.engine.release_memory()  # the update has the GPU to itself; the sync wakes the engine (CUDA)
             batch = with_routes(run.routing, run.engine, batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device))
+            if drawn.pixels:  # the images the engine consumed, by the trainer's processor (trainer/vision/)
+                g = drawn.rollouts.group_size
+                batch.vision = vision_batch([drawn.pixels[s // g] for s in range(len(batch))],
+                                            run.vision.image_token_id).to(run.device)
             check_engine_logprobs(batch.rollout_logprobs, batch.mask, run.dp)
             rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)
             # with a teacher (on-policy distillation): its log-probs of the sampled ids, distill/* and teacher_parity/*
@@ -216,6 +222,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
         environment.check_template(tokenizer, cfg, f"recipe {cfg.name!r}")
         if accelerator.is_main_process and reward_sources(cfg):
             print(reward_sources(cfg), flush=True)
+    vision = vision_prompts(cfg, model_dir)  # the data's images and the model agree, before the model loads
     model = load_policy(cfg, accelerator, model_dir)
     if cfg.rollout.max_staleness and dp.world > 1:
         raise RecipeError(f"rollout.max_staleness = {cfg.rollout.max_staleness} with {dp.world} processes: expected "
@@ -251,7 +258,8 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
               # Under ZeRO-3 the export gathers one module at a time on every rank (a collective).
               gather=zero3_gather(policy) if stage == 3 else None, dataset=dataset, batcher=batcher,
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules,
-              environment=environment, evaluator=evaluator, best=BestCheckpoint.from_config(cfg), routing=routing)
+              environment=environment, evaluator=evaluator, best=BestCheckpoint.from_config(cfg), routing=routing,
+              vision=vision)
     run.probe = Probe(probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
                       device=accelerator.device, dp=dp)
     run.ratio_limit = ratio_limit_for(cfg)

@@ -32,6 +32,7 @@ from trainer.sampling.in_flight import InFlight
 from trainer.sampling.policy_sync import PolicySync
 from trainer.sampling.sampler import Sampler
 from trainer.teacher.teacher import Teacher
+from trainer.vision.prompts import VisionPrompts
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Run:
     behaviour: Optional[dict] = None
     behaviours: dict = field(default_factory=dict)  # in flight: the snapshot of every version its tokens may have
     lag: object = 0  # an int; with in-flight updates, [S, C] per token (trainer/measurement/staleness.py)
+    vision: Optional[VisionPrompts] = None  # a vision-language run's prompts (data.image_column)
     in_flight: Optional[InFlight] = None  # rollout.in_flight (trainer/sampling/in_flight.py), None when off
     proximal: Optional[Scores] = None  # an off-policy batch scored by the weights before this step's update
     records: RecordWrites = field(default_factory=RecordWrites)  # a failed write of a record, till the step's end
@@ -117,4 +119,4 @@ class Run:
         """The run as a sampling round sees it: completions (trainer/sampling/sampler.py), or episodes with ``env``
         (trainer/sampling/episode_sampler.py); both hand the step a ``Drawn``."""
         return sampler_for(self.environment, cfg=self.cfg, engine=self.engine, batcher=self.batcher,
-                           tokenizer=self.tokenizer, reward_fns=self.reward_fns, dp=self.dp)
+                           tokenizer=self.tokenizer, reward_fns=self.reward_fns, dp=self.dp, vision=self.vision)

@@ -24,6 +24,9 @@ class Drawn:
     reward_s: float = 0.0
     # multi-turn episodes (trainer/sampling/episode_sampler.py): name -> [S] per-episode record; empty for single-turn
     episodes: dict[str, list[float]] = field(default_factory=dict)
+    # a vision-language batch: per row (prompt) the trainer's pixels of its images (trainer.vision.pixels), found
+    # identical to what the engine consumed; empty for text
+    pixels: list = field(default_factory=list)
 
     @property
     def num_groups(self) -> int:
@@ -34,7 +37,8 @@ class Drawn:
         return Drawn(rows=[self.rows[gi] for gi in groups], rollouts=self.rollouts.take_groups(groups),
                      rewards=[self.rewards[i] for i in idx],
                      per_fn={k: [v[i] for i in idx] for k, v in self.per_fn.items()},
-                     episodes={k: [v[i] for i in idx] for k, v in self.episodes.items()})
+                     episodes={k: [v[i] for i in idx] for k, v in self.episodes.items()},
+                     pixels=[self.pixels[gi] for gi in groups] if self.pixels else [])
 
     @staticmethod
     def concat(parts: list["Drawn"]) -> "Drawn":
@@ -44,4 +48,5 @@ class Drawn:
                      rewards=[x for p in parts for x in p.rewards],
                      per_fn={k: [x for p in parts for x in p.per_fn[k]] for k in parts[0].per_fn},
                      generate_s=sum(p.generate_s for p in parts), reward_s=sum(p.reward_s for p in parts),
-                     episodes={k: [x for p in parts for x in p.episodes[k]] for k in parts[0].episodes})
+                     episodes={k: [x for p in parts for x in p.episodes[k]] for k in parts[0].episodes},
+                     pixels=[x for p in parts for x in p.pixels])

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
-from transformers import AutoConfig
 
 from rollout.adapters import export_lora_adapter
 from rollout.base import RolloutEngine
@@ -18,11 +17,11 @@ from rollout.fp8_weights import fp8_block_weights, write_fp8_checkpoint
 from rollout.hf_engine import HFEngine
 from rollout.server_engine import ServerEngine
 from rollout.types import SamplingSpec
-from rollout.vllm_engine import VLLMEngine
+from rollout.vllm_engine import VLLMEngine, image_options
 from rollout.weight_export import iter_merged_lora_weights, layer_chunks, payload_bytes
 from trainer.config import RolloutConfig, RunConfig
 from trainer.distributed.data_parallel import DataParallel
-from trainer.lifecycle.preflight import meta_model
+from trainer.lifecycle.preflight import local_model_config, meta_model
 from trainer.models.architecture import ALL_LINEAR, resolve_lora_targets
 from trainer.precision import PrecisionRecipe, recipe_for
 from trainer.precision.lora_sync import ADAPTER, lora_sync_mode
@@ -62,14 +61,6 @@ def start_vllm(model_dir: str, *, precision: str, dtype: str, max_model_len: int
                       **recipe.engine_options(torch.cuda.is_available()))
 
 
-def local_config(model_dir: str):
-    """The model's Transformers config, or None when it cannot be read from here (a hub id offline)."""
-    try:
-        return AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError):
-        return None
-
-
 def lora_target_leaves(cfg: RunConfig, model_dir: str) -> list[str]:
     """The leaf names the recipe's LoRA wraps (``all-linear`` resolved on the model built on the meta device, as
     training resolves it)."""
@@ -89,7 +80,7 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
     the recipe's LoRA adapter on ``lora_targets`` (the policy's resolved LoRA leaf names; default: resolved here).
     """
     r = cfg.rollout
-    adapter = lora_sync_mode(cfg, model_config=local_config(model_dir))[0] == ADAPTER
+    adapter = lora_sync_mode(cfg, model_config=local_model_config(model_dir))[0] == ADAPTER
     if adapter and lora_targets is None and r.engine != "hf":
         lora_targets = lora_target_leaves(cfg, model_dir)
     if r.mode == "server":
@@ -108,7 +99,8 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
                       enforce_eager=r.enforce_eager, max_num_seqs=r.max_num_seqs, return_routes=return_routes,
                       enable_sleep_mode=r.sleep_mode, max_lora_rank=cfg.model.lora.r if adapter else None,
                       lora_target_modules=lora_targets if adapter else None,
-                      sampling_supports=sampling_spec(cfg, 0).truncated)
+                      sampling_supports=sampling_spec(cfg, 0).truncated,
+                      **(image_options(cfg.data.max_images_per_prompt) if cfg.data.image_column is not None else {}))
 
 
 def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:

@@ -16,10 +16,12 @@ from rollout.types import SamplingSpec
 from trainer.config import RunConfig
 from trainer.data.datasets import encode_prompts
 from trainer.distributed.data_parallel import DataParallel
-from trainer.lifecycle.stops import EngineFailed, RewardFailed, stop_together
+from trainer.lifecycle.stops import EngineFailed, ParityLimitExceeded, RewardFailed, stop_together
 from trainer.rewards.functions import compute_rewards
 from trainer.sampling.drawn import Drawn
 from trainer.sampling.engines import sampling_spec
+from trainer.vision.identity import InputsDiffer, check_inputs
+from trainer.vision.prompts import VisionPrompts
 
 
 def _mean(xs: list[float]) -> float:
@@ -36,6 +38,7 @@ class Sampler:
     tokenizer: object
     reward_fns: dict
     dp: DataParallel
+    vision: VisionPrompts | None = None  # a vision-language run's prompts (data.image_column)
 
     def draw(self, step: int, round_index: int = 0) -> Drawn:
         """One prompt batch of ``step``: this rank's shard generated and scored.
@@ -56,16 +59,26 @@ class Sampler:
         cfg, dp, tokenizer, d = self.cfg, self.dp, self.tokenizer, self.cfg.data
         t = time.perf_counter()
         prompts = [r["prompt"] for r in rows]
-        prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
-                                    max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
+        encoded, images = None, {}
+        if self.vision is not None:  # one placeholder per image; the engine expands them (trainer/vision/prompts.py)
+            encoded = self.vision.encode(rows)
+            prompt_ids, images = encoded.ids, {"images": encoded.images}
+        else:
+            prompt_ids = encode_prompts(tokenizer, prompts, use_chat_template=d.use_chat_template,
+                                        max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
         rollouts, error = None, None
         try:
-            rollouts = self.engine.generate(prompt_ids, replace(spec, index_offset=spec.index_offset + first))
+            rollouts = self.engine.generate(prompt_ids, replace(spec, index_offset=spec.index_offset + first), **images)
         except Exception as e:  # noqa: BLE001 - every rank stops with it (stop_together)
             error = e if isinstance(e, EngineUnavailable) else EngineFailed(
                 f"step {step}: the rollout engine failed to generate: {type(e).__name__}: {' '.join(str(e).split())}")
             error.__cause__ = e if error is not e else None
         error = error or missing_supports(spec, rollouts, self.engine, step)
+        if error is None and encoded is not None:  # the engine consumed what the trainer will score, or the run stops
+            try:
+                check_inputs(rollouts, encoded.expected, self.vision.image_token_id, self.engine.torch_dtype, step)
+            except InputsDiffer as e:  # a parity stop (exit 3): the two sides would train on different inputs
+                error = ParityLimitExceeded(str(e))
         stop_together(dp, error)
         generate_s = time.perf_counter() - t
         t = time.perf_counter()
@@ -76,7 +89,8 @@ class Sampler:
                                                  [p for p in prompts for _ in range(g)], completions, columns, step)
         stop_together(dp, error)
         return Drawn(rows=rows, rollouts=rollouts, rewards=total_reward, per_fn=per_fn, generate_s=generate_s,
-                     reward_s=time.perf_counter() - t)
+                     reward_s=time.perf_counter() - t,
+                     pixels=[e.pixels for e in encoded.expected] if encoded is not None else [])
 
 
 def missing_supports(spec: SamplingSpec, rollouts, engine, step: int):
@@ -114,6 +128,9 @@ def drawn_metrics(drawn: Drawn, dp: DataParallel) -> dict[str, float]:
                               **{f"reward/{name}": _mean(vals) for name, vals in drawn.per_fn.items()}}))
     m.update(spread_metrics(drawn, dp))
     m.update(episode_metrics(drawn.episodes, dp))
+    if drawn.pixels:  # every sample's inputs were found identical, else the round stopped the run
+        images = dp.sum_metrics({"images": float(sum(p.count for p in drawn.pixels) * drawn.rollouts.group_size)})
+        m.update({"mm/inputs_equal": 1.0, "mm/images": images["images"]})
     return m
 
 

@@ -12,10 +12,7 @@ from __future__ import annotations
 import torch
 
 from trainer.vision.batch import VisionBatch
-
-# Vision-language backbones whose ``get_image_features(pixel_values [B, N, C, H, W], pixel_attention_mask)`` returns
-# the projected features of each image as ``pooler_output`` [N, tokens, hidden], in placeholder order.
-SUPPORTED = ("Idefics3Model", "SmolVLMModel")
+from trainer.vision.support import SUPPORTED
 
 
 def image_slots(input_ids: torch.Tensor, prompt_len: int, image_token_id: int) -> torch.Tensor:
@@ -28,8 +25,10 @@ def merged_embeddings(backbone, input_ids: torch.Tensor, prompt_len: int, vision
     """[S, T, H] the decoder's input: ``backbone``'s token embeddings with each row's images' features in its prompt's
     placeholder positions, in order. Raises ValueError naming the row whose placeholders and images disagree."""
     name = type(backbone).__name__
-    if name not in SUPPORTED:
-        raise TypeError(f"{name}: parityrl merges image features for {', '.join(SUPPORTED)} backbones only")
+    if name not in SUPPORTED.values():
+        # each supported backbone's get_image_features(pixel_values [B, N, C, H, W], pixel_attention_mask) returns
+        # every image's projected features as pooler_output [N, tokens, hidden], in placeholder order
+        raise TypeError(f"{name}: parityrl merges image features for {', '.join(SUPPORTED.values())} backbones only")
     embeds = backbone.get_input_embeddings()(input_ids)
     if not vision.per_row or not sum(vision.per_row):
         return embeds

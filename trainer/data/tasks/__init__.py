@@ -8,7 +8,7 @@ backs the data source ``builtin:<name>`` (``trainer.data.datasets.load_prompt_da
 
 from __future__ import annotations
 
-from trainer.data.tasks import arithmetic, arithmetic_prefs, arithmetic_tools
+from trainer.data.tasks import arithmetic, arithmetic_prefs, arithmetic_tools, shapes
 
 __all__ = ["BUILTIN_DATASETS", "BUILTIN_REWARDS", "DEFAULT_NUM_EXAMPLES", "PROMPT_SOURCES"]
 
@@ -18,10 +18,12 @@ BUILTIN_DATASETS = {
     "arithmetic_preferences": arithmetic_prefs.preference_dataset,
     # two-step problems for tool-using episodes (scored by arithmetic.exact_answer)
     "arithmetic_tools": arithmetic_tools.arithmetic_tools_dataset,
+    # counting shapes in an image: a vision-language task (data.image_column: image; scored by arithmetic.exact_answer)
+    "shapes": shapes.shapes_dataset,
 }
 
 # The built-in datasets an RL recipe can draw prompts from (data.source: builtin:<name>).
-PROMPT_SOURCES = ("arithmetic", "arithmetic_tools")
+PROMPT_SOURCES = ("arithmetic", "arithmetic_tools", "shapes")
 
 BUILTIN_REWARDS = {
     "arithmetic.exact_answer": arithmetic.exact_answer_reward,

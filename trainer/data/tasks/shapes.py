@@ -17,7 +17,10 @@ from __future__ import annotations
 import hashlib
 import random
 
-__all__ = ["COLOURS", "IMAGE_SIZE", "MAX_COUNT", "draw_shapes", "shapes_answer", "shapes_example", "shapes_question"]
+import datasets
+
+__all__ = ["COLOURS", "IMAGE_SIZE", "MAX_COUNT", "draw_shapes", "shapes_answer", "shapes_dataset", "shapes_example",
+           "shapes_question"]
 
 IMAGE_SIZE = 56
 MAX_COUNT = 4
@@ -76,3 +79,15 @@ def shapes_question() -> list[dict]:
 def shapes_answer(count: int) -> str:
     """The completion that answers ``count``."""
     return "There is 1 shape. The answer is 1." if count == 1 else f"There are {count} shapes. The answer is {count}."
+
+
+def shapes_dataset(num_examples: int, *, seed: int = 0, split: str = "train") -> datasets.Dataset:
+    """``num_examples`` rows of ``split``: ``prompt`` (the question), ``image`` (PNG in a ``datasets.Image`` column:
+    lossless, decoded to the same pixels), ``answer`` (the count, as the arithmetic task's reward reads it)."""
+    if not isinstance(num_examples, int) or num_examples < 1:
+        raise ValueError(f"num_examples = {num_examples!r}: expected an integer >= 1")
+    examples = [shapes_example(i, seed=seed, split=split) for i in range(num_examples)]
+    features = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Image(),
+                                  "answer": datasets.Value("string")})
+    return datasets.Dataset.from_dict({"prompt": [_QUESTION] * num_examples, "image": [e["image"] for e in examples],
+                                       "answer": [str(e["count"]) for e in examples]}, features=features)

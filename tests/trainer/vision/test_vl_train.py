@@ -1,0 +1,49 @@
+"""GRPO on a vision-language model (slow tier): the VL recipe trains with mm/inputs_equal 1 and float32 parity at
+the numerics' level every step, and each planted fault of the input identity check stops the run with exit status 3
+and one line naming the sample, the image and the quantity, before an update uses the batch
+(tests/trainer/vision/vl_runs_worker.py, one engine for the three runs, in a process of its own)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).resolve().parent
+# float32 engine vs trainer on the tiny Idefics3: 1.4e-6 per step measured (CPU); the issue's goal is 2e-6, and
+# other CPUs' float32 kernels sum in other orders
+FLOAT32_MAE = 5e-6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vl_runs")
+    proc = subprocess.run([sys.executable, str(HERE / "vl_runs_worker.py"), str(root)], capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "PYTHONPATH": str(HERE.parents[2])})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return {r["run"]: r for r in (json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT "))}
+
+
+def test_every_step_checks_the_inputs_and_parity_is_the_numerics(runs):
+    history = runs["clean"]["history"]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for h in history:
+        # 8 prompts x 4 samples, one image each: every one checked
+        assert h["mm/inputs_equal"] == 1.0 and h["mm/images"] == 32.0, h
+        assert h["parity/mae"] < FLOAT32_MAE, h
+        assert h["train/grad_norm"] > 0, h  # the update reached the language model's adapters
+
+
+@pytest.mark.parametrize("run, line", [
+    ("processor_42px", "step 1: the engine's inputs are not the trainer's: sample 0 (prompt 0), image 0: pixel "
+                       "tensors differ (engine float32 [1, 3, 56, 56]"),
+    ("image_dropped", "step 1: the engine's inputs are not the trainer's: sample 4 (prompt 1): the engine consumed 0 "
+                      "image(s), the trainer's prompt holds 1 (3 more sample(s) differ)"),
+])
+def test_a_planted_fault_stops_the_run_before_an_update_naming_it(runs, run, line):
+    r = runs[run]
+    assert r.get("exit_status") == 3, r
+    assert r["message"].startswith(line), r["message"]
+    assert r["steps_logged"] <= 1  # the probe's row before step 1 at most: no step was trained

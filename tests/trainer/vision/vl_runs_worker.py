@@ -1,0 +1,79 @@
+"""Worker for tests/trainer/vision/test_vl_train.py: the vision-language recipe trained three times on one engine
+(started once, as a run starts it): as it is, then with each planted fault of the input identity check, which must
+stop the run before its first update. Prints one JSON line per run: its steps' metrics, or the stop's exit status
+and message. A process of its own: the test session already holds a (text) engine (tests/conftest.py).
+
+Usage: python vl_runs_worker.py <run-dir-root>
+"""
+import json
+import sys
+from pathlib import Path
+
+import trainer.rl.loop as loop
+from rollout.vllm_engine import VLLMEngine
+from trainer.builtin.resolve import resolve_model_path
+from trainer.config.validate import sequence_length
+from trainer.lifecycle.preflight import load_recipe
+from trainer.lifecycle.stops import RunStopped
+from trainer.sampling.engines import make_engine
+from trainer.vision.prompts import VisionPrompts
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def processor_at_42_pixels():
+    """The trainer's processor resizing to 42 pixels where the engine's resizes to 56."""
+    real = VisionPrompts.__init__
+
+    def init(self, processor, *args, **kwargs):
+        processor.image_processor.size = processor.image_processor.max_image_size = {"longest_edge": 42}
+        real(self, processor, *args, **kwargs)
+
+    VisionPrompts.__init__ = init
+    return lambda: setattr(VisionPrompts, "__init__", real)
+
+
+def engine_drops_an_image():
+    """The engine's request for the batch's second prompt without its image (its placeholder stays, as text)."""
+    real = VLLMEngine.generate
+
+    def generate(self, prompt_ids, spec, images=None):
+        if images is not None and len(images) > 1:
+            images = [im if i != 1 else [] for i, im in enumerate(images)]
+        return real(self, prompt_ids, spec, images=images)
+
+    VLLMEngine.generate = generate
+    return lambda: setattr(VLLMEngine, "generate", real)
+
+
+def digit_share(prompts, completions, **columns):
+    """A reward with a spread across a group (the untrained model never counts right): the share of digits."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def main(root: str) -> None:
+    # the clean run rewarded by digit_share, so that its updates carry a gradient
+    sets = ["train.steps=3", "logging.wandb.mode=disabled", "checkpoint.every=0",
+            "reward.functions={digits: 'vl_runs_worker:digit_share'}"]
+    cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + [f"logging.run_dir={root}/first"])
+    engine = make_engine(cfg, resolve_model_path(cfg.model.path), max_model_len=sequence_length(cfg))
+    for name, plant in (("clean", None), ("processor_42px", processor_at_42_pixels),
+                        ("image_dropped", engine_drops_an_image)):
+        cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + [f"logging.run_dir={root}/{name}"])
+        undo = plant() if plant else None
+        try:
+            res = loop.train(cfg, engine=engine)
+            out = {"run": name, "history": res.history}
+        except RunStopped as e:
+            out = {"run": name, "exit_status": e.exit_status, "message": str(e),
+                   "steps_logged": sum(1 for _ in open(Path(root) / name / "metrics.jsonl"))
+                   if (Path(root) / name / "metrics.jsonl").exists() else 0}
+        finally:
+            if undo:
+                undo()
+        print("RESULT " + json.dumps(out, default=float), flush=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
