@@ -47,6 +47,7 @@ from trainer.measurement.scoring import score_batch
 from trainer.models.batch import batch_from_rollouts
 from trainer.sampling.drawn import Drawn
 from trainer.sampling.sampler import Sampler
+from trainer.vision.images import prompt_identity
 
 # Seeds of evaluation samples sit above every training sample index of the same step (trainer/sampling/engines.py's
 # per-step seed, sample indices from 0): a distinct stream.
@@ -119,8 +120,10 @@ class Evaluator:
             print(f"eval: {len(rows)} held-out prompts for {dp.world} processes: evaluating the first {usable}",
                   flush=True)
         rows = rows[:usable]
-        seen = {r["prompt"] for r in train_rows}
-        shared = [r["prompt"] for r in rows if r["prompt"] in seen]
+        # a prompt is its text, and its images with an image column (trainer.vision.images.prompt_identity)
+        column = cfg.data.image_column
+        seen = {prompt_identity(r, column, i) for i, r in enumerate(train_rows)}
+        shared = [r["prompt"] for i, r in enumerate(rows) if prompt_identity(r, column, i) in seen]
         if shared:
             raise RecipeError(f"{where}: {len(shared)} of its {len(rows)} prompts are also training prompts (e.g. "
                               f"{shared[0]!r}); expected held-out prompts: another eval.split or eval.source")

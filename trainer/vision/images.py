@@ -6,6 +6,7 @@ pixels: a lazily decoded file or an image in another mode would be decoded again
 """
 from __future__ import annotations
 
+import hashlib
 import io
 from pathlib import Path
 from typing import Any
@@ -59,3 +60,12 @@ def image_column_problems(rows, column: str, limit: int = 3) -> list[str]:
             if len(problems) >= limit:
                 break
     return problems
+
+
+def prompt_identity(row: dict, image_column: str | None, index: int = 0) -> tuple:
+    """What makes two rows the same prompt: the text, and with images their pixels (decoded, as RGB): one question
+    asked of several images (the shapes task's) is several prompts."""
+    if image_column is None:
+        return (row["prompt"],)
+    images = row_images(row.get(image_column), image_column, index)
+    return (row["prompt"], *(hashlib.sha256(im.tobytes() + repr(im.size).encode()).hexdigest() for im in images))

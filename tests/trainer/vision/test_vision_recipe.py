@@ -108,3 +108,14 @@ def test_images_come_from_pil_paths_bytes_and_dataset_values_as_rgb(tmp_path):
     assert [g.mode for g in got] == ["RGB"] * 4 and all(g.tobytes() == image.tobytes() for g in got)
     with pytest.raises(ValueError, match="data.image_column 'image', row 3: int is not an image"):
         row_images(7, "image", 3)
+
+
+def test_a_prompt_is_its_text_and_its_images_for_the_held_out_check():
+    from trainer.vision.images import prompt_identity
+
+    a, b = shapes_example(0)["image"], shapes_example(1)["image"]
+    q = "How many shapes are in the image?"
+    assert prompt_identity({"prompt": q, "image": a}, "image") == prompt_identity({"prompt": q, "image": a.copy()},
+                                                                                 "image")
+    assert prompt_identity({"prompt": q, "image": a}, "image") != prompt_identity({"prompt": q, "image": b}, "image")
+    assert prompt_identity({"prompt": q, "image": a}, None) == (q,)
