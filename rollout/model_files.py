@@ -29,3 +29,13 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | Non
             for k in sf.keys():
                 shapes[k] = tuple(sf.get_slice(k).get_shape())
     return shapes
+
+
+def has_vision_tower(model_dir: str | Path) -> bool:
+    """Whether a local HF model dir's config.json describes a vision-language model (a ``vision_config`` beside its
+    language model's): vLLM then builds a multimodal processor, which needs the tokenizer even for text prompts."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return isinstance(json.loads(path.read_text()).get("vision_config"), dict)
+    except (OSError, ValueError):
+        return False

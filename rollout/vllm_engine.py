@@ -56,7 +56,7 @@ from rollout.base import EngineCannotLoad, InProcessEngine, one_line
 from rollout.cpu_amx import request_amx_permission
 from rollout.device_placement import check_engine_device, keep_current_device, placement_options
 from rollout.fp8_weights import check_block_fp8_update, check_engine_fp8_layers, engine_fp8_layers
-from rollout.model_files import checkpoint_shapes, eos_token_ids
+from rollout.model_files import checkpoint_shapes, eos_token_ids, has_vision_tower
 from rollout.moe_config import is_moe, moe_shape, route_shape
 from rollout.prompt_logprobs import read_prompt_logprobs
 from rollout.requests import validate_request, validate_score_request
@@ -276,7 +276,8 @@ class VLLMEngine(InProcessEngine):
             raise ValueError(f"dtype = {dtype!r}: expected a torch dtype name such as 'bfloat16', 'float16', 'float32'")
         self.max_model_len = max_model_len
         self.cuda = torch.cuda.is_available()
-        self.load_tokenizer = load_tokenizer
+        # a vision-language model: vLLM's multimodal processor refuses to start without the tokenizer
+        self.load_tokenizer = load_tokenizer = load_tokenizer or has_vision_tower(self.model)
         self.eos_ids = [int(e) for e in (eos_ids if eos_ids is not None else eos_token_ids(self.model))]
         self._shapes = checkpoint_shapes(self.model)
 
