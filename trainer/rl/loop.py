@@ -100,6 +100,7 @@ from trainer.sampling.in_flight import InFlight
 from trainer.sampling.policy_sync import policy_sync
 from trainer.sampling.sampler import drawn_metrics
 from trainer.teacher.teacher import Teacher
+from trainer.vision.parity import image_split_metrics
 from trainer.vision.pixels import vision_batch
 from trainer.vision.prompts import vision_prompts
 
@@ -489,6 +490,8 @@ def parity_phase(run: Run, step: int, batch: TokenBatch, scored: Scores, m: dict
     if scored.routing is not None:
         m.update(pooled_routing_metrics(scored.routing, run.dp))
         unreplayed_phase(run, step, batch, m)
+    if batch.vision is not None:  # the samples with images apart from the text-only ones
+        m.update(image_split_metrics(run.dp, scored.logprobs, batch.rollout_logprobs, mask, batch.vision.per_row))
     if scored.kept is not None:  # truncated sampling: the trainer's mass inside the engine's kept sets
         m.update(kept_metrics(scored.kept, batch, run.dp))
     if run.environment is not None:  # episodes: the same measures per assistant turn, pooled over ranks

@@ -33,6 +33,8 @@ def test_every_step_checks_the_inputs_and_parity_is_the_numerics(runs):
         # 8 prompts x 4 samples, one image each: every one checked
         assert h["mm/inputs_equal"] == 1.0 and h["mm/images"] == 32.0, h
         assert h["parity/mae"] < FLOAT32_MAE, h
+        # every prompt of the shapes task holds its image: the images' parity is the batch's, no text rows
+        assert h["parity/images/mae"] == pytest.approx(h["parity/mae"]) and h["parity/text/num_tokens"] == 0, h
         assert h["train/grad_norm"] > 0, h  # the update reached the language model's adapters
 
 
