@@ -21,6 +21,7 @@ import torch
 
 from rollout.types import Rollouts
 from trainer.models.batch import TokenBatch
+from trainer.vision.images import row_images
 
 
 class SampledRows(Protocol):
@@ -58,8 +59,17 @@ def sample_rows(drawn: SampledRows, batch: TokenBatch, train_logprobs: torch.Ten
                      "reward": drawn.rewards[i], **{f"reward/{name}": v[i] for name, v in drawn.per_fn.items()},
                      "length": len(r.completion_ids[i]), "finish_reason": r.finish_reasons[i],
                      "parity_mean_abs": float(d[i].sum()) / n, "parity_max_abs": float(d[i].max()) if n else 0.0,
-                     **({"versions": version_runs(r.versions[i])} if r.versions else {})})
+                     **({"versions": version_runs(r.versions[i])} if r.versions else {}),
+                     # a vision-language prompt's images as the engine consumed them (their pixels' fingerprints)
+                     **({"images": [image.digest[:12] for image in r.images[i]]} if r.images else {})})
     return rows
+
+
+def row_image_lists(drawn: SampledRows, column: str, k: int) -> list[list]:
+    """The images (RGB PIL) of the prompts of the table's ``k`` samples, in the rows' order (``sample_rows``)."""
+    r = drawn.rollouts
+    return [row_images(drawn.rows[i // r.group_size].get(column), column, i // r.group_size)
+            for i in sample_indices(len(r), r.group_size, k)]
 
 
 def version_runs(versions: list[int]) -> str:
@@ -101,11 +111,17 @@ def append_samples(run_dir: Path, step: int, rows: list[dict]) -> Path:
     return path
 
 
-def wandb_table(rows: list[dict]):
+def wandb_table(rows: list[dict], images: list[list] | None = None):
+    """The rows as a wandb table; with ``images`` (per row, its prompt's images), an ``image`` column first showing
+    each row's first image beside its completion."""
     import wandb
 
     columns = list(rows[0])
-    return wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+    data = [[row[c] for c in columns] for row in rows]
+    if images is not None:
+        columns = ["image", *columns]
+        data = [[wandb.Image(imgs[0]) if imgs else None, *values] for imgs, values in zip(images, data)]
+    return wandb.Table(columns=columns, data=data)
 
 
 def console_rows(rows: list[dict], n: int = 2) -> list[dict]:

@@ -539,7 +539,9 @@ def samples_phase(run: Run, step: int, drawn: Drawn, batch: TokenBatch, scored: 
     with run.records.writing(run.cfg.run_dir / samples_table.SAMPLES_FILE, step):
         samples_table.append_samples(run.cfg.run_dir, step, rows)
     if run.logger.wandb_run is not None:
-        run.logger.wandb_run.log({"samples": samples_table.wandb_table(rows)}, step=step)
+        column = run.cfg.data.image_column
+        images = samples_table.row_image_lists(drawn, column, lg.samples_per_step) if column else None
+        run.logger.wandb_run.log({"samples": samples_table.wandb_table(rows, images)}, step=step)
     if first:
         if run.environment is not None:  # was the tool offered? the template's rendering, once
             print(f"the first prompt as the model reads it:\n{samples_table.rendered_prompt(drawn, run.tokenizer)}")

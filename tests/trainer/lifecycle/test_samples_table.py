@@ -58,3 +58,25 @@ def test_a_sample_spanning_an_in_flight_update_shows_its_versions_as_runs():
 
     assert version_runs([3, 3, 3, 4, 4]) == "3x3 4x2"
     assert version_runs([7]) == "7x1" and version_runs([]) == ""
+
+
+def test_a_vision_language_row_names_its_images_and_the_wandb_table_shows_them(tmp_path):
+    import wandb
+
+    from rollout.types import ImageInput
+    from trainer.data.tasks.shapes import shapes_example
+    from trainer.lifecycle.samples_table import row_image_lists, wandb_table
+
+    a, b = shapes_example(0)["image"], shapes_example(1)["image"]
+    seen = [ImageInput("a" * 64, (1, 3, 56, 56), "float32", 2, 7), ImageInput("b" * 64, (1, 3, 56, 56), "float32", 2, 7)]
+    r = Rollouts(prompt_ids=[[1, 2]] * 4, completion_ids=[[5], [6], [7], [8]], rollout_logprobs=[[-1.0]] * 4,
+                 finish_reasons=["stop"] * 4, group_size=2, images=[[seen[0]], [seen[0]], [seen[1]], [seen[1]]])
+    drawn = Drawn(rows=[{"prompt": "p0", "image": a}, {"prompt": "p1", "image": b}], rollouts=r,
+                  rewards=[0.0] * 4, per_fn={})
+    rows = sample_rows(drawn, batch_from_rollouts(r, 0, "cpu"), torch.tensor([[-1.0]] * 4), Tok(), k=3)
+    assert [row["images"] for row in rows] == [["a" * 12], ["a" * 12], ["b" * 12]]
+    json.dumps(rows)  # samples.jsonl holds the fingerprints, not the pixels
+    images = row_image_lists(drawn, "image", 3)
+    assert [im[0].tobytes() for im in images] == [a.tobytes(), a.tobytes(), b.tobytes()]
+    table = wandb_table(rows, images)
+    assert table.columns[0] == "image" and isinstance(table.data[2][0], wandb.Image)
