@@ -102,7 +102,7 @@ from trainer.sampling.sampler import drawn_metrics
 from trainer.teacher.teacher import Teacher
 from trainer.vision.parity import image_split_metrics
 from trainer.vision.pixels import vision_batch
-from trainer.vision.prompts import vision_prompts
+from trainer.vision.prompts import check_prompt_rows, vision_prompts
 
 
 def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
@@ -237,6 +237,10 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     batcher = PromptBatcher(dataset, cfg.rollout.prompts_per_step, seed=cfg.train.seed)
     # the held-out rows, checked against the training prompts before the engine starts
     evaluator = Evaluator.from_config(cfg, dp, tokenizer, dataset)
+    if vision is not None:  # every prompt with its images expanded, training and held-out, before the engine
+        check_prompt_rows(vision, dataset, f"data.source = {d.source!r}")
+        if evaluator is not None:
+            check_prompt_rows(vision, evaluator.rows, f"eval.source = {cfg.eval.source or d.source!r}")
     # Rule functions and reward models (trainer/rewards/), each logged as reward/<name>.
     reward_fns, _ = build_reward_sources(cfg.reward, accelerator.device)
     value_head, kl_controller, kl_watch, modules = None, None, None, {}

@@ -83,6 +83,17 @@ class VisionPrompts:
         return EncodedPrompts(ids, images, expected)
 
 
+def check_prompt_rows(vision: VisionPrompts, rows, where: str) -> None:
+    """Every row of ``rows`` encoded as a batch will be, before the engine starts: a row whose placeholders and
+    images disagree, with too many images, or whose expanded prompt exceeds the budget is refused (RecipeError)
+    naming it, instead of stopping a run in its middle."""
+    for i in range(len(rows)):
+        try:
+            vision.encode([rows[i]], first_row=i)
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}") from None
+
+
 def vision_prompts(cfg, model_dir: str) -> VisionPrompts | None:
     """The run's ``VisionPrompts`` when the recipe names an image column (checked against the model: a
     vision-language one), None for text prompts. Before the model loads: the processor alone is read."""

@@ -119,3 +119,14 @@ def test_a_prompt_is_its_text_and_its_images_for_the_held_out_check():
                                                                                  "image")
     assert prompt_identity({"prompt": q, "image": a}, "image") != prompt_identity({"prompt": q, "image": b}, "image")
     assert prompt_identity({"prompt": q, "image": a}, None) == (q,)
+
+
+def test_every_row_is_checked_before_the_engine_starts_naming_the_first_bad_one(prompts):
+    from trainer.vision.prompts import check_prompt_rows
+
+    image = shapes_example(0)["image"]
+    rows = [{"prompt": "How many?", "image": image}] * 3 + [{"prompt": "x" * 80, "image": image}]
+    check_prompt_rows(prompts, rows[:3], "data.source = 'd.jsonl'")
+    with pytest.raises(RecipeError, match=r"^data.source = 'd.jsonl': row 3: its prompt is \d+ tokens with its 1 "
+                                          r"image\(s\) expanded, more than data.max_prompt_tokens = 64$"):
+        check_prompt_rows(prompts, rows, "data.source = 'd.jsonl'")
