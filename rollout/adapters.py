@@ -105,6 +105,14 @@ def lora_modules(peft_model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)]
 
 
+def lora_leaves(peft_model: nn.Module) -> list[str]:
+    """The leaf names of the policy's LoRA layers (``q_proj``, ...), what an engine wraps to serve its adapter
+    (``lora_target_modules``). Not the PEFT config's ``target_modules``: a vision-language policy holds one regex
+    there (the language model's blocks only, ``trainer.models.policy.add_lora``), which read as a list of names is
+    a list of its characters, and an engine wrapping no layer serves the adapter as zeros without a word."""
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in lora_modules(peft_model)})
+
+
 def export_lora_adapter(peft_model: nn.Module, *, version: int, dtype: torch.dtype,
                         gather: Optional[Gather] = None, adapter: str = "default",
                         device: Optional[str] = "cpu") -> LoraAdapter:

@@ -34,6 +34,9 @@ def lora_options(max_lora_rank: Optional[int], target_modules: Optional[Sequence
     """
     if max_lora_rank is None:
         return {}
+    if isinstance(target_modules, str):  # a PEFT regex, whose characters would each name a layer
+        raise TypeError(f"target_modules = {target_modules!r}: expected the adapter's leaf names (a list, e.g. "
+                        "rollout.adapters.lora_leaves), not one string")
     # One adapter runs at a time (a new version replaces the old); vLLM's CPU cache holds the next one while it
     # is added, before the old one is removed.
     out = {"enable_lora": True, "max_lora_rank": vllm_lora_rank(max_lora_rank), "max_loras": 1, "max_cpu_loras": 2}

@@ -72,3 +72,25 @@ def test_version_must_be_positive_and_a_model_without_lora_is_refused():
     cfg = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
     with pytest.raises(ValueError, match="no LoRA layers"):
         export_lora_adapter(LlamaForCausalLM(cfg), version=1, dtype=torch.float32)
+
+
+def test_the_engine_wraps_a_vision_language_policy_s_layers_by_leaf_name():
+    """A vision-language policy's PEFT config holds one regex (the language model's blocks only); the engine's
+    lora_target_modules are the adapter's leaf names, as the recipe's targets resolve on the model."""
+    from rollout.adapters import adapter_config, lora_leaves
+    from rollout.vllm_adapters import lora_options
+    from trainer.builtin.zoo_vl import build_vl_model
+    from trainer.config.schema import LoraConfig as RecipeLora
+    from trainer.models.policy import add_lora
+
+    model, _ = build_vl_model()
+    policy = add_lora(model, RecipeLora(r=4, alpha=8))
+    regex = adapter_config(policy)["target_modules"]
+    assert isinstance(regex, str) and "text_model" in regex
+    leaves = lora_leaves(policy)
+    assert leaves == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    # the tower's projections share the names q/k/v_proj, and stay without LoRA
+    assert not [n for n, _ in lora_modules(policy) if "vision" in n]
+    assert lora_options(4, leaves)["lora_target_modules"] == leaves
+    with pytest.raises(TypeError, match="expected the adapter's leaf names"):
+        lora_options(4, regex)

@@ -17,7 +17,7 @@ import torch
 from parity.lora import merged_lora_weight
 from parity.merge_cost import MERGE_COST_KEYS, merge_cost_metrics, merge_cost_sums
 from parity.metrics import compare
-from rollout.adapters import adapter_config, export_lora_adapter, lora_modules
+from rollout.adapters import adapter_config, export_lora_adapter, lora_leaves, lora_modules
 from rollout.hf_engine import HFEngine
 from rollout.types import Rollouts, SamplingSpec
 from rollout.weight_export import iter_merged_lora_weights
@@ -75,7 +75,8 @@ def generate_both(engine, policy, prompt_ids: list[list[int]], spec: SamplingSpe
         owned.append(start(config))
         return owned[-1]
 
-    config = adapter_config(policy) if "adapter" in modes else None
+    # the engine wraps the adapter's layers by leaf name (rollout.adapters.lora_leaves), whatever PEFT's config holds
+    config = {**adapter_config(policy), "target_modules": lora_leaves(policy)} if "adapter" in modes else None
     out = {}
     try:
         served = started(config) if isinstance(engine, str) else engine

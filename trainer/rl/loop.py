@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from parity.metrics import compare_by_turn, finalize, log10_abs_histogram, turn_index
-from rollout.adapters import adapter_config
+from rollout.adapters import lora_leaves
 from rollout.base import EngineUnavailable
 from rollout.weight_export import merged_lora_weights  # noqa: F401  (fail on a broken install before the engine starts)
 from trainer.algorithms import AdvantageInputs, add_distillation, distill_rewards
@@ -276,7 +276,7 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
     run.own_engine = engine is None
     run.engine = engine if engine is not None else make_engine(
         cfg, model_dir, max_model_len=sequence_length(cfg), dp=dp, return_routes=routing != "off",
-        lora_targets=adapter_config(policy)["target_modules"])
+        lora_targets=lora_leaves(policy))
     if routing != "off":
         check_engine_routes(run.engine, run.model)
     if precision.engine_logprobs:

@@ -1,6 +1,6 @@
-"""Worker for tests/trainer/vision/test_vl_train.py: the vision-language recipe trained three times on one engine
-(started once, as a run starts it): as it is, then with each planted fault of the input identity check, which must
-stop the run before its first update. Prints one JSON line per run: its steps' metrics, or the stop's exit status
+"""Worker for tests/trainer/vision/test_vl_train.py: the vision-language recipe trained three times: as it is, on the
+engine the run starts itself, then with each planted fault of the input identity check, which must stop the run
+before its first update (one engine for both). Prints one JSON line per run: its steps' metrics, or the stop's exit status
 and message. A process of its own: the test session already holds a (text) engine (tests/conftest.py).
 
 Usage: python vl_runs_worker.py <run-dir-root>
@@ -52,17 +52,21 @@ def digit_share(prompts, completions, **columns):
 
 
 def main(root: str) -> None:
-    # the clean run rewarded by digit_share, so that its updates carry a gradient
-    sets = ["train.steps=3", "logging.wandb.mode=disabled", "checkpoint.every=0",
+    # the untrained model (no warm start to build), rewarded by digit_share, so that its updates carry a gradient
+    sets = ["train.steps=3", "logging.wandb.mode=disabled", "checkpoint.every=0", "eval.every=0",
+            "model.path=builtin:zoo-idefics3", "algorithm.group_size=4",
             "reward.functions={digits: 'vl_runs_worker:digit_share'}"]
     cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + [f"logging.run_dir={root}/first"])
-    engine = make_engine(cfg, resolve_model_path(cfg.model.path), max_model_len=sequence_length(cfg))
+    shared = None
     for name, plant in (("clean", None), ("processor_42px", processor_at_42_pixels),
                         ("image_dropped", engine_drops_an_image)):
         cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + [f"logging.run_dir={root}/{name}"])
         undo = plant() if plant else None
+        if plant and shared is None:  # the faulted runs stop at step 1: one engine serves both
+            shared = make_engine(cfg, resolve_model_path(cfg.model.path), max_model_len=sequence_length(cfg))
         try:
-            res = loop.train(cfg, engine=engine)
+            # the clean run starts its engine as a user's run does (the adapter's layers named by the policy)
+            res = loop.train(cfg, engine=shared)
             out = {"run": name, "history": res.history}
         except RunStopped as e:
             out = {"run": name, "exit_status": e.exit_status, "message": str(e),
@@ -72,7 +76,7 @@ def main(root: str) -> None:
             if undo:
                 undo()
         print("RESULT " + json.dumps(out, default=float), flush=True)
-    engine.close()
+    shared.close()
 
 
 if __name__ == "__main__":
