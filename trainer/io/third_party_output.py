@@ -56,6 +56,17 @@ EXPECTED: tuple[tuple[str, str], ...] = (
     (r"\[layerwise\.py:\d+\] (RotaryEmbedding|ParallelLMHead): Failed to load weights",
      "vLLM's in-place reload from the model's files (the doctor's prefix-cache check restores the weights so): "
      "rotary embeddings hold no weights, a tied lm_head shares embed_tokens'"),
+    # vision-language models (docs/vision-language.md)
+    (r"`Idefics3ImageProcessor` requires torchvision \(not installed\); falling back to `Idefics3ImageProcessorPil`",
+     "vLLM looks the image processor up by its default class; the model's processor_config.json names the Pil one, "
+     "which both sides run (mm/inputs_equal checks the pixels every step)"),
+    (r"no matching PunicaWrapper is found; model\.vision_model\.",
+     "vLLM's LoRA offers the vision tower's layers of the adapter's leaf names and skips them; the adapter holds the "
+     "language model's layers only"),
+    (r"Model config: pad_token_id must be `None` or an integer within the vocabulary \(between 0 and 31999\), got "
+     r"128002",
+     "Transformers validates a default-built Idefics3 config (its default text config: 32,000 ids, pad 128,002) at "
+     "every Idefics3 load; the model's own config holds its pad id"),
     (r"Unknown vLLM environment variable detected: VLLM_DIST_IDENT",
      "vLLM's CPU worker sets it for itself (cpu_worker.py); the next engine in the process sees it"),
     (r"SECURITY WARNING: Development endpoints are enabled", "server mode's weight-sync routes (docs/server-mode.md)"),
@@ -91,6 +102,10 @@ _VLLM_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-
 _BUFFER_LINES = 20_000  # kept in memory before the run directory exists
 
 
+# tqdm's and vLLM's progress bars ("59/59 [00:00<00:00, ...]")
+_PROGRESS_BAR = re.compile(r"\d+/\d+ \[\d+:\d\d")
+
+
 def is_expected(line: str) -> bool:
     return any(p.search(line) for p in _PATTERNS)
 
@@ -102,6 +117,7 @@ class LineSorter:
     def __init__(self) -> None:
         self._in_expected = False
         self._in_traceback = False
+        self._bar = False
         self._prefix = ""  # vLLM's prefix of the last expected line (its continuation lines repeat it)
 
     def sort(self, line: str) -> bool:
@@ -109,13 +125,15 @@ class LineSorter:
         bare = line.rstrip("\r\n")
         if is_expected(bare):
             self._in_expected, self._in_traceback = True, False
+            self._bar = bool(_PROGRESS_BAR.search(bare))
             m = _VLLM_PREFIX.match(bare)
             self._prefix = m.group(0) if m else ""
             return True
         if self._in_expected and self._prefix and bare.startswith(self._prefix.split("] ")[0]):
             return True  # the same record's next line: same process, level, time and source line
         if self._in_expected:
-            if bare.startswith("Traceback (most recent call last)"):
+            # a logged record's traceback is its own; one after a progress bar is the process's crash
+            if bare.startswith("Traceback (most recent call last)") and not self._bar:
                 self._in_traceback = True
                 return True
             if bare[:1] in (" ", "\t") or not bare.strip():  # indented, or the blank line a progress bar ends with

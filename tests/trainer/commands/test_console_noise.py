@@ -29,6 +29,14 @@ SEEN = [
     "de-quantizing GGUF tensors...: 100%|██████████| 272/272 [00:01<00:00, 155.57it/s]",
     "[2026-11-25 17:45:01,886] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU. "
     "If you have GPU or other accelerator, we were unable to detect it.",
+    # a vision-language model's run (the tiny Idefics3, LoRA served as an adapter)
+    "[transformers] `Idefics3ImageProcessor` requires torchvision (not installed); falling back to "
+    "`Idefics3ImageProcessorPil` for backward compatibility. Install torchvision to use the default backend, or "
+    "import `Idefics3ImageProcessorPil` directly to silence this warning.",
+    "(MainProcess pid=19545) WARNING 11-30 15:16:35 [model_manager.py:496] Regarding Idefics3ForConditionalGeneration, "
+    "no matching PunicaWrapper is found; model.vision_model.encoder.layers.0.self_attn.qkv_proj will be ignored.",
+    "[transformers] Model config: pad_token_id must be `None` or an integer within the vocabulary (between 0 and "
+    "31999), got 128002. This may result in unexpected behavior.",
     # nanobind's report at a vLLM server's exit (format strings in triton/_C/libtriton.so)
     "nanobind: leaked 12 functions!",
     ' - leaked function "get_int_attr"',
@@ -69,6 +77,11 @@ def test_continuation_lines_follow_their_expected_line():
               'INFO:     127.0.0.1:56730 - "GET /health HTTP/1.1" 200 OK']
     s = LineSorter()
     assert [s.sort(x) for x in server] == [True, True, True, True, False, True]
+    # a crash after a progress bar (the model loaded, then the run failed) is the process's own: on the console
+    s = LineSorter()
+    crash = ["Loading weights: 100%|██████████| 59/59 [00:00<00:00, 4376.25it/s]", "Traceback (most recent call last):",
+             '  File "/w/trainer/supervised/sft.py", line 112, in _pairs', "ValueError: ours"]
+    assert [s.sort(x) for x in crash] == [True, False, False, False]
     # an exception line outside an expected traceback stays on the console
     s = LineSorter()
     assert [s.sort(x) for x in ["Traceback (most recent call last):", "ValueError: ours"]] == [False, False]
