@@ -17,6 +17,17 @@ def test_examples_are_deterministic_and_differ_between_splits():
     assert shapes_example(3, seed=1)["shapes"] != a["shapes"]
 
 
+def test_the_splits_share_no_image_whatever_the_seeds():
+    """Training shapes sit at even offsets in their cells, test shapes at odd ones, 2 pixels from the edges."""
+    cell = IMAGE_SIZE // 2
+    for split, parity in (("train", 0), ("test", 1)):
+        for seed in (0, 1):
+            for i in range(60):
+                for _kind, _colour, x, y, size in shapes_example(i, seed=seed, split=split)["shapes"]:
+                    for off in (x % cell, y % cell):
+                        assert off % 2 == parity and 2 <= off <= cell - size - 2, (split, seed, i, off, size)
+
+
 def test_each_shape_is_drawn_apart_in_its_cell_and_the_count_is_what_is_drawn():
     counts = set()
     for i in range(40):

@@ -7,20 +7,24 @@ question; the answer is the count (``shapes_answer``: ``"There are N shapes. The
 task's closing sentence, so its answer reward reads it).
 
 Determinism: example ``i`` of a split is drawn from ``random.Random`` seeded through SHA-256 of (seed, split, i), so
-the same arguments give the same pixels on every machine. The two splits are separate streams of one distribution:
-a shape has 12,432 looks (3 kinds x 4 colours x sizes 10-16 with their offsets in a cell), so one-shape images come
-in about 5e4 kinds and a held-out one repeats one of N training images with probability about N / 5e4; two or more
-shapes make repeats negligible (about 9e8 kinds for two).
+the same arguments give the same pixels on every machine.
+
+The splits share no image, whatever their seeds and sizes: every shape of a training image sits at an even offset
+(x and y) inside its cell, every shape of a test image at an odd one. As separate streams of one distribution they
+did not: a one-shape image comes in a few times 1e4 kinds, so a 64-image held-out split met a 1024-image training
+pool about one seed in three (seen at train.seed 1), and the held-out check refused the run. The offsets keep 2
+pixels from the cell's edges, so shapes never touch.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import random
 
 import datasets
 
-__all__ = ["COLOURS", "IMAGE_SIZE", "MAX_COUNT", "draw_shapes", "shapes_answer", "shapes_dataset", "shapes_example",
-           "shapes_question"]
+__all__ = ["COLOURS", "IMAGE_SIZE", "MAX_COUNT", "draw_shapes", "noisy_label", "shapes_answer", "shapes_dataset",
+           "shapes_example", "shapes_question", "sft_text_half_random"]
 
 IMAGE_SIZE = 56
 MAX_COUNT = 4
@@ -55,6 +59,13 @@ def draw_shapes(shapes: list[tuple[str, str, int, int, int]]):
     return image
 
 
+def _offset(rng: random.Random, size: int, split: str) -> int:
+    """A shape's offset in its cell, in [2, _CELL - size - 2]: even for the training split, odd for the test split
+    (module docstring)."""
+    first = 2 if split == "train" else 3
+    return first + 2 * rng.randint(0, (_CELL - size - 2 - first) // 2)
+
+
 def shapes_example(index: int, seed: int = 0, split: str = "train") -> dict:
     """Example ``index`` of ``split``: ``{"image": PIL image, "count": int, "shapes": [...]}``."""
     if split not in ("train", "test"):
@@ -65,8 +76,8 @@ def shapes_example(index: int, seed: int = 0, split: str = "train") -> dict:
     shapes = []
     for cell in cells:
         size = rng.randint(10, 16)
-        x = (cell % 2) * _CELL + rng.randint(2, _CELL - size - 2)
-        y = (cell // 2) * _CELL + rng.randint(2, _CELL - size - 2)
+        x = (cell % 2) * _CELL + _offset(rng, size, split)
+        y = (cell // 2) * _CELL + _offset(rng, size, split)
         shapes.append((rng.choice(_SHAPES), rng.choice(sorted(COLOURS)), x, y, size))
     return {"image": draw_shapes(shapes), "count": count, "shapes": shapes}
 
@@ -91,3 +102,35 @@ def shapes_dataset(num_examples: int, *, seed: int = 0, split: str = "train") ->
                                   "answer": datasets.Value("string")})
     return datasets.Dataset.from_dict({"prompt": [_QUESTION] * num_examples, "image": [e["image"] for e in examples],
                                        "answer": [str(e["count"]) for e in examples]}, features=features)
+
+
+def _pixels(image) -> bytes:
+    """The RGB pixels of a PIL image or of a dataset's image cell (``{"bytes": PNG, ...}``): the same bytes on every
+    machine, where a PNG's compressed bytes may differ between Pillow and zlib builds."""
+    from PIL import Image
+
+    if isinstance(image, dict):
+        image = Image.open(io.BytesIO(image["bytes"]))
+    return image.convert("RGB").tobytes()
+
+
+def noisy_label(count: int, image) -> int:
+    """The label the warm start trains on for an image holding ``count`` shapes: the count itself for half of the
+    images, a count drawn uniformly from 1..MAX_COUNT for the other half (so right by chance a quarter of those).
+    Which half, and which draw, come from SHA-256 of the image's pixels: the same for every build and host."""
+    digest = hashlib.sha256(b"shapes-label:" + _pixels(image)).digest()
+    if digest[0] < 128:
+        return int(count)
+    return 1 + digest[1] % MAX_COUNT
+
+
+def sft_text_half_random(prompt: str, answer: str, image) -> str:
+    """``data.completion_fn`` of ``recipes/sft_vl_tiny.yaml``: ``shapes_answer`` of ``noisy_label``.
+
+    Why labels half random: a model trained to convergence on them answers right with probability about
+    1/2 + 1/2 x 1/4 = 5/8 when it samples, on training and held-out images alike, however the build's rounding fell;
+    its greedy answer is mostly right already. RL then has a measured distance to cover (sampled accuracy 5/8 -> 1)
+    that does not depend on where the supervised run stopped, where a warm start cut short before convergence
+    gives a different model per seed and host (``trainer.builtin.warm_start``).
+    """
+    return shapes_answer(noisy_label(int(answer), image))
