@@ -10,12 +10,12 @@ from typing import Optional
 from trainer.builtin.pretrained import SMOLLM2_NAME, missing_requirement
 from trainer.builtin.tiny import build_tiny_base
 from trainer.builtin.zoo import ZOO_MAX_POSITIONS, ZOO_MODELS
-from trainer.builtin.zoo_vl import VL_MAX_POSITIONS, VL_MODEL_NAME
+from trainer.builtin.zoo_vl import TINY_VL_NAME, VL_MAX_POSITIONS, VL_MODEL_NAME
 from trainer.config import RecipeError
 
 # The built-in models (``model.path: builtin:...``); the architecture zoo's small random models last (docs/models.md).
 BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-base", "builtin:tiny-tools", "builtin:tiny-teacher", "builtin:tiny-tools-teacher",
-                  SMOLLM2_NAME, *ZOO_MODELS, VL_MODEL_NAME)
+                  TINY_VL_NAME, SMOLLM2_NAME, *ZOO_MODELS, VL_MODEL_NAME)
 # Context of the pretrained built-ins, known without building them (SmolLM2's config.json).
 _PRETRAINED_MAX_POSITIONS = {SMOLLM2_NAME: 8192}
 
@@ -25,7 +25,7 @@ def builtin_max_positions(name: str) -> Optional[int]:
         return _PRETRAINED_MAX_POSITIONS[name]
     if name in ZOO_MODELS:
         return ZOO_MAX_POSITIONS
-    if name == VL_MODEL_NAME:
+    if name in (VL_MODEL_NAME, TINY_VL_NAME):  # the warm start keeps its base's config
         return VL_MAX_POSITIONS
     default = inspect.signature(build_tiny_base).parameters.get("max_position_embeddings")
     return None if default is None else default.default

@@ -11,6 +11,8 @@
   trained longer, an on-policy distillation teacher (same tokenizer as ``builtin:tiny``).
 - ``builtin:tiny-tools-teacher``: ``builtin:tiny-tools`` after ``parityrl sft recipes/sft_tools_teacher_tiny.yaml``:
   the same episodes trained longer, the teacher of ``recipes/opd_tiny.yaml``.
+- ``builtin:tiny-vl``: ``builtin:zoo-idefics3`` after ``parityrl sft recipes/sft_vl_tiny.yaml`` (counting shapes in
+  images), the model of ``recipes/grpo_vl_tiny.yaml``.
 - ``builtin:zoo-<architecture>``: the architecture zoo's 2-layer models at std 0.2 (``trainer.builtin.zoo``: llama_tied,
   qwen2, qwen3, mistral, gemma2, phi3, and the mixture-of-experts qwen2_moe, qwen3_moe, mixtral, olmoe), untrained: for
   trying an architecture's path through the engine and the trainer, not for learning anything.
@@ -39,7 +41,7 @@ def resolve_model_path(path: str) -> str:
     """A path from a recipe -> something ``from_pretrained`` and vLLM can load offline."""
     if path == "builtin:tiny-base":
         return str(ensure_tiny_base())  # locks and builds atomically itself
-    if path in WARM_STARTS:  # builtin:tiny, builtin:tiny-tools and the two teachers
+    if path in WARM_STARTS:  # builtin:tiny, builtin:tiny-tools, the two teachers and builtin:tiny-vl
         return str(ensure_warm_started(path))
     if path == SMOLLM2_NAME:
         return str(ensure_smollm2())

@@ -27,6 +27,8 @@ from trainer.builtin.zoo import INIT_STD
 __all__ = ["IMAGE_SIZE", "IMAGE_TOKENS", "VL_MODEL_NAME", "VL_MAX_POSITIONS", "build_vl_model", "ensure_vl_model"]
 
 VL_MODEL_NAME = "builtin:zoo-idefics3"
+# it after the warm start recipes/sft_vl_tiny.yaml (trainer.builtin.warm_start): what grpo_vl_tiny.yaml trains
+TINY_VL_NAME = "builtin:tiny-vl"
 VL_VERSION = 2  # bump when the config, the init or the processor changes: the cache key
 IMAGE_SIZE = 56
 PATCH_SIZE = 14
@@ -82,12 +84,18 @@ def build_vl_model(seed: int = 0):
     return model, processor
 
 
+def vl_model_dir(cache_dir: str | Path | None = None, dtype: str = "float32") -> Path:
+    """Where ``ensure_vl_model`` builds the tiny Idefics3 (built or not)."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return root / f"zoo-vl-v{VL_VERSION}-idefics3-{dtype}"
+
+
 def ensure_vl_model(cache_dir: str | Path | None = None, dtype: str = "float32") -> Path:
     """Build the tiny Idefics3 once into the cache (weights in ``dtype``, the processor beside them); its directory."""
     import torch
 
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    out = root / f"zoo-vl-v{VL_VERSION}-idefics3-{dtype}"
+    out = vl_model_dir(cache_dir, dtype)
+    root = out.parent
     root.mkdir(parents=True, exist_ok=True)
     with file_lock(root / ".zoo-vl-idefics3.lock"):
         if (out / "zoo.json").is_file():

@@ -92,6 +92,11 @@ class SFTDataConfig:
     packing: bool = False  # true: concatenate documents and cut into block_size blocks (trainer.supervised.sft)
     block_size: int = 128  # tokens per packed block (packing only)
     system_prompt: Optional[str] = None  # as the RL recipe's data.system_prompt (null = the template's default)
+    # the column holding each row's images, for a vision-language model (as the RL recipe's; docs/vision-language.md):
+    # the prompt is rendered with a placeholder per image and expanded by the model's processor, the completion
+    # comes from data.completion_column / data.completion_fn (which gets the row's images as a column)
+    image_column: Optional[str] = None
+    max_images_per_prompt: int = 1
 
 
 @dataclass
@@ -160,6 +165,15 @@ def validate_sft(cfg: SFTConfig, where: str) -> None:
          "layout)")
     need(d.messages_fn is None or d.use_chat_template, "data.use_chat_template", d.use_chat_template,
          "true when data.messages_fn is set (the conversation is rendered by the chat template)")
+    if d.image_column is not None:
+        need(bool(d.image_column), "data.image_column", d.image_column, "a column name, or null for text prompts")
+        need(d.max_images_per_prompt >= 1, "data.max_images_per_prompt", d.max_images_per_prompt, "an integer >= 1")
+        need(not d.packing, "data.image_column", d.image_column, "null with data.packing: true (a packed block would "
+             "cut a prompt's image placeholders from its pixels; vision-language rows train in the padded layout)")
+        need(d.messages_fn is None, "data.image_column", d.image_column, "null with data.messages_fn (conversations "
+             "with images are not supported; give data.completion_fn or data.completion_column)")
+        need(d.use_chat_template, "data.use_chat_template", d.use_chat_template, "true with data.image_column (the "
+             "chat template places the image placeholders)")
     need(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "an integer >= 1")
     need(d.max_completion_tokens >= 1, "data.max_completion_tokens", d.max_completion_tokens, "an integer >= 1")
     validate_supervised_train(t, need)

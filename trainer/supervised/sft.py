@@ -47,6 +47,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -70,16 +71,22 @@ from trainer.supervised.hf_trainer import (
     run_stage,
     training_arguments,
 )
+from trainer.supervised.image_tensors import batch_images, image_tensors
+from trainer.vision.pixels import PromptPixels, vision_batch
+from trainer.vision.prompts import VisionPrompts, vision_prompts
 
 
-def _pairs(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]], Optional[list[list[int]]]]:
-    """Prompt ids, completion ids and, for ``data.messages_fn``, the 0/1 mask of the completion ids to train on."""
+def _pairs(cfg: SFTConfig, tokenizer, vision: Optional[VisionPrompts] = None
+           ) -> tuple[list[list[int]], list[list[int]], Optional[list[list[int]]], Optional[list[PromptPixels]]]:
+    """Prompt ids, completion ids, for ``data.messages_fn`` the 0/1 mask of the completion ids to train on, and for
+    ``data.image_column`` (``vision``) each prompt's pixels: its prompt ids are then the processor's expanded ids,
+    as the RL trainer scores them (``trainer.vision.prompts``)."""
     d = cfg.data
     ds = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column, answer_column=None,
                              num_examples=d.num_examples, seed=cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
     rows = ds.to_list()
     if d.messages_fn is not None:
-        return _conversation_pairs(cfg, tokenizer, rows)
+        return (*_conversation_pairs(cfg, tokenizer, rows), None)
     if d.completion_column is not None:
         if d.completion_column not in ds.column_names:
             raise RecipeError(f"data.completion_column = {d.completion_column!r}: no such column in {d.source}; "
@@ -88,16 +95,24 @@ def _pairs(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]],
     else:
         fn = resolve_reward(d.completion_fn)  # same "module:function" resolution
         completions = [fn(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in rows]
-    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], use_chat_template=d.use_chat_template,
-                                max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
+    pixels = None
+    if vision is not None:
+        try:
+            encoded = vision.encode(rows).expected
+        except ValueError as e:
+            raise RecipeError(f"{d.source}: {e}") from None
+        prompt_ids, pixels = [e.ids for e in encoded], [e.pixels for e in encoded]
+    else:
+        prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], use_chat_template=d.use_chat_template,
+                                    max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
     completion_ids = []
     for i, text in enumerate(completions):
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
         if len(ids) > d.max_completion_tokens:
-            raise ValueError(f"{d.source}: example {i}: completion has {len(ids)} tokens, more than "
-                             f"data.max_completion_tokens = {d.max_completion_tokens}")
+            raise RecipeError(f"data.max_completion_tokens = {d.max_completion_tokens}: {d.source} example {i}'s "
+                              f"completion has {len(ids)} tokens with EOS ({text!r}); expected a budget that holds it")
         completion_ids.append(ids)
-    return prompt_ids, completion_ids, None
+    return prompt_ids, completion_ids, None, pixels
 
 
 def conversation_example(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None,
@@ -223,7 +238,8 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
     model = load_base_model(model_dir, cfg.model.dtype, "cpu", cfg.model.attn_implementation, train_device=args.device)
     if cfg.model.lora.enabled:
         model = add_lora(model, cfg.model.lora)
-    prompt_ids, completion_ids, completion_masks = _pairs(cfg, tokenizer)
+    vision = vision_prompts(cfg, model_dir)  # None: text prompts
+    prompt_ids, completion_ids, completion_masks, pixels = _pairs(cfg, tokenizer, vision)
     if cfg.data.packing:
         blocks = _packed_blocks(cfg, prompt_ids, completion_ids, tokenizer.eos_token_id)
         num_rows = len(blocks)
@@ -232,9 +248,13 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
               flush=True)
     else:
         num_rows = len(prompt_ids)
-        make_batch = lambda idx: build_token_batch(
-            [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], tokenizer.pad_token_id,
-            completion_mask=None if completion_masks is None else [completion_masks[i] for i in idx])
+        def make_batch(idx: list[int]) -> TokenBatch:
+            b = build_token_batch(
+                [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx], tokenizer.pad_token_id,
+                completion_mask=None if completion_masks is None else [completion_masks[i] for i in idx])
+            if pixels is None:
+                return b
+            return replace(b, vision=vision_batch([pixels[i] for i in idx], vision.image_token_id))
     if num_rows < args.per_device_train_batch_size:
         raise RecipeError(f"train.batch_size = {cfg.train.batch_size}: the data has only {num_rows} rows; "
                           "use more examples or a smaller batch")
@@ -250,10 +270,11 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
         b = make_batch(idx)
         labels = item_labels(b.mask)
         return {**{k: getattr(b, k) for k in tensors}, "prompt_len": torch.tensor(b.prompt_len), "labels": labels,
-                "shift_labels": labels}
+                "shift_labels": labels, **image_tensors(b.vision)}
 
     def loss_fn(model, x: dict):
-        batch = TokenBatch(**{k: x[k] for k in tensors}, prompt_len=int(x["prompt_len"]))
+        batch = TokenBatch(**{k: x[k] for k in tensors}, prompt_len=int(x["prompt_len"]),
+                           vision=None if vision is None else batch_images(x, vision.image_token_id))
         lp, _ = completion_logprobs(model, batch, temperature=1.0)
         # throughput: tokens attended to (not padding) and tokens with a loss
         return -(lp * batch.mask).sum(), {"tokens": float(batch.attention_mask.sum()),
@@ -283,7 +304,10 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
             model = model.to(dtype=getattr(torch, cfg.model.dtype))
         # (output_format adapter: PEFT's save_pretrained writes the adapter and its config,
         # which records the base directory; the adapter weights stay float32.)
-        save_model_dir(model, tokenizer, out, extra={
+        # a processor's config is the base's own: saving names the image processor by its default class
+        # (trainer.builtin.zoo_vl), which would differ from the one both sides ran
+        copied = tuple(p for p in [Path(model_dir) / "processor_config.json"] if vision is not None and p.is_file())
+        save_model_dir(model, tokenizer if vision is None else vision.processor, out, copied=copied, extra={
             "sft_loss_first": history[0] if history else None, "sft_loss_last": history[-1] if history else None,
             "sft_steps": cfg.train.steps, "base_model": model_dir, "packing": cfg.data.packing,
             "output_format": cfg.output_format, "resumed_from": checkpoint,
@@ -292,8 +316,9 @@ def _fit(cfg: SFTConfig, model_dir: str, checkpoint: Optional[str], resume: bool
     return out
 
 
-def save_model_dir(model, tokenizer, out: Path, extra: Optional[dict] = None) -> None:
-    """Save an HF model + tokenizer to ``out`` atomically (temp dir, then rename)."""
+def save_model_dir(model, tokenizer, out: Path, extra: Optional[dict] = None, copied: tuple[Path, ...] = ()) -> None:
+    """Save an HF model + tokenizer (or processor) to ``out`` atomically (temp dir, then rename); ``copied``: files
+    written as they are over what the save wrote."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
@@ -310,6 +335,8 @@ def save_model_dir(model, tokenizer, out: Path, extra: Optional[dict] = None) ->
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    for f in copied:
+        shutil.copyfile(f, tmp / Path(f).name)
     if extra:
         (tmp / "parityrl_sft.json").write_text(json.dumps(extra, indent=2))
     if out.exists():
