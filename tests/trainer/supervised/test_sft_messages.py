@@ -49,8 +49,8 @@ def test_one_transcript_trains_exactly_the_assistant_tokens(tok):
 
 def test_recipe_pairs_fit_their_limits(tok):
     cfg = load_sft_recipe(RECIPE, ["data.num_examples=16"])
-    prompts, completions, masks = sft._pairs(cfg, tok)
-    assert len(prompts) == len(completions) == len(masks) == 16
+    prompts, completions, masks, pixels = sft._pairs(cfg, tok)
+    assert len(prompts) == len(completions) == len(masks) == 16 and pixels is None
     assert max(map(len, prompts)) <= cfg.data.max_prompt_tokens
     assert max(map(len, completions)) <= cfg.data.max_completion_tokens
     assert all(len(c) == len(m) and c[-1] == tok.eos_token_id and m[-1] == 1 for c, m in zip(completions, masks))
@@ -75,4 +75,11 @@ def _with_template(tok, template):
 def test_an_unknown_tools_spec_is_a_recipe_error(tok, tmp_path):
     cfg = load_sft_recipe(RECIPE, ["data.num_examples=2", "data.tools=builtin:nope"])
     with pytest.raises(RecipeError, match="data.tools = 'builtin:nope'"):
+        sft._pairs(cfg, tok)
+
+
+def test_a_completion_over_its_budget_is_a_recipe_error_naming_the_key(tok):
+    cfg = load_sft_recipe(RECIPE.parent / "sft_tiny.yaml", ["data.num_examples=2", "data.max_completion_tokens=4"])
+    with pytest.raises(RecipeError, match=r"data.max_completion_tokens = 4: builtin:arithmetic example 0's completion "
+                                          r"has \d+ tokens with EOS"):
         sft._pairs(cfg, tok)
