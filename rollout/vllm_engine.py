@@ -573,12 +573,21 @@ class VLLMEngine(InProcessEngine):
         self._check_update(named)
         with quiet_partial_reload():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        self._encoder_cache_reset()
         self._base_changed = True
         if self._adapter is not None:  # vLLM dropped its adapters with the reload (reset_lora_state)
             self._adapter.forget()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
         self.stale_kv.updated("a weight update")
+
+    def _encoder_cache_reset(self) -> None:
+        """After ``reload_weights``: the worker cleared its cache of image features (``gpu_model_runner.reload_weights``
+        calls ``reset_encoder_cache``), while the scheduler still counts every image it has seen as cached and
+        schedules no encoder run for it, so the next request holding such an image fails with ``Encoder cache miss``
+        (a vision-language run's held-out images, at its second evaluation). Resetting through the engine core clears
+        both sides; a text model's cache is empty."""
+        self.llm.llm_engine.reset_encoder_cache()
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
         check_update(named, self._shapes, self.model, self.packed_modules)
@@ -597,6 +606,7 @@ class VLLMEngine(InProcessEngine):
         if self._base_changed:
             with quiet_partial_reload():
                 self.llm.collective_rpc("reload_weights")  # from the model's files; vLLM drops its adapters
+            self._encoder_cache_reset()
             self._adapter.forget()
             self._base_changed = False
         self._adapter.load(self.llm, adapter)

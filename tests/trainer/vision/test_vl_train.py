@@ -53,3 +53,13 @@ def test_a_planted_fault_stops_the_run_before_an_update_naming_it(runs, run, lin
     assert r.get("exit_status") == 3, r
     assert r["message"].startswith(line), r["message"]
     assert r["steps_logged"] <= 1  # the probe's row before step 1 at most: no step was trained
+
+
+def test_merged_updates_between_evaluations_of_the_same_images_run_on(runs):
+    """A merged update reloads the engine's weights, which clears its cached image features; the scheduler forgets
+    them too (``VLLMEngine._encoder_cache_reset``), or the second evaluation stopped with 'Encoder cache miss'."""
+    r = runs["merged_eval"]
+    assert "history" in r, r
+    assert [h["step"] for h in r["history"]] == [1, 2]
+    for h in r["history"]:
+        assert "eval/mean@4" in h and h["parity/mae"] < FLOAT32_MAE and h["mm/inputs_equal"] == 1.0, h

@@ -1,6 +1,7 @@
 """Worker for tests/trainer/vision/test_vl_train.py: the vision-language recipe trained three times: as it is, on the
 engine the run starts itself, then with each planted fault of the input identity check, which must stop the run
-before its first update (one engine for both). Prints one JSON line per run: its steps' metrics, or the stop's exit status
+before its first update, and with merged weight updates between evaluations of the same held-out images (one engine
+for the last three). Prints one JSON line per run: its steps' metrics, or the stop's exit status
 and message. A process of its own: the test session already holds a (text) engine (tests/conftest.py).
 
 Usage: python vl_runs_worker.py <run-dir-root>
@@ -56,17 +57,19 @@ def main(root: str) -> None:
     sets = ["train.steps=3", "logging.wandb.mode=disabled", "checkpoint.every=0", "eval.every=0",
             "model.path=builtin:zoo-idefics3", "algorithm.group_size=4",
             "reward.functions={digits: 'vl_runs_worker:digit_share'}"]
-    cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + [f"logging.run_dir={root}/first"])
     shared = None
-    for name, plant in (("clean", None), ("processor_42px", processor_at_42_pixels),
-                        ("image_dropped", engine_drops_an_image)):
-        cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + [f"logging.run_dir={root}/{name}"])
+    # merged_eval: merged weight updates between evaluations of the same held-out images (a reload clears the
+    # engine's image features; its scheduler must forget them too)
+    merged_eval = ["rollout.lora_sync=merged", "eval.every=1", "eval.num_prompts=4", "train.steps=2"]
+    for name, plant, extra in (("clean", None, []), ("processor_42px", processor_at_42_pixels, []),
+                               ("image_dropped", engine_drops_an_image, []), ("merged_eval", None, merged_eval)):
+        cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + extra + [f"logging.run_dir={root}/{name}"])
         undo = plant() if plant else None
-        if plant and shared is None:  # the faulted runs stop at step 1: one engine serves both
+        if name != "clean" and shared is None:  # the faulted runs stop at step 1: one engine serves the rest
             shared = make_engine(cfg, resolve_model_path(cfg.model.path), max_model_len=sequence_length(cfg))
         try:
             # the clean run starts its engine as a user's run does (the adapter's layers named by the policy)
-            res = loop.train(cfg, engine=shared)
+            res = loop.train(cfg, engine=None if name == "clean" else shared)
             out = {"run": name, "history": res.history}
         except RunStopped as e:
             out = {"run": name, "exit_status": e.exit_status, "message": str(e),
