@@ -12,7 +12,9 @@ evaluation's model when it exits. The child's stdout's last line is the figure; 
 
 Measured with the recipe's own held-out rows, reward functions and episodes (``Evaluator``, ``Sampler`` /
 ``EpisodeSampler``) on the Hugging Face engine in float32: the judgement is of the model, not of one engine's
-half-precision kernels on one ISA, and needs no vLLM engine (a build runs before any).
+half-precision kernels on one ISA, and needs no vLLM engine (a build runs before any). A vision-language recipe's
+rows hold images, which the Hugging Face engine does not take: those are judged on vLLM in float32, started in this
+child process and closed with it.
 """
 from __future__ import annotations
 
@@ -22,29 +24,41 @@ from pathlib import Path
 from rollout.hf_engine import HFEngine
 from trainer.builtin.warm_start import BelowFloor
 from trainer.config import read_recipe
+from trainer.config.validate import sequence_length
 from trainer.distributed.data_parallel import DataParallel
 from trainer.environments.episode_environment import EpisodeEnvironment
 from trainer.measurement.evaluation import Evaluator
 from trainer.models.policy import load_tokenizer
 from trainer.rewards.sources import build_reward_sources
+from trainer.sampling.engines import make_engine
 from trainer.sampling.episode_sampler import sampler_for
+from trainer.vision.prompts import vision_prompts
 
 EVAL_DTYPE = "float32"
 
 
 def held_out_greedy(recipe: Path, model_dir: Path) -> float:
     """``eval/greedy`` of the model in ``model_dir`` on ``recipe``'s held-out rows (its ``eval.num_prompts``)."""
-    cfg = read_recipe(recipe, [f"model.path={model_dir}", "rollout.engine=hf", "eval.samples=0", "eval.greedy=true",
+    images = read_recipe(recipe, []).data.image_column is not None
+    # images: vLLM (the Hugging Face engine takes no images), in float32 too, the weights served as they are
+    engine_sets = ["rollout.lora_sync=merged"] if images else ["rollout.engine=hf"]
+    cfg = read_recipe(recipe, [f"model.path={model_dir}", *engine_sets, "eval.samples=0", "eval.greedy=true",
                                f"model.dtype={EVAL_DTYPE}", "logging.wandb.mode=disabled"])
     tokenizer = load_tokenizer(str(model_dir))
     dp = DataParallel()
     evaluator = Evaluator.from_config(cfg, dp, tokenizer, train_rows=[])
     reward_fns, _ = build_reward_sources(cfg.reward, "cpu")
-    engine = HFEngine(str(model_dir), dtype=EVAL_DTYPE, device="cpu")
+    if images:
+        engine = make_engine(cfg, str(model_dir), max_model_len=sequence_length(cfg))
+    else:
+        engine = HFEngine(str(model_dir), dtype=EVAL_DTYPE, device="cpu")
     environment = EpisodeEnvironment.from_config(cfg, str(recipe)) if cfg.env.enabled else None
     sampler = sampler_for(environment, cfg=cfg, engine=engine, batcher=None, tokenizer=tokenizer,
-                          reward_fns=reward_fns, dp=dp)
-    return evaluator(sampler, model=None, step=0)["eval/greedy"]
+                          reward_fns=reward_fns, dp=dp, vision=vision_prompts(cfg, str(model_dir)))
+    try:
+        return evaluator(sampler, model=None, step=0)["eval/greedy"]
+    finally:
+        engine.close()
 
 
 def check_floor(name: str, model_dir: Path, recipe: Path, floor: float) -> float:

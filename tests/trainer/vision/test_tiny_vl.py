@@ -7,16 +7,24 @@ learns (its loss falls) and writes a model directory the trainer loads with the 
 """
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
+from transformers import AutoProcessor
 
+from trainer.builtin.warm_start import WARM_STARTS, BelowFloor
+from trainer.builtin.zoo_vl import TINY_VL_NAME, ensure_vl_model
 from trainer.config import RecipeError
 from trainer.config.supervised import read_sft_recipe
 from trainer.data.tasks.shapes import MAX_COUNT, noisy_label, sft_text_half_random, shapes_answer, shapes_dataset
+from trainer.models.policy import load_base_model
 from trainer.supervised.image_tensors import batch_images, image_tensors
+from trainer.supervised.sft import fit_sft
 from trainer.vision.batch import VisionBatch
 
 REPO = Path(__file__).resolve().parents[3]
@@ -70,12 +78,6 @@ def test_a_batch_s_images_come_back_from_the_collator_s_tensors(with_mask):
 
 @pytest.mark.slow
 def test_sft_on_images_learns_and_keeps_the_base_processor(tmp_path, monkeypatch):
-    from transformers import AutoProcessor
-
-    from trainer.builtin.zoo_vl import ensure_vl_model
-    from trainer.models.policy import load_base_model
-    from trainer.supervised.sft import fit_sft
-
     base = ensure_vl_model()
     out = tmp_path / "model"
     cfg = read_sft_recipe(SFT_VL, ["train.steps=40", "data.num_examples=256", "train.warmup_steps=2",
@@ -92,3 +94,16 @@ def test_sft_on_images_learns_and_keeps_the_base_processor(tmp_path, monkeypatch
     moved = {n for (n, p), (_, q) in zip(trained.named_parameters(), start.named_parameters()) if not torch.equal(p, q)}
     # full fine-tuning: the vision tower learns too (it is random at the start)
     assert any("vision" in n for n in moved) and any("text_model" in n for n in moved), sorted(moved)[:5]
+
+
+@pytest.mark.slow
+def test_the_floor_judges_a_vision_language_build_on_vllm_and_refuses_the_untrained_model():
+    """The judge's own process (a second vLLM engine beside the session's): the untrained tiny Idefics3 counts no
+    shapes in the format, so it reads below builtin:tiny-vl's floor and is refused with one line."""
+    ws = WARM_STARTS[TINY_VL_NAME]
+    proc = subprocess.run([sys.executable, "-m", "trainer.measurement.warm_start_floor", ws.name, str(ensure_vl_model()),
+                           str(ws.floor_recipe), str(ws.floor_greedy)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == BelowFloor.exit_status, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "builtin:tiny-vl: the warm start came out at held-out greedy accuracy 0.0"), proc.stderr[-3000:]
