@@ -67,7 +67,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import torch
 
 from parity.precision import BLOCK, FP8_TARGETS, quantize_weight_blocks
-from rollout.vllm_plugins.names import DECODER_LAYER as _DECODER_LAYER, EMULATED_FP8
+from rollout.vllm_plugins.names import DECODER_LAYER as _DECODER_LAYER, EMULATED_FP8, VISION_TOWER as _VISION_TOWER
 
 __all__ = [
     "FP8_BLOCK_QUANT_CONFIG",
@@ -105,10 +105,11 @@ FP8_LINEAR_KERNEL = "CutlassFp8BlockScaledMMKernel"
 
 
 def is_fp8_target(name: str, targets: Sequence[str] = FP8_TARGETS) -> bool:
-    """``...layers.<i>.<...>.<leaf>.weight`` with leaf in ``targets`` (HF names), routed experts excepted."""
+    """``...layers.<i>.<...>.<leaf>.weight`` with leaf in ``targets`` (HF names), routed experts and a vision tower's
+    blocks excepted."""
     parts = name.split(".")
     return (len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in targets and bool(_DECODER_LAYER.search(name))
-            and not _ROUTED_EXPERT.search(name))
+            and not _ROUTED_EXPERT.search(name) and not _VISION_TOWER.search(name))
 
 
 def is_fp8_layer(prefix: str, packed: Mapping[str, Sequence[str]], targets: Sequence[str] = FP8_TARGETS) -> bool:
@@ -118,7 +119,7 @@ def is_fp8_layer(prefix: str, packed: Mapping[str, Sequence[str]], targets: Sequ
     ValueError for a fused layer only some of whose shards are targets: a fused layer shares its
     input quantization, so it is quantized whole or not at all.
     """
-    if not _DECODER_LAYER.search(prefix):
+    if not _DECODER_LAYER.search(prefix) or _VISION_TOWER.search(prefix):
         return False
     leaf = prefix.rsplit(".", 1)[-1]
     shards = list(packed.get(leaf, [leaf]))

@@ -5,7 +5,7 @@ in tests/doctor/test_weight_sync_fp8.py)."""
 import pytest
 import torch
 
-from rollout.fp8_weights import check_block_fp8_update, fp8_block_weights
+from rollout.fp8_weights import check_block_fp8_update, fp8_block_weights, is_fp8_layer, is_fp8_target
 from rollout.vllm_engine import VLLMEngine
 from rollout.weight_updates import DEFAULT_PACKED_MODULES
 
@@ -41,3 +41,14 @@ def test_the_engine_checks_an_update_of_its_block_fp8_layers():
     with pytest.raises(ValueError, match="would cast a float weight unscaled"):
         engine._check_update(FLOAT)
     engine._check_update(list(fp8_block_weights(FLOAT)))
+
+
+def test_a_vision_tower_stays_out_of_fp8_on_both_names():
+    """The tiny Idefics3's encoder blocks are "layers" with q/k/v_proj leaves; FP8 takes the language model's only."""
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert is_fp8_layer("model.text_model.layers.0.self_attn.qkv_proj", packed)
+    assert not is_fp8_layer("model.vision_model.encoder.layers.0.self_attn.qkv_proj", packed)
+    assert is_fp8_target("model.text_model.layers.1.mlp.down_proj.weight")
+    for name in ("model.vision_model.encoder.layers.1.self_attn.q_proj.weight", "visual.layers.0.attn.q_proj.weight",
+                 "model.vision_tower.layers.0.self_attn.v_proj.weight"):
+        assert not is_fp8_target(name), name
