@@ -92,6 +92,13 @@ class RecordingLLM:
         self.log.append(("reset_prefix_cache",))
         return True
 
+    @property
+    def llm_engine(self):
+        return self  # LLMEngine.reset_encoder_cache: the engine core's scheduler and worker
+
+    def reset_encoder_cache(self):
+        self.log.append(("reset_encoder_cache",))
+
     def generate(self, prompts, params, use_tqdm=False, lora_request=None):
         self.log.append(("generate", len(prompts)))
         raise Stop
@@ -135,12 +142,13 @@ def test_sleep_around_the_update_weights_woken_before_the_sync_kv_cache_after(on
     loads = [e for e in log if e[0] == "reload_weights"]
     assert len(loads) == layers
     assert log[:3] == [("sleep", 1), ("update",), ("wake_up", ["weights"])]
-    assert log[3:3 + 2 * layers] == [x for load in loads for x in (load, ("reset_prefix_cache",))]
-    assert log[3 + 2 * layers:] == [("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]
+    each = [("reset_encoder_cache",), ("reset_prefix_cache",)]  # every reload forgets cached image features and KV
+    assert log[3:3 + 3 * layers] == [x for load in loads for x in (load, *each)]
+    assert log[3 + 3 * layers:] == [("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]
     # awake now: a second sync wakes nothing
     log.clear()
     sync_weights(engine, policy, dtype=torch.bfloat16)
-    assert {e[0] for e in log} == {"reload_weights", "reset_prefix_cache"}
+    assert {e[0] for e in log} == {"reload_weights", "reset_encoder_cache", "reset_prefix_cache"}
 
 
 def test_a_rollout_wakes_a_sleeping_engine_first(on_cuda, tiny_model_dir):
@@ -160,7 +168,7 @@ def test_without_sleep_mode_the_engine_keeps_its_memory(on_cuda, policy, tiny_mo
     log.clear()
     engine.release_memory()
     sync_weights(engine, policy, dtype=torch.bfloat16)
-    assert {e[0] for e in log} == {"reload_weights", "reset_prefix_cache"}
+    assert {e[0] for e in log} == {"reload_weights", "reset_encoder_cache", "reset_prefix_cache"}
 
 
 # ---- refused before vLLM starts ------------------------------------------------------------------------------
