@@ -571,9 +571,7 @@ class VLLMEngine(InProcessEngine):
         if not named:
             return
         self._check_update(named)
-        with quiet_partial_reload():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
-        self._encoder_cache_reset()
+        self.reload_weights(named)
         self._base_changed = True
         if self._adapter is not None:  # vLLM dropped its adapters with the reload (reset_lora_state)
             self._adapter.forget()
@@ -581,12 +579,21 @@ class VLLMEngine(InProcessEngine):
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
         self.stale_kv.updated("a weight update")
 
-    def _encoder_cache_reset(self) -> None:
-        """After ``reload_weights``: the worker cleared its cache of image features (``gpu_model_runner.reload_weights``
-        calls ``reset_encoder_cache``), while the scheduler still counts every image it has seen as cached and
-        schedules no encoder run for it, so the next request holding such an image fails with ``Encoder cache miss``
-        (a vision-language run's held-out images, at its second evaluation). Resetting through the engine core clears
-        both sides; a text model's cache is empty."""
+    def reload_weights(self, named: list[tuple[str, torch.Tensor]] | None = None) -> None:
+        """vLLM's in-place reload: ``named`` (engine dtype, checked) over the current weights, or every weight from
+        the model's files (None). The prefix cache is the caller's to reset (it refuses while requests run).
+
+        Then the engine core forgets its cached image features: the worker's reload clears its own
+        (``reload_weights`` calls ``reset_encoder_cache`` in both model runners, ``vllm/v1/worker/gpu_model_runner.py``
+        and ``vllm/v1/worker/gpu/model_runner.py``), while the scheduler still counts every image it has seen as
+        cached and schedules no encoder run for it, so the next request holding such an image fails with ``Encoder
+        cache miss`` (a vision-language run's held-out images, at its next evaluation). A text model's cache is
+        empty."""
+        with quiet_partial_reload():
+            if named is None:
+                self.llm.collective_rpc("reload_weights")
+            else:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         self.llm.llm_engine.reset_encoder_cache()
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -604,9 +611,7 @@ class VLLMEngine(InProcessEngine):
                                "VLLMEngine(..., max_lora_rank=r) to serve adapters")
         self.wake_up()
         if self._base_changed:
-            with quiet_partial_reload():
-                self.llm.collective_rpc("reload_weights")  # from the model's files; vLLM drops its adapters
-            self._encoder_cache_reset()
+            self.reload_weights()  # from the model's files; vLLM drops its adapters
             self._adapter.forget()
             self._base_changed = False
         self._adapter.load(self.llm, adapter)

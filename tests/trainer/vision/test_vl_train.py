@@ -57,7 +57,7 @@ def test_a_planted_fault_stops_the_run_before_an_update_naming_it(runs, run, lin
 
 def test_merged_updates_between_evaluations_of_the_same_images_run_on(runs):
     """A merged update reloads the engine's weights, which clears its cached image features; the scheduler forgets
-    them too (``VLLMEngine._encoder_cache_reset``), or the second evaluation stopped with 'Encoder cache miss'."""
+    them too (``VLLMEngine.reload_weights``), or the second evaluation stopped with 'Encoder cache miss'."""
     r = runs["merged_eval"]
     assert "history" in r, r
     assert [h["step"] for h in r["history"]] == [1, 2]

@@ -146,7 +146,7 @@ def sync_update(doc: Doctor, engine) -> list[tuple[str, torch.Tensor]]:
 def _restore(engine: VLLMEngine) -> None:
     """The weights the engine started from, reloaded from its model files (as ``VLLMEngine.load_adapter`` restores
     its base), and an empty cache."""
-    engine.llm.collective_rpc("reload_weights")
+    engine.reload_weights()
     engine.llm.reset_prefix_cache()
 
 
