@@ -594,6 +594,11 @@ class VLLMEngine(InProcessEngine):
                 self.llm.collective_rpc("reload_weights")
             else:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        self.forget_images()
+
+    def forget_images(self) -> None:
+        """The engine core's cached image features dropped, the scheduler's count of them and the worker's tensors:
+        the next request holding an image runs the vision encoder on it again."""
         self.llm.llm_engine.reset_encoder_cache()
 
     def _check_update(self, named: list[tuple[str, torch.Tensor]]) -> None:

@@ -96,9 +96,9 @@ def main() -> None:
 
     from rollout.vllm_engine import VLLMEngine
     from trainer.config.validate import sequence_length
+    from trainer.diagnostics.doctor_report import table
     from trainer.doctor.checks.layers import run
     from trainer.doctor.context import Doctor
-    from trainer.doctor.report import table
     from trainer.lifecycle.preflight import load_recipe
 
     with tempfile.TemporaryDirectory() as tmp:

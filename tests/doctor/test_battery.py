@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from trainer.diagnostics.doctor_report import table, write_json
 from trainer.doctor.battery import (
     EXIT_ENGINE,
     EXIT_FAILED,
@@ -18,7 +19,6 @@ from trainer.doctor.battery import (
 )
 from trainer.doctor.context import EngineCannotStart
 from trainer.doctor.records import FAIL, PASS, SKIP, WARN, Check, CheckCannotRun, Finding, at_most, skipped
-from trainer.doctor.report import table, write_json
 
 
 def test_a_verdict_other_than_pass_must_say_its_cause():

@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 
 from parity.report import check_out_dir
 from trainer.config import RecipeError
+from trainer.diagnostics.doctor_report import table, write_json
 from trainer.doctor.battery import exit_status, hook_checks, run_checks, select, summary
 from trainer.doctor.context import Doctor
-from trainer.doctor.report import table, write_json
 from trainer.io import third_party_output
 from trainer.lifecycle.preflight import load_recipe
 

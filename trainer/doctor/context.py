@@ -34,6 +34,8 @@ from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.levels import FLOOR_DEPTH, parity_level
 from trainer.sampling.engines import make_engine
+from trainer.vision.pixels import PromptPixels, vision_batch
+from trainer.vision.prompts import VisionPrompts, vision_prompts
 
 # A fixed batch small enough for the whole battery to run in under two minutes on two CPU cores with the tiny model,
 # large enough that a mean over it is steady (8 x 24 tokens).
@@ -62,20 +64,40 @@ class Doctor:
         self._routing: Optional[str] = None
         self._batch: Optional[Rollouts] = None
         self._prompt_ids: Optional[list[list[int]]] = None
+        self._rows: Optional[list[dict]] = None
+        self._vision: Optional[VisionPrompts] = None
 
     # ---- inputs ------------------------------------------------------------------------------
     @property
-    def prompt_ids(self) -> list[list[int]]:
-        """The recipe's first ``NUM_PROMPTS`` prompts, encoded as training encodes them."""
-        if self._prompt_ids is None:
+    def rows(self) -> list[dict]:
+        """The recipe's first ``NUM_PROMPTS`` data rows (each with ``prompt``, and its images' column for a
+        vision-language recipe)."""
+        if self._rows is None:
             d = self.cfg.data
             data = load_prompt_dataset(d.source, split=d.split, prompt_column=d.prompt_column,
                                        answer_column=d.answer_column, num_examples=d.num_examples,
                                        seed=self.cfg.train.seed, builtin_kwargs=d.builtin_kwargs)
-            rows = [data[i]["prompt"] for i in range(min(NUM_PROMPTS, len(data)))]
-            self._prompt_ids = encode_prompts(self.tokenizer, rows, use_chat_template=d.use_chat_template,
+            self._rows = [data[i] for i in range(min(NUM_PROMPTS, len(data)))]
+        return self._rows
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        """The recipe's first ``NUM_PROMPTS`` prompts, encoded as training encodes text prompts. A vision-language
+        recipe's prompts without their images: the language model alone (the images check runs them with theirs)."""
+        if self._prompt_ids is None:
+            d = self.cfg.data
+            self._prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in self.rows],
+                                              use_chat_template=d.use_chat_template,
                                               max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt)
         return self._prompt_ids
+
+    @property
+    def vision(self) -> Optional[VisionPrompts]:
+        """How training turns the recipe's rows into prompts with images (``trainer.vision.prompts``); None for a
+        recipe without ``data.image_column``."""
+        if self._vision is None and self.cfg.data.image_column is not None:
+            self._vision = vision_prompts(self.cfg, self.model_dir)
+        return self._vision
 
     def spec(self, **change) -> SamplingSpec:
         """The recipe's sampling (temperature, truncation), one sample per prompt, a short fixed budget."""
@@ -128,10 +150,15 @@ class Doctor:
         return self._batch
 
     def trainer_logprobs(self, rollouts: Rollouts, *, micro_batch_size: int = 16, chunk_size: Optional[int] = None,
-                         temperature: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         temperature: Optional[float] = None,
+                         pixels: Optional[Sequence[PromptPixels]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The trainer's log-probs [S, C] of the rollouts' completion tokens (the training step's scoring), and the
-        completion mask."""
+        completion mask. ``pixels``: per prompt its images as the trainer runs them (a vision-language batch)."""
         batch = batch_from_rollouts(rollouts, self.tokenizer.pad_token_id, self.device)
+        if pixels is not None:
+            g = rollouts.group_size
+            batch.vision = vision_batch([pixels[s // g] for s in range(len(batch))],
+                                        self.vision.image_token_id).to(self.device)
         t = self.cfg.rollout.temperature if temperature is None else temperature
         scores = score_batch(self.model, batch, micro_batch_size=micro_batch_size, temperature=t,
                              chunk_size=chunk_size)
@@ -167,7 +194,7 @@ class Doctor:
 
 def engine_config(cfg: RunConfig, hook_checks: Sequence[str], say: Callable[[str], None] = print) -> RunConfig:
     """The recipe the battery's engine starts from: training's, run eagerly when a check asked hooks the engine's
-    modules (``Check.hooks_engine``: layers, routing). Forward hooks do not fire inside a replayed CUDA graph nor in
+    modules (``Check.hooks_engine``: layers, images, routing). Forward hooks do not fire inside a replayed CUDA graph nor in
     vLLM's ``torch.compile``d forward, and on CUDA the engine runs both by default (``rollout.enforce_eager: null``),
     so without this the layers check would always be skipped there. In eager mode Model Runner V2 runs the model's
     modules as they are, the logits through the ``LogitsProcessor`` module the check hooks

@@ -21,6 +21,14 @@ def image_slots(input_ids: torch.Tensor, prompt_len: int, image_token_id: int) -
     return (input_ids == image_token_id) & prompt
 
 
+def image_features(backbone, pixel_values: torch.Tensor, pixel_attention_mask: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """[N, tokens, hidden]: each of the N images [N, C, H, W] through ``backbone``'s vision tower and projector, in
+    ``dtype``; the trainer's image features wherever it needs them (the forward, ``parityrl doctor``'s images check)."""
+    mask = None if pixel_attention_mask is None else pixel_attention_mask[None]
+    return backbone.get_image_features(pixel_values[None].to(dtype), mask, return_dict=True).pooler_output
+
+
 def merged_embeddings(backbone, input_ids: torch.Tensor, prompt_len: int, vision: VisionBatch) -> torch.Tensor:
     """[S, T, H] the decoder's input: ``backbone``'s token embeddings with each row's images' features in its prompt's
     placeholder positions, in order. Raises ValueError naming the row whose placeholders and images disagree."""
@@ -33,8 +41,7 @@ def merged_embeddings(backbone, input_ids: torch.Tensor, prompt_len: int, vision
     if not vision.per_row or not sum(vision.per_row):
         return embeds
     slots = image_slots(input_ids, prompt_len, vision.image_token_id)
-    mask = None if vision.pixel_attention_mask is None else vision.pixel_attention_mask[None]
-    feats = backbone.get_image_features(vision.pixel_values[None].to(embeds.dtype), mask, return_dict=True).pooler_output
+    feats = image_features(backbone, vision.pixel_values, vision.pixel_attention_mask, embeds.dtype)
     per_image = feats.shape[1]
     for row, (n_slots, n_images) in enumerate(zip(slots.sum(1).tolist(), vision.per_row)):
         if n_slots != n_images * per_image:

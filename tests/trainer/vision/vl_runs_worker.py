@@ -10,41 +10,16 @@ import json
 import sys
 from pathlib import Path
 
+from vl_faults import engine_drops_an_image, processor_at_42_pixels
+
 import trainer.rl.loop as loop
-from rollout.vllm_engine import VLLMEngine
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config.validate import sequence_length
 from trainer.lifecycle.preflight import load_recipe
 from trainer.lifecycle.stops import RunStopped
 from trainer.sampling.engines import make_engine
-from trainer.vision.prompts import VisionPrompts
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def processor_at_42_pixels():
-    """The trainer's processor resizing to 42 pixels where the engine's resizes to 56."""
-    real = VisionPrompts.__init__
-
-    def init(self, processor, *args, **kwargs):
-        processor.image_processor.size = processor.image_processor.max_image_size = {"longest_edge": 42}
-        real(self, processor, *args, **kwargs)
-
-    VisionPrompts.__init__ = init
-    return lambda: setattr(VisionPrompts, "__init__", real)
-
-
-def engine_drops_an_image():
-    """The engine's request for the batch's second prompt without its image (its placeholder stays, as text)."""
-    real = VLLMEngine.generate
-
-    def generate(self, prompt_ids, spec, images=None):
-        if images is not None and len(images) > 1:
-            images = [im if i != 1 else [] for i, im in enumerate(images)]
-        return real(self, prompt_ids, spec, images=images)
-
-    VLLMEngine.generate = generate
-    return lambda: setattr(VLLMEngine, "generate", real)
 
 
 def digit_share(prompts, completions, **columns):

@@ -1,7 +1,9 @@
 """The doctor's checks, in the order the table shows them: from where a divergence starts (inside the model; for a
-mixture-of-experts model, which experts each side chose) to what surrounds the model (the decode path, batching,
-caching, the weight sync, tokens, sampling) and the precision recipes side by side."""
+vision-language model, its images and vision tower; for a mixture-of-experts model, which experts each side chose) to
+what surrounds the model (the decode path, batching, caching, the weight sync, tokens, sampling) and the precision
+recipes side by side."""
 from trainer.doctor.checks.batch_invariance import CHECK as BATCH_INVARIANCE
+from trainer.doctor.checks.images import CHECK as IMAGES
 from trainer.doctor.checks.layers import CHECK as LAYERS
 from trainer.doctor.checks.prefill_decode import CHECK as PREFILL_DECODE
 from trainer.doctor.checks.prefix_cache import CHECK as PREFIX_CACHE
@@ -11,4 +13,4 @@ from trainer.doctor.checks.sampling import CHECK as SAMPLING
 from trainer.doctor.checks.tokens import CHECK as TOKENS
 from trainer.doctor.checks.weight_sync import CHECK as WEIGHT_SYNC
 
-CHECKS = (LAYERS, ROUTING, PREFILL_DECODE, BATCH_INVARIANCE, PREFIX_CACHE, WEIGHT_SYNC, TOKENS, SAMPLING, RECIPES)
+CHECKS = (LAYERS, IMAGES, ROUTING, PREFILL_DECODE, BATCH_INVARIANCE, PREFIX_CACHE, WEIGHT_SYNC, TOKENS, SAMPLING, RECIPES)

@@ -47,6 +47,7 @@ from trainer.diagnostics.noise_floor import FACTOR, WIDER, bands, measure
 from trainer.doctor.checks.routing import trainer_routing
 from trainer.doctor.context import Doctor, relative_error
 from trainer.doctor.records import FAIL, PASS, Check, CheckCannotRun, Finding, at_most
+from trainer.models.architecture import LANGUAGE_MODELS
 
 NAME = "layers"
 NUM_SEQUENCES = 4  # the first sequences of the fixed batch: ~25 positions each on the tiny model
@@ -93,21 +94,37 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def _engine_module(engine: VLLMEngine):
+def engine_model(engine: VLLMEngine):
     """vLLM's model object (in-process: ``apply_model`` returns the module itself)."""
-    model = engine.llm.apply_model(lambda m: m)[0]
+    return engine.llm.apply_model(lambda m: m)[0]
+
+
+def _engine_module(engine: VLLMEngine):
+    """vLLM's model object, checked to hold a Llama-family decoder (``_engine_decoder``) and its logits."""
+    model = engine_model(engine)
     missing = [a for a in ("model", "logits_processor", "lm_head") if not hasattr(model, a)]
-    missing += [f"model.{a}" for a in ("embed_tokens", "layers", "norm") if not hasattr(getattr(model, "model", None),
-                                                                                       a)]
-    if missing:
+    if missing or _engine_decoder(model) is None:
+        missing += [f"model.{a}" for a in ("embed_tokens", "layers", "norm")]
         raise CheckCannotRun(f"the engine's model ({type(model).__name__}) has no {', '.join(missing)}: its layers "
                              f"cannot be hooked as a Llama-family decoder's")
     return model
 
 
+def _engine_decoder(model):
+    """The module holding the decoder's ``embed_tokens``, ``layers`` and ``norm``: ``model.model`` for a causal LM,
+    its language model (``trainer.models.architecture.LANGUAGE_MODELS``) for a vision-language model, whose text
+    prompts the check runs (the vision tower is the images check's); None if neither holds them."""
+    backbone = getattr(model, "model", None)
+    for holder in (backbone, *(getattr(backbone, name, None) for name in LANGUAGE_MODELS)):
+        if holder is not None and all(hasattr(holder, a) for a in ("embed_tokens", "layers", "norm")):
+            return holder
+    return None
+
+
 def _engine_hooks(model, rec: dict[str, Any]) -> list:
     """Register the recording hooks on vLLM's model; ``rec`` receives each point's output rows (every call)."""
-    inner, layers = model.model, model.model.layers
+    inner = _engine_decoder(model)
+    layers = inner.layers
     n = len(layers)
 
     def put(key, value):
@@ -178,7 +195,7 @@ def _place_logits(calls, raw_calls, normed: torch.Tensor) -> tuple[torch.Tensor,
 def engine_states(engine: VLLMEngine, seqs: list[list[int]], names: list[str]) -> list[dict[str, torch.Tensor]]:
     """Per sequence, each point's engine value [positions, features] (float32), from one prefill each."""
     model = _engine_module(engine)
-    n_layers = len(model.model.layers)
+    n_layers = len(_engine_decoder(model).layers)
     out = []
     rec: dict[str, Any] = {}
     handles = _engine_hooks(model, rec)
@@ -278,9 +295,13 @@ def first_divergence(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return None
 
 
-def plot(path, rows: list[dict[str, Any]], title: str) -> bool:
-    """Relative error against depth (log scale), the model's noise floor and the band over it as lines. False:
-    matplotlib is not installed."""
+MARKERS = {"embedding": "s", "attention": "^", "mlp": "v", "layer": "o", "final norm": "D", "logits (raw)": "x",
+           "logits": "*"}
+
+
+def plot(path, rows: list[dict[str, Any]], title: str, xlabel: str = "depth (decoder layers)") -> bool:
+    """Relative error against depth (log scale), one marker per kind of point, the model's noise floor and the band
+    over it as lines. False: matplotlib is not installed."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # late: optional (the `reports` extra)
         from matplotlib.figure import Figure  # late: optional
@@ -290,18 +311,16 @@ def plot(path, rows: list[dict[str, Any]], title: str) -> bool:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     floor = 1e-12  # a point that agrees bit for bit, drawn at the bottom of the log axis
-    for kind, marker in (("embedding", "s"), ("attention", "^"), ("mlp", "v"), ("layer", "o"), ("final norm", "D"),
-                         ("logits (raw)", "x"), ("logits", "*")):
+    for kind in dict.fromkeys(r["kind"] for r in rows):  # in forward order
         sel = [r for r in rows if r["kind"] == kind]
-        if sel:
-            ax.scatter([r["depth"] for r in sel], [max(r["rel_error"], floor) for r in sel], marker=marker,
-                       label=kind)
+        ax.scatter([r["depth"] for r in sel], [max(r["rel_error"], floor) for r in sel],
+                   marker=MARKERS.get(kind, MARKERS.get(kind.split()[-1], "o")), label=kind)
     ax.plot([r["depth"] for r in rows], [max(r["rel_error"], floor) for r in rows], color="grey", lw=0.8)
     depth = [r["depth"] for r in rows]
     ax.plot(depth, [max(r["floor"], floor) for r in rows], color="black", ls=":", lw=1, label="noise floor")
     ax.plot(depth, [r["band"] for r in rows], color="red", ls="--", lw=1, label=f"band ({FACTOR:g} x floor)")
     ax.set_yscale("log")
-    ax.set_xlabel("depth (decoder layers)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("‖engine − trainer‖ / ‖trainer‖")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)

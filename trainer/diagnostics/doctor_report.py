@@ -1,4 +1,5 @@
-"""The doctor's table on the console and ``doctor.json`` beside the plots in the report folder."""
+"""The doctor's table on the console and ``doctor.json`` beside the plots in the report folder (beside `parityrl
+compare`'s report, ``compare_report``)."""
 from __future__ import annotations
 
 import datetime
@@ -6,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from trainer.doctor.records import Finding
+# A finding is the doctor's ``trainer.doctor.records.Finding`` (check, item, figure, expected, verdict, cause,
+# ``to_json()``), read here by its fields only: the diagnostics room sits below the doctor's.
+Finding = Any
 
 
 def format_figure(x) -> str:
