@@ -515,9 +515,15 @@ class VLLMEngine(InProcessEngine):
             out.append(r)
         return out
 
-    def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
+    def score(self, sequences: list[list[int]], topk: int = 0,
+              images: Sequence[Sequence[Any]] | None = None) -> Scored:
         """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence: one prefill, no decoding.
         With ``topk``, also the k most likely tokens' ids and log-probs at each of those positions.
+
+        ``images``: per sequence, its prompt's images, as ``generate`` takes them: the sequence holds one placeholder
+        per image and vLLM expands them, so the log-probs are of the sequence vLLM consumed, expanded (as long as
+        ``generate``'s ``Rollouts.prompt_ids`` plus the completion). An already expanded sequence would be expanded
+        again: vLLM applies its prompt updates to every token prompt.
 
         vLLM's prompt log-probs (``SamplingParams.prompt_logprobs``) are log_softmax of the raw
         logits, whatever ``logprobs_mode`` (``gpu_model_runner._get_prompt_logprobs_dict``: prompt
@@ -528,13 +534,22 @@ class VLLMEngine(InProcessEngine):
         from vllm.inputs import TokensPrompt
 
         validate_score_request(sequences, self.max_model_len)
-        prompts = [TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences]
+        if images is not None and len(images) != len(sequences):
+            raise ValueError(f"images: expected one list per sequence ({len(sequences)}), got {len(images)}")
+        prompts = [TokensPrompt(prompt_token_ids=list(seq), **({"multi_modal_data": {"image": list(images[k])}}
+                                                                if images is not None and images[k] else {}))
+                   for k, seq in enumerate(sequences)]
         params = [score_params(k, topk, **self._mask_options(0)) for k in range(len(sequences))]
         self.wake_up()
         with _preserve_rng():
             self._reset_routes()
             outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         self.stale_kv.spent()  # its requests filled the cache without reading it (rollout.stale_kv)
+        if images is not None:  # the sequences vLLM consumed, their placeholders expanded
+            sequences = [list(out.prompt_token_ids) for out in outputs]
+            for out in outputs:  # what the capture recorded of these requests is nobody's to read
+                if self._images is not None:
+                    self._images.take(out.request_id)
         # the sequence's routes; the one token sampled after it is not part of it
         routes = ([r[:len(seq)] for r, seq in zip(self._routes(outputs), sequences)] if self.return_routes else [])
 

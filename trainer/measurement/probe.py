@@ -20,11 +20,16 @@ server engine through the same field on its token-in/token-out route, the HF eng
 forward pass.
 
 Frequency: ``parity.probe_first`` syncs always, then every ``parity.probe_every``-th.
+
+A vision-language run probes its first prompts with their images (``ProbeImages``): the engine expands each prompt's
+placeholders when it first generates and again at every scoring (it is given the unexpanded prompt and the images,
+as a rollout is), the trainer scores the expanded ids with its processor's pixels, and the expanded ids are checked
+against the trainer's processor's once, when the sequences are fixed (``trainer.vision.identity``).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 
@@ -32,9 +37,13 @@ from rollout.types import Rollouts, SamplingSpec
 from trainer.config import RunConfig
 from trainer.data.datasets import encode_prompts
 from trainer.distributed.data_parallel import DataParallel
+from trainer.lifecycle.stops import ParityLimitExceeded
 from trainer.measurement.scoring import score_batch
 from trainer.models.batch import batch_from_rollouts
 from trainer.models.routing_replay import attached_replay
+from trainer.vision.identity import TrainerInputs, input_differences
+from trainer.vision.pixels import vision_batch
+from trainer.vision.prompts import VisionPrompts
 
 # A fixed seed distinct from every step's (engines.sampling_spec uses seed * 1_000_003 + step).
 PROBE_SEED = 0x5EED
@@ -64,12 +73,37 @@ def probe_prompt_ids(cfg: RunConfig, dataset, tokenizer) -> list[list[int]]:
                           system_prompt=d.system_prompt)
 
 
+@dataclass(frozen=True)
+class ProbeImages:
+    """A vision-language probe's images: per prompt its images as the engine takes them (PIL) and the trainer's side
+    of it (its processor's expanded ids and pixels); ``image_token_id``: the placeholder id."""
+
+    images: list[list[Any]]
+    expected: list[TrainerInputs]
+    image_token_id: int
+
+
+def probe_prompts(cfg: RunConfig, dataset, tokenizer,
+                  vision: Optional[VisionPrompts] = None) -> tuple[list[list[int]], Optional[ProbeImages]]:
+    """The probe's prompts (``probe_prompt_ids``) and, for a vision-language run, their images: the prompts then as
+    ``VisionPrompts`` encodes a rollout's (one placeholder per image, unexpanded)."""
+    if vision is None:
+        return probe_prompt_ids(cfg, dataset, tokenizer), None
+    n_probe = min(cfg.parity.probe_prompts, len(dataset))
+    if not n_probe:
+        return [], None
+    encoded = vision.encode([dataset[i] for i in range(n_probe)])
+    return encoded.ids, ProbeImages(encoded.images, encoded.expected, vision.image_token_id)
+
+
 class Probe:
-    """The probe of one run: its prompts, and the sequences fixed on the first call."""
+    """The probe of one run: its prompts (and a vision-language run's images), and the sequences fixed on the first
+    call."""
 
     def __init__(self, prompt_ids: list[list[int]], cfg: RunConfig, *, pad_id: int, device: torch.device | str,
-                 dp: Optional[DataParallel] = None) -> None:
+                 dp: Optional[DataParallel] = None, images: Optional[ProbeImages] = None) -> None:
         self.prompt_ids, self.cfg, self.pad_id, self.device = prompt_ids, cfg, pad_id, device
+        self.images = images
         self.dp = dp or DataParallel()
         self.fixed: Optional[Rollouts] = None  # prompt + completion token ids, scored by every later probe
         self.exact = None  # trainer.models.exact.ExactLogprobs when the recipe's log-probs are the engine's
@@ -86,9 +120,20 @@ class Probe:
         if self.fixed is None:
             # the generation's routes are not kept: every probe replays its own scoring pass's; nor its kept sets:
             # the probe compares full distributions on both sides (the engine's prompt log-probs are untruncated)
-            self.fixed = _fit(replace(engine.generate(self.prompt_ids, replace(probe_spec(self.cfg), logprobs_topk=0)),
-                                      routes=[], support=[]), getattr(engine, "max_model_len", None))
+            images = {} if self.images is None else {"images": self.images.images}
+            fixed = engine.generate(self.prompt_ids, replace(probe_spec(self.cfg), logprobs_topk=0), **images)
+            if self.images is not None:
+                self._check_inputs(fixed, engine)
+            self.fixed = _fit(replace(fixed, routes=[], support=[], images=[]), getattr(engine, "max_model_len", None))
         return self._compare(model, self._engine_scores(engine, replay=attached_replay(model) is not None))
+
+    def _check_inputs(self, fixed: Rollouts, engine) -> None:
+        """The probe's prompts as the engine consumed them are the trainer's processor's (else the probe would
+        compare other prompts): a parity stop naming the first that differs, as a step's own check stops the run."""
+        problems = input_differences(fixed, self.images.expected, self.images.image_token_id, engine.torch_dtype)
+        if problems:
+            raise ParityLimitExceeded(f"the parity probe's prompts: the engine's inputs are not the trainer's: "
+                                      f"{problems[0]}")
 
     def state_dict(self) -> dict:
         """The fixed sequences (checkpointed, so a resumed run probes the same tokens as an uninterrupted one)."""
@@ -103,7 +148,18 @@ class Probe:
         """The fixed sequences with the engine's log-probs of their completion tokens (prefill, T = 1), and with
         ``replay`` the routes of that prefill (an MoE engine's, ``rollout.routes``)."""
         f, topk = self.fixed, self.cfg.parity.topk
-        scored = engine.score([p + c for p, c in zip(f.prompt_ids, f.completion_ids)], topk=topk)
+        if self.images is None:
+            scored = engine.score([p + c for p, c in zip(f.prompt_ids, f.completion_ids)], topk=topk)
+        else:  # the unexpanded prompts with their images, as generated: the engine expands them again
+            scored = engine.score([p + c for p, c in zip(self.prompt_ids, f.completion_ids)], topk=topk,
+                                  images=self.images.images)
+            lost = [k for k, (p, c) in enumerate(zip(f.prompt_ids, f.completion_ids))
+                    if len(scored.logprobs[k]) != len(p) + len(c) - 1]
+            if lost:
+                k = lost[0]
+                raise RuntimeError(f"the parity probe: the engine expanded prompt {k} to another length when scoring "
+                                   f"({len(scored.logprobs[k]) + 1} ids) than when it generated "
+                                   f"({len(f.prompt_ids[k]) + len(f.completion_ids[k])})")
 
         def completion_part(per_seq: list, k: int) -> list:
             return per_seq[len(f.prompt_ids[k]) - 1:]  # position t - 1 holds token t's score
@@ -116,6 +172,9 @@ class Probe:
 
     def _compare(self, model, rollouts: Rollouts) -> dict[str, float]:
         batch = batch_from_rollouts(rollouts, self.pad_id, self.device)
+        if self.images is not None:  # one sample per prompt: row k holds prompt k's images
+            batch.vision = vision_batch([e.pixels for e in self.images.expected],
+                                        self.images.image_token_id).to(self.device)
         was_training = model.training
         model.eval()
         try:  # one forward of the whole batch; the engine's prompt log-probs are unscaled (module docstring)

@@ -65,7 +65,7 @@ from trainer.measurement.evaluation import BestCheckpoint, Evaluator
 from trainer.measurement.merge_cost import MergeCost
 from trainer.measurement.parity_breakdown import append_breakdown, routing_by_layer, step_breakdown, wandb_tables
 from trainer.measurement.parity_limits import enforce_parity_limits, ratio_limit_for
-from trainer.measurement.probe import Probe, due, probe_prompt_ids
+from trainer.measurement.probe import Probe, due, probe_prompts
 from trainer.measurement.routing_parity import (
     check_engine_routes,
     install_routing,
@@ -265,8 +265,9 @@ def setup(cfg: RunConfig, *, resume: bool, engine=None, accelerator=None) -> Run
               reward_fns=reward_fns, kl_controller=kl_controller, kl_watch=kl_watch, modules=modules,
               environment=environment, evaluator=evaluator, best=BestCheckpoint.from_config(cfg), routing=routing,
               vision=vision)
-    run.probe = Probe(probe_prompt_ids(cfg, dataset, tokenizer), cfg, pad_id=tokenizer.pad_token_id,
-                      device=accelerator.device, dp=dp)
+    probe_ids, probe_images = probe_prompts(cfg, dataset, tokenizer, vision)
+    run.probe = Probe(probe_ids, cfg, pad_id=tokenizer.pad_token_id, device=accelerator.device, dp=dp,
+                      images=probe_images)
     run.ratio_limit = ratio_limit_for(cfg)
     run.start_step = _restore(run) if resume else refuse_existing_run(cfg)
     record_recipe(run, resumed=resume)

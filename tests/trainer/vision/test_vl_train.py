@@ -40,11 +40,15 @@ def test_every_step_checks_the_inputs_and_parity_is_the_numerics(runs):
         # wrapped no layer served it as zeros, and read 0.08 here at step 2), and the probe scores after the sync
         if "probe/mae" in h:
             assert h["probe/mae"] < FLOAT32_MAE, h
+    # the probe scores its prompts with their images: 4 prompts x 4 image tokens, at every probe (before step 1 and
+    # after each sync), where it measured their text alone before
+    assert runs["clean"]["probe_image_tokens"] == [16] * 4, runs["clean"]["probe_image_tokens"]
 
 
 @pytest.mark.parametrize("run, line", [
-    ("processor_42px", "step 1: the engine's inputs are not the trainer's: sample 0 (prompt 0), image 0: pixel "
-                       "tensors differ (engine float32 [1, 3, 56, 56]"),
+    # the probe's prompts, checked before training: its sequences are fixed with the images
+    ("processor_42px", "the parity probe's prompts: the engine's inputs are not the trainer's: sample 0 (prompt 0), "
+                       "image 0: pixel tensors differ (engine float32 [1, 3, 56, 56]"),
     ("image_dropped", "step 1: the engine's inputs are not the trainer's: sample 4 (prompt 1): the engine consumed 0 "
                       "image(s), the trainer's prompt holds 1 (3 more sample(s) differ)"),
 ])

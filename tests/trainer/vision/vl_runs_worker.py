@@ -17,9 +17,26 @@ from trainer.builtin.resolve import resolve_model_path
 from trainer.config.validate import sequence_length
 from trainer.lifecycle.preflight import load_recipe
 from trainer.lifecycle.stops import RunStopped
+from trainer.measurement.probe import Probe
 from trainer.sampling.engines import make_engine
 
 REPO = Path(__file__).resolve().parents[3]
+
+
+def probe_image_tokens(seen: list):
+    """Record, at every probe, how many image placeholder ids the probe's fixed prompts hold (0: probed as text)."""
+    real = Probe.__call__
+
+    def call(self, engine, model):
+        out = real(self, engine, model)
+        if self.fixed is not None and self.images is not None:
+            seen.append(sum(p.count(self.images.image_token_id) for p in self.fixed.prompt_ids))
+        elif self.fixed is not None:
+            seen.append(0)
+        return out
+
+    Probe.__call__ = call
+    return lambda: setattr(Probe, "__call__", real)
 
 
 def digit_share(prompts, completions, **columns):
@@ -36,16 +53,20 @@ def main(root: str) -> None:
     # merged_eval: merged weight updates between evaluations of the same held-out images (a reload clears the
     # engine's image features; its scheduler must forget them too)
     merged_eval = ["rollout.lora_sync=merged", "eval.every=1", "eval.num_prompts=4", "train.steps=2"]
+    # processor_42px is caught by the probe before training (its prompts are checked when fixed); image_dropped by
+    # step 1's own check (no probe prompts)
     for name, plant, extra in (("clean", None, []), ("processor_42px", processor_at_42_pixels, []),
-                               ("image_dropped", engine_drops_an_image, []), ("merged_eval", None, merged_eval)):
+                               ("image_dropped", engine_drops_an_image, ["parity.probe_prompts=0"]),
+                               ("merged_eval", None, merged_eval)):
         cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + extra + [f"logging.run_dir={root}/{name}"])
-        undo = plant() if plant else None
+        probes: list[int] = []
+        undo = plant() if plant else probe_image_tokens(probes)
         if name != "clean" and shared is None:  # the faulted runs stop at step 1: one engine serves the rest
             shared = make_engine(cfg, resolve_model_path(cfg.model.path), max_model_len=sequence_length(cfg))
         try:
             # the clean run starts its engine as a user's run does (the adapter's layers named by the policy)
             res = loop.train(cfg, engine=None if name == "clean" else shared)
-            out = {"run": name, "history": res.history}
+            out = {"run": name, "history": res.history, "probe_image_tokens": probes}
         except RunStopped as e:
             out = {"run": name, "exit_status": e.exit_status, "message": str(e),
                    "steps_logged": sum(1 for _ in open(Path(root) / name / "metrics.jsonl"))
