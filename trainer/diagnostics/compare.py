@@ -52,6 +52,7 @@ from trainer.io import third_party_output
 from trainer.measurement.parity_breakdown import step_breakdown
 from trainer.measurement.routing_parity import pooled_routing_metrics, replay_paused
 from trainer.measurement.scoring import score_batch
+from trainer.models.architecture import decoder_depth
 from trainer.models.batch import TokenBatch, batch_from_rollouts
 from trainer.models.policy import load_base_model, load_tokenizer
 from trainer.models.routing_replay import RoutingReplay
@@ -59,6 +60,7 @@ from trainer.precision import DEFAULT_RECIPE, recipe_for
 from trainer.precision.levels import parity_level
 from trainer.precision.verdict import MAE_WARN_FACTOR, verdict
 from trainer.sampling.engines import start_vllm
+from trainer.vision.support import vision_language_type
 
 __all__ = ["run_compare"]
 
@@ -253,6 +255,10 @@ def run_compare(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf = load_base_model(model_dir, dtype, device).eval()
+    text_only = vision_language_type(hf.config.model_type)
+    if text_only:
+        say(f"{hf.config.model_type} is a vision-language model: compare runs its prompts as text (the language model "
+            f"alone); `parityrl doctor RECIPE --only images` runs a recipe's prompts with their images")
     if adapter_dir is not None:
         hf = with_adapter(hf, adapter_dir)
     kind = "vllm" if engine is None else engine
@@ -319,11 +325,12 @@ def run_compare(
         "num_prompts": len(prompts),
         "num_samples": len(rollouts),
         "num_tokens": len(tokens),
+        **({"vision_language": "prompts run as text, without images"} if text_only else {}),
         "self_check": bool(self_check),
         **({"self_check_result": self_check_result(metrics)} if self_check else {}),
         "metrics": metrics,
         "expected_level": expected_level(metrics["parity/mae"], recipe_for(precision), dtype,
-                                         int(hf.config.num_hidden_layers)),
+                                         decoder_depth(hf.config)),
         **({"routing": routing} if routing is not None else {}),
         **({"lora_sync": {"adapter_dir": str(adapter_dir), "served": served_mode,
                           **side_by_side(hf, both, tokenizer.pad_token_id, device, temperature=spec.temperature,

@@ -28,6 +28,7 @@ from trainer.doctor.records import Finding, at_most
 from trainer.lifecycle.preflight import local_model_config
 from trainer.measurement.routing_parity import install_routing
 from trainer.measurement.scoring import score_batch
+from trainer.models.architecture import decoder_depth
 from trainer.models.batch import batch_from_rollouts
 from trainer.models.policy import load_base_model, load_tokenizer
 from trainer.models.routing_mode import routing_mode
@@ -174,7 +175,7 @@ class Doctor:
     # ---- levels ------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
-        return int(getattr(self.model.config, "num_hidden_layers", FLOOR_DEPTH))
+        return decoder_depth(self.model.config, default=FLOOR_DEPTH)
 
     def mae_level(self) -> float:
         """The parity mae a healthy setup reaches with this precision recipe and dtype on this model

@@ -61,6 +61,17 @@ def logit_transform(config) -> dict:
 LANGUAGE_MODELS = ("text_model", "language_model")
 
 
+def decoder_depth(config, default: int | None = None) -> int:
+    """The language model's number of decoder layers: a causal LM's ``num_hidden_layers``, a vision-language model's
+    text config's (its own config holds none: Idefics3's sits in ``text_config``). ``default`` where neither says."""
+    depth = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if depth is None:
+        if default is None:
+            raise AttributeError(f"{type(config).__name__}: no num_hidden_layers in the config or its text config")
+        return default
+    return int(depth)
+
+
 def is_vision_language(model) -> bool:
     """Whether ``model`` (PEFT-wrapped or not) holds its decoder under a language model beside a vision tower."""
     prefix, _ = decoder_layers(model)

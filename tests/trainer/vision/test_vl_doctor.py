@@ -68,3 +68,9 @@ def test_each_planted_fault_fails_naming_it(batteries, run, item, cause):
         assert rows["prompts with images: mae"]["verdict"] == "FAIL"
         points = rows[item]["details"]["points"]
         assert all(p["rel_error"] <= p["band"] for p in points[:5]), points  # up to layer 1's attention: agree
+
+
+def test_compare_runs_a_vision_language_models_prompts_as_text_and_says_so(batteries):
+    r = batteries[0]["compare"]
+    assert r["vision_language"] == "prompts run as text, without images", r
+    assert r["mae"] < 5e-6, r  # float32: 1.3e-6 measured (CPU)

@@ -3,7 +3,7 @@ tiny Idefics3, std 0.2 weights), healthy and with each planted fault: the traine
 image dropped from the engine's request, a vision-tower weight the engine holds wrong (layer 1's fc2, scaled by 1.1)
 and the same on the trainer's side (layer 0's attention out_proj). One engine for every battery, eager as the doctor
 starts it for its hooks, in a process of its own (the test session already holds a text engine, tests/conftest.py).
-Prints one JSON line per battery: its exit status and findings.
+Prints one JSON line per battery: its exit status and findings; then `parityrl compare` on the same engine.
 
 Usage: python vl_doctor_worker.py <out-dir-root>
 """
@@ -18,6 +18,7 @@ import trainer.doctor.checks.images as images_check
 from trainer.builtin.resolve import resolve_model_path
 from trainer.commands.doctor import run_doctor
 from trainer.config.validate import sequence_length
+from trainer.diagnostics.compare import run_compare
 from trainer.doctor.context import engine_config
 from trainer.lifecycle.preflight import load_recipe
 from trainer.sampling.engines import make_engine
@@ -81,6 +82,15 @@ def main(root: str) -> None:
                     undo()
             report = json.loads((Path(root) / name / "doctor.json").read_text())
             print("RESULT " + json.dumps({"run": name, "status": status, "findings": report["findings"]}), flush=True)
+        # `parityrl compare` on the same model: its prompts as text (it read the depth where an Idefics3 config has
+        # none, and stopped)
+        prompts = Path(root) / "prompts.jsonl"
+        prompts.write_text('{"prompt": "How many shapes are in the image?"}\n{"prompt": "Name a colour."}\n')
+        summary = run_compare("builtin:zoo-idefics3", prompts, Path(root) / "compare", engine=engine, dtype="float32",
+                              max_new_tokens=8)
+        print("RESULT " + json.dumps({"run": "compare", "mae": summary["metrics"]["parity/mae"],
+                                      "vision_language": summary.get("vision_language"),
+                                      "verdict": summary["expected_level"]}, default=str), flush=True)
     finally:
         engine.close()
 
