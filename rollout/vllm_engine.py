@@ -201,13 +201,16 @@ def memory_options(cuda: bool, kv_cache_memory_bytes: int | None, gpu_memory_uti
     return memory
 
 
-def image_options(max_images: int) -> dict:
+def image_options(max_images: int, settings: dict | None = None) -> dict:
     """VLLMEngine options for prompts with images: room for ``max_images`` per prompt (vLLM's own default, 999,
     sizes its start-up profiling for that many); the tokenizer, which vLLM's multimodal processor renders the
     placeholders with; normalisation in the front end (``mm_device_do_normalize`` off: the pixels the engine core
     receives, and ``rollout.vllm_image_capture`` fingerprints, are then the normalised tensor a Transformers processor
-    gives, on every model; vLLM's default moves it into the vision tower for Qwen-VL and a few others)."""
-    return {"limit_mm_per_prompt": {"image": int(max_images)}, "load_tokenizer": True, "mm_device_do_normalize": False}
+    gives, on every model; vLLM's default moves it into the vision tower for Qwen-VL and a few others). ``settings``:
+    the run's image processor settings (``data.image_processor``), which vLLM passes to its processor call
+    (``mm_processor_kwargs``) as the trainer passes them to its own."""
+    return {"limit_mm_per_prompt": {"image": int(max_images)}, "load_tokenizer": True, "mm_device_do_normalize": False,
+            **({"mm_processor_kwargs": dict(settings)} if settings else {})}
 
 
 def route_options(cuda: bool, enable_prefix_caching: bool) -> dict:

@@ -90,6 +90,11 @@ class DataConfig:
     # Images a prompt may hold: what the engine reserves room for (vLLM's limit_mm_per_prompt, whose own default,
     # 999, sizes its start-up profiling for 999 images); a row with more is refused by name.
     max_images_per_prompt: int = 1
+    # The image processor's settings for this run (e.g. {size: {longest_edge: 364}, do_image_splitting: false}; for
+    # Qwen-VL min_pixels / max_pixels), given to both sides in one place: the trainer's processor call and vLLM's
+    # (mm_processor_kwargs). Each name must be a setting of the model's image processor (checked before the model
+    # loads); the input identity check then proves both sides used them. {} = the model's processor_config.json.
+    image_processor: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

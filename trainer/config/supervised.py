@@ -97,6 +97,8 @@ class SFTDataConfig:
     # comes from data.completion_column / data.completion_fn (which gets the row's images as a column)
     image_column: Optional[str] = None
     max_images_per_prompt: int = 1
+    # the image processor's settings, as the RL recipe's (schema.DataConfig)
+    image_processor: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -165,6 +167,8 @@ def validate_sft(cfg: SFTConfig, where: str) -> None:
          "layout)")
     need(d.messages_fn is None or d.use_chat_template, "data.use_chat_template", d.use_chat_template,
          "true when data.messages_fn is set (the conversation is rendered by the chat template)")
+    need(not d.image_processor or d.image_column is not None, "data.image_processor", d.image_processor,
+         "{} without data.image_column (the settings are the images' processor's)")
     if d.image_column is not None:
         need(bool(d.image_column), "data.image_column", d.image_column, "a column name, or null for text prompts")
         need(d.max_images_per_prompt >= 1, "data.max_images_per_prompt", d.max_images_per_prompt, "an integer >= 1")

@@ -254,6 +254,8 @@ def _check_data(cfg: RunConfig, need: Need) -> None:
     d = cfg.data
     need(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", d.max_prompt_tokens, "an integer >= 1")
     need(d.num_examples is None or d.num_examples >= 1, "data.num_examples", d.num_examples, "null or an integer >= 1")
+    need(not d.image_processor or d.image_column is not None, "data.image_processor", d.image_processor,
+         "{} without data.image_column (the settings are the images' processor's)")
     if d.image_column is not None:  # what a vision-language run is built for so far (docs/vision-language.md)
         r = cfg.rollout
         need(bool(d.image_column), "data.image_column", d.image_column, "a column name, or null for text prompts")

@@ -100,7 +100,7 @@ def make_engine(cfg: RunConfig, model_dir: str, *, max_model_len: int, dp=None,
                       enable_sleep_mode=r.sleep_mode, max_lora_rank=cfg.model.lora.r if adapter else None,
                       lora_target_modules=lora_targets if adapter else None,
                       sampling_supports=sampling_spec(cfg, 0).truncated,
-                      **(image_options(cfg.data.max_images_per_prompt) if cfg.data.image_column is not None else {}))
+                      **(image_options(cfg.data.max_images_per_prompt, cfg.data.image_processor) if cfg.data.image_column is not None else {}))
 
 
 def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:

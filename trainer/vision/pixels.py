@@ -28,11 +28,12 @@ class PromptPixels:
         return int(self.values.shape[0]) if self.values.dim() > 1 else 0
 
 
-def prompt_pixels(image_processor, images: Sequence[Any]) -> PromptPixels:
-    """``images`` (one prompt's, in placeholder order) through ``image_processor``."""
+def prompt_pixels(image_processor, images: Sequence[Any], settings: dict | None = None) -> PromptPixels:
+    """``images`` (one prompt's, in placeholder order) through ``image_processor``, with the run's settings
+    (``data.image_processor``)."""
     if not images:
         return PromptPixels(torch.zeros(0), None)
-    out = image_processor([list(images)], return_tensors="pt")
+    out = image_processor([list(images)], return_tensors="pt", **(settings or {}))
     mask = out.get("pixel_attention_mask")
     return PromptPixels(out["pixel_values"][0], None if mask is None else mask[0])
 

@@ -35,8 +35,11 @@ class VisionPrompts:
     prompt and prompt budget (on the expanded ids: what the context holds)."""
 
     def __init__(self, processor, image_column: str, *, system_prompt: str | None = None,
-                 max_prompt_tokens: int | None = None, max_images: int | None = None) -> None:
+                 max_prompt_tokens: int | None = None, max_images: int | None = None,
+                 settings: dict | None = None) -> None:
         self.processor = processor
+        # data.image_processor: passed to every processor call, as vLLM passes its mm_processor_kwargs to its own
+        self.settings = dict(settings or {})
         self.tokenizer = processor.tokenizer
         self.image_column = image_column
         self.system_prompt = system_prompt
@@ -73,13 +76,15 @@ class VisionPrompts:
             if holders != len(imgs):
                 raise ValueError(f"{where}: its prompt holds {holders} image placeholder(s) ({self.placeholder!r}) "
                                  f"for {len(imgs)} image(s) in data.image_column {self.image_column!r}")
-            full = list(self.processor(text=[text], images=[imgs] if imgs else None)["input_ids"][0])
+            full = list(self.processor(text=[text], images=[imgs] if imgs else None,
+                                       **(self.settings if imgs else {}))["input_ids"][0])
             if self.max_prompt_tokens is not None and len(full) > self.max_prompt_tokens:
                 raise ValueError(f"{where}: its prompt is {len(full)} tokens with its {len(imgs)} image(s) expanded, "
                                  f"more than data.max_prompt_tokens = {self.max_prompt_tokens}")
             ids.append(list(raw))
             images.append(imgs)
-            expected.append(TrainerInputs(ids=full, pixels=prompt_pixels(self.processor.image_processor, imgs)))
+            expected.append(TrainerInputs(ids=full, pixels=prompt_pixels(self.processor.image_processor, imgs,
+                                                                         self.settings)))
         return EncodedPrompts(ids, images, expected)
 
 
@@ -106,5 +111,15 @@ def vision_prompts(cfg, model_dir: str) -> VisionPrompts | None:
     if not vision_language_type(model_type):
         raise RecipeError(f"data.image_column = {column!r}: model.path {cfg.model.path!r} is a text-only model "
                           f"(model_type {model_type!r}); images need a vision-language model (docs/vision-language.md)")
-    return VisionPrompts(AutoProcessor.from_pretrained(model_dir), column, system_prompt=cfg.data.system_prompt,
-                         max_prompt_tokens=cfg.data.max_prompt_tokens, max_images=cfg.data.max_images_per_prompt)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    settings = cfg.data.image_processor or {}
+    unknown = [k for k in settings if not hasattr(processor.image_processor, k)]
+    if unknown:
+        ip = processor.image_processor
+        known = sorted(k for k in dir(ip) if not k.startswith("_") and isinstance(
+            getattr(ip, k, None), (bool, int, float, str, dict, list, tuple, type(None))))
+        raise RecipeError(f"data.image_processor.{unknown[0]}: not a setting of {model_dir}'s image processor "
+                          f"({type(processor.image_processor).__name__}); its settings: {', '.join(known)}")
+    return VisionPrompts(processor, column, system_prompt=cfg.data.system_prompt,
+                         max_prompt_tokens=cfg.data.max_prompt_tokens, max_images=cfg.data.max_images_per_prompt,
+                         settings=settings)

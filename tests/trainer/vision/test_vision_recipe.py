@@ -130,3 +130,27 @@ def test_every_row_is_checked_before_the_engine_starts_naming_the_first_bad_one(
     with pytest.raises(RecipeError, match=r"^data.source = 'd.jsonl': row 3: its prompt is \d+ tokens with its 1 "
                                           r"image\(s\) expanded, more than data.max_prompt_tokens = 64$"):
         check_prompt_rows(prompts, rows, "data.source = 'd.jsonl'")
+
+
+def test_the_image_processor_settings_reach_the_trainers_processor_and_an_unknown_one_is_refused_by_name(prompts):
+    """data.image_processor: given to every processor call of the trainer (vLLM gets them as mm_processor_kwargs;
+    tests/trainer/vision/test_vl_train.py runs both sides with them), each name checked against the model's image
+    processor before the model loads."""
+    from trainer.builtin.resolve import resolve_model_path
+    from trainer.vision.prompts import vision_prompts
+
+    row = {"prompt": "How many?", "image": shapes_example(0)["image"]}
+    settings = {"image_mean": [0.4, 0.4, 0.4], "image_std": [0.3, 0.3, 0.3]}
+    other = VisionPrompts(prompts.processor, "image", max_prompt_tokens=64, max_images=1, settings=settings)
+    default, changed = prompts.encode([row]).expected[0], other.encode([row]).expected[0]
+    assert changed.ids == default.ids  # normalisation moves the pixels, not the expansion
+    # (x - 0.4) / 0.3 against (x - 0.5) / 0.5: the same pixels, normalised by the settings
+    assert changed.pixels.values.allclose((default.pixels.values * 0.5 + 0.5 - 0.4) / 0.3, atol=1e-5)
+    cfg = load_recipe(VL_RECIPE, ["model.path=builtin:zoo-idefics3", "data.image_processor={no_such_setting: 1}"],
+                      check_paths=False)
+    with pytest.raises(RecipeError, match=r"data.image_processor.no_such_setting: not a setting of .* image processor "
+                                          r"\(Idefics3ImageProcessor.*\); its settings: .*image_mean"):
+        vision_prompts(cfg, resolve_model_path(cfg.model.path))
+    with pytest.raises(RecipeError, match=r"data.image_processor = \{'size': 1\}: expected \{\} without "
+                                          r"data.image_column"):
+        load_recipe(REPO / "recipes" / "grpo_tiny.yaml", ["data.image_processor={size: 1}"], check_paths=False)

@@ -67,3 +67,11 @@ def test_merged_updates_between_evaluations_of_the_same_images_run_on(runs):
     assert [h["step"] for h in r["history"]] == [1, 2]
     for h in r["history"]:
         assert "eval/mean@4" in h and h["parity/mae"] < FLOAT32_MAE and h["mm/inputs_equal"] == 1.0, h
+
+
+def test_image_processor_settings_reach_both_sides(runs):
+    """data.image_processor (other normalisation): the trainer's processor and the engine's (mm_processor_kwargs) both
+    apply it, or the pixel fingerprints would differ and the run stop, as the trainer-only fault above does."""
+    r = runs["processor_setting"]
+    assert "history" in r, r
+    assert [h["mm/inputs_equal"] for h in r["history"]] == [1.0] and r["history"][0]["parity/mae"] < FLOAT32_MAE, r

@@ -55,17 +55,21 @@ def main(root: str) -> None:
     merged_eval = ["rollout.lora_sync=merged", "eval.every=1", "eval.num_prompts=4", "train.steps=2"]
     # processor_42px is caught by the probe before training (its prompts are checked when fixed); image_dropped by
     # step 1's own check (no probe prompts)
-    for name, plant, extra in (("clean", None, []), ("processor_42px", processor_at_42_pixels, []),
+    # processor_setting: data.image_processor given to both sides (the engine it starts gets them as
+    # mm_processor_kwargs): the inputs stay equal, where the same setting on the trainer's side alone is a fault
+    setting = ["data.image_processor={image_mean: [0.4, 0.4, 0.4], image_std: [0.3, 0.3, 0.3]}", "train.steps=1"]
+    for name, plant, extra in (("clean", None, []), ("processor_setting", None, setting),
+                               ("processor_42px", processor_at_42_pixels, []),
                                ("image_dropped", engine_drops_an_image, ["parity.probe_prompts=0"]),
                                ("merged_eval", None, merged_eval)):
         cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + extra + [f"logging.run_dir={root}/{name}"])
         probes: list[int] = []
         undo = plant() if plant else probe_image_tokens(probes)
-        if name != "clean" and shared is None:  # the faulted runs stop at step 1: one engine serves the rest
+        if name not in ("clean", "processor_setting") and shared is None:  # the faulted runs stop at step 1: one engine serves the rest
             shared = make_engine(cfg, resolve_model_path(cfg.model.path), max_model_len=sequence_length(cfg))
         try:
             # the clean run starts its engine as a user's run does (the adapter's layers named by the policy)
-            res = loop.train(cfg, engine=None if name == "clean" else shared)
+            res = loop.train(cfg, engine=None if name in ("clean", "processor_setting") else shared)
             out = {"run": name, "history": res.history, "probe_image_tokens": probes}
         except RunStopped as e:
             out = {"run": name, "exit_status": e.exit_status, "message": str(e),
