@@ -265,8 +265,6 @@ def _check_data(cfg: RunConfig, need: Need) -> None:
              "engine only")
         need(not cfg.env.enabled, "data.image_column", d.image_column, "null with env: (multi-turn episodes with "
              "images are not supported)")
-        need(not r.max_staleness, "data.image_column", d.image_column, "null with rollout.max_staleness > 0 (an "
-             "off-policy batch's images are not carried across steps yet)")
         need(not cfg.train.pack_sequences, "data.image_column", d.image_column, "null with train.pack_sequences "
              "(images are placed by prompt; packing is refused for vision-language batches)")
 

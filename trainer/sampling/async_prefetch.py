@@ -46,8 +46,10 @@ import torch
 
 from rollout.routes import decode_routes, encode_routes
 from rollout.support import decode_supports, encode_supports
-from rollout.types import Rollouts
+from rollout.types import ImageInput, Rollouts
 from trainer.sampling.drawn import Drawn
+from trainer.sampling.row_codec import decode_value, encode_value
+from trainer.vision.pixels import PromptPixels
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -204,15 +206,22 @@ def _encode_drawn(d: Drawn) -> dict:
     rollouts = {**asdict(replace(d.rollouts, routes=[], support=[])),
                 "routes": [encode_routes(r) for r in d.rollouts.routes],
                 "support": encode_supports(d.rollouts.support)}
-    return {"rows": d.rows, "rollouts": rollouts, "rewards": d.rewards, "per_fn": d.per_fn, "episodes": d.episodes}
+    # a vision-language batch: its rows' images as PNG, the trainer's pixels bit for bit
+    pixels = [{"values": _encode(p.values), "mask": None if p.mask is None else _encode(p.mask)} for p in d.pixels]
+    return {"rows": encode_value(d.rows), "rollouts": rollouts, "rewards": d.rewards, "per_fn": d.per_fn,
+            "episodes": d.episodes, **({"pixels": pixels} if pixels else {})}
 
 
 def _decode_drawn(d: dict) -> Drawn:
     rollouts = {**d["rollouts"], "routes": [decode_routes(r, "the checkpoint's pending batch")
                                             for r in d["rollouts"].get("routes", [])],
-                "support": decode_supports(d["rollouts"].get("support", []))}
-    return Drawn(rows=d["rows"], rollouts=Rollouts(**rollouts), rewards=d["rewards"], per_fn=d["per_fn"],
-                 episodes=d.get("episodes", {}))
+                "support": decode_supports(d["rollouts"].get("support", [])),
+                "images": [[ImageInput(**{**i, "shape": tuple(i["shape"])}) for i in row]
+                           for row in d["rollouts"].get("images", [])]}
+    pixels = [PromptPixels(_decode(p["values"]), None if p["mask"] is None else _decode(p["mask"]))
+              for p in d.get("pixels", [])]
+    return Drawn(rows=decode_value(d["rows"]), rollouts=Rollouts(**rollouts), rewards=d["rewards"],
+                 per_fn=d["per_fn"], episodes=d.get("episodes", {}), pixels=pixels)
 
 
 def _encode(t: torch.Tensor) -> dict:

@@ -22,7 +22,6 @@ VL_RECIPE = REPO / "recipes" / "grpo_vl_tiny.yaml"
     (["rollout.mode=server"], "data.image_column = 'image': expected null with rollout.engine 'vllm' / rollout.mode "
                               "'server': images go to the colocated vLLM engine only"),
     (["rollout.engine=hf"], "rollout.engine 'hf'"),
-    (["rollout.max_staleness=1"], "expected null with rollout.max_staleness > 0"),
     (["train.pack_sequences=true"], "expected null with train.pack_sequences"),
     (["data.max_images_per_prompt=0"], "data.max_images_per_prompt = 0: expected an integer >= 1"),
 ])

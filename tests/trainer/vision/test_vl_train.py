@@ -75,3 +75,19 @@ def test_image_processor_settings_reach_both_sides(runs):
     r = runs["processor_setting"]
     assert "history" in r, r
     assert [h["mm/inputs_equal"] for h in r["history"]] == [1.0] and r["history"][0]["parity/mae"] < FLOAT32_MAE, r
+
+
+def test_off_policy_images_numerics_stay_numerics_and_a_resume_trains_on_the_same_batches(runs):
+    """rollout.max_staleness = 2 on images: every step's inputs checked, parity/* at the float32 level while
+    staleness/* grows with the lag; the checkpoint after step 2 holds the pending batches of steps 3 and 4 with their
+    images and pixels, and the resumed run equals the uninterrupted one bit for bit."""
+    r = runs["stale_resume"]
+    full, resumed = r["full"], r["resumed"]
+    assert [h["step"] for h in full] == [1, 2, 3, 4] and [h["step"] for h in resumed] == [3, 4]
+    for h in full:
+        assert h["mm/inputs_equal"] == 1.0 and h["parity/mae"] < FLOAT32_MAE, h
+    assert full[0]["staleness/kl_k3"] == 0.0 and all(h["staleness/kl_k3"] > 0 for h in full[1:]), full
+    for a, b in zip(full[2:], resumed):
+        for key in ("reward/mean", "train/loss", "staleness/mae", "parity/mae", "mm/images"):
+            assert a[key] == b[key], (a["step"], key)
+    assert r["adapters_equal"]

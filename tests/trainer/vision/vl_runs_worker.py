@@ -1,7 +1,7 @@
 """Worker for tests/trainer/vision/test_vl_train.py: the vision-language recipe trained three times: as it is, on the
 engine the run starts itself, then with each planted fault of the input identity check, which must stop the run
-before its first update, and with merged weight updates between evaluations of the same held-out images (one engine
-for the last three). Prints one JSON line per run: its steps' metrics, or the stop's exit status
+before its first update, with merged weight updates between evaluations of the same held-out images, and at
+rollout.max_staleness 2 with a resume (one engine for all but the first two). Prints one JSON line per run: its steps' metrics, or the stop's exit status
 and message. A process of its own: the test session already holds a (text) engine (tests/conftest.py).
 
 Usage: python vl_runs_worker.py <run-dir-root>
@@ -10,11 +10,14 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+from peft.utils import load_peft_weights
 from vl_faults import engine_drops_an_image, processor_at_42_pixels
 
 import trainer.rl.loop as loop
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config.validate import sequence_length
+from trainer.io.checkpoint import latest_checkpoint
 from trainer.lifecycle.preflight import load_recipe
 from trainer.lifecycle.stops import RunStopped
 from trainer.measurement.probe import Probe
@@ -65,7 +68,7 @@ def main(root: str) -> None:
         cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + extra + [f"logging.run_dir={root}/{name}"])
         probes: list[int] = []
         undo = plant() if plant else probe_image_tokens(probes)
-        if name not in ("clean", "processor_setting") and shared is None:  # the faulted runs stop at step 1: one engine serves the rest
+        if name not in ("clean", "processor_setting") and shared is None:  # one engine serves the rest
             shared = make_engine(cfg, resolve_model_path(cfg.model.path), max_model_len=sequence_length(cfg))
         try:
             # the clean run starts its engine as a user's run does (the adapter's layers named by the policy)
@@ -79,7 +82,25 @@ def main(root: str) -> None:
             if undo:
                 undo()
         print("RESULT " + json.dumps(out, default=float), flush=True)
+    print("RESULT " + json.dumps(stale_resume(root, sets, shared), default=float), flush=True)
     shared.close()
+
+
+def stale_resume(root: str, sets: list[str], engine) -> dict:
+    """rollout.max_staleness = 2 on images: 4 steps at once, and 2 steps, then a resume to 4 from the checkpoint
+    after step 2, which holds the pending batches of steps 3 and 4 (their rows' images, their pixels)."""
+    recipe = REPO / "recipes" / "grpo_vl_tiny.yaml"
+    stale = sets + ["rollout.max_staleness=2", "train.steps=4", "checkpoint.every=2"]
+    full = loop.train(load_recipe(recipe, stale + [f"logging.run_dir={root}/stale_full"]), engine=engine)
+    half = load_recipe(recipe, stale + [f"logging.run_dir={root}/stale_split"])
+    half.train.steps = 2
+    loop.train(half, engine=engine)
+    half.train.steps = 4
+    resumed = loop.train(half, resume=True, engine=engine)
+    pa = load_peft_weights(str(latest_checkpoint(full.run_dir) / "adapter"), device="cpu")
+    pb = load_peft_weights(str(latest_checkpoint(resumed.run_dir) / "adapter"), device="cpu")
+    return {"run": "stale_resume", "full": full.history, "resumed": resumed.history,
+            "adapters_equal": all(torch.equal(pa[k], pb[k]) for k in pa)}
 
 
 if __name__ == "__main__":
