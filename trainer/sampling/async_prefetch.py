@@ -207,7 +207,8 @@ def _encode_drawn(d: Drawn) -> dict:
                 "routes": [encode_routes(r) for r in d.rollouts.routes],
                 "support": encode_supports(d.rollouts.support)}
     # a vision-language batch: its rows' images as PNG, the trainer's pixels bit for bit
-    pixels = [{"values": _encode(p.values), "mask": None if p.mask is None else _encode(p.mask)} for p in d.pixels]
+    pixels = [{"values": _encode(p.values), "mask": None if p.mask is None else _encode(p.mask),
+               "views": None if p.views is None else list(p.views)} for p in d.pixels]
     return {"rows": encode_value(d.rows), "rollouts": rollouts, "rewards": d.rewards, "per_fn": d.per_fn,
             "episodes": d.episodes, **({"pixels": pixels} if pixels else {})}
 
@@ -218,8 +219,8 @@ def _decode_drawn(d: dict) -> Drawn:
                 "support": decode_supports(d["rollouts"].get("support", [])),
                 "images": [[ImageInput(**{**i, "shape": tuple(i["shape"])}) for i in row]
                            for row in d["rollouts"].get("images", [])]}
-    pixels = [PromptPixels(_decode(p["values"]), None if p["mask"] is None else _decode(p["mask"]))
-              for p in d.get("pixels", [])]
+    pixels = [PromptPixels(_decode(p["values"]), None if p["mask"] is None else _decode(p["mask"]),
+                           None if p.get("views") is None else tuple(p["views"])) for p in d.get("pixels", [])]
     return Drawn(rows=decode_value(d["rows"]), rollouts=Rollouts(**rollouts), rewards=d["rewards"],
                  per_fn=d["per_fn"], episodes=d.get("episodes", {}), pixels=pixels)
 

@@ -13,8 +13,9 @@ import torch
 
 @dataclass
 class VisionBatch:
-    """pixel_values: [N, C, H, W] every row's images, row after row (N = sum of ``per_row``);
-    pixel_attention_mask: [N, H, W] 1 on real pixels (None: all real); per_row: [S] images of each row;
+    """pixel_values: [N, C, H, W] every row's images, row after row (N = sum of ``per_row``; an image split into
+    crops is several of them, ``trainer.vision.pixels``); pixel_attention_mask: [N, H, W] 1 on real pixels (None: all
+    real); per_row: [S] tensors of each row (the vision tower's inputs, whose features fill its placeholders in order);
     image_token_id: the placeholder id the prompts hold, one per image token."""
 
     pixel_values: torch.Tensor

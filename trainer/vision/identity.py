@@ -56,7 +56,7 @@ def input_differences(rollouts, expected: Sequence[TrainerInputs], image_token_i
     quantity that differs); [] when every sample's inputs are identical. ``dtype``: what the engine ran the pixels in
     (its model dtype), the trainer's pixels are fingerprinted in it."""
     g, problems = rollouts.group_size, []
-    digests = [[tensor_digest(v, dtype) for v in e.pixels.values] if e.pixels.count else [] for e in expected]
+    digests = [[tensor_digest(e.pixels.image_values(j), dtype) for j in range(e.pixels.count)] for e in expected]
     for s, ids in enumerate(rollouts.prompt_ids):
         i, want = s // g, expected[s // g]
         consumed = rollouts.images[s] if rollouts.images else []
@@ -73,7 +73,7 @@ def input_differences(rollouts, expected: Sequence[TrainerInputs], image_token_i
         for j, image in enumerate(consumed):
             if image.digest != digests[i][j]:
                 problems.append(f"{where}, image {j}: pixel tensors differ (engine {image.dtype} {list(image.shape)} "
-                                f"sha256 {image.digest[:12]}, trainer's {list(want.pixels.values[j].shape)} "
+                                f"sha256 {image.digest[:12]}, trainer's {list(want.pixels.image_values(j).shape)} "
                                 f"sha256 {digests[i][j][:12]})")
                 break
             first, end = spans[j] if j < len(spans) else (-1, -1)

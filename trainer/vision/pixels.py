@@ -17,15 +17,29 @@ from trainer.vision.batch import VisionBatch
 
 @dataclass(frozen=True)
 class PromptPixels:
-    """One prompt's images as the trainer runs them: pixel_values [n, C, H, W], pixel_attention_mask [n, H, W] or
-    None (n = 0: a text-only prompt)."""
+    """One prompt's images as the trainer runs them: pixel_values [v, C, H, W], pixel_attention_mask [v, H, W] or
+    None, where v is the number of views (v = 0: a text-only prompt). ``views``: per image, how many of the tensors
+    are its own, in order (an image split into crops: its crops, then its global view); None: one view per image."""
 
     values: torch.Tensor
     mask: torch.Tensor | None
+    views: tuple[int, ...] | None = None
+
+    @property
+    def num_views(self) -> int:
+        """The tensors [v] the vision tower runs: each image's views, image after image."""
+        return int(self.values.shape[0]) if self.values.dim() > 1 else 0
 
     @property
     def count(self) -> int:
-        return int(self.values.shape[0]) if self.values.dim() > 1 else 0
+        """The images (what the prompt's placeholders and the engine's request count)."""
+        return len(self.views) if self.views is not None else self.num_views
+
+    def image_values(self, j: int) -> torch.Tensor:
+        """Image ``j``'s views [its views, C, H, W]: what the engine runs for it, as one tensor."""
+        per = self.views if self.views is not None else (1,) * self.num_views
+        start = sum(per[:j])
+        return self.values[start:start + per[j]]
 
 
 def prompt_pixels(image_processor, images: Sequence[Any], settings: dict | None = None) -> PromptPixels:
@@ -33,9 +47,15 @@ def prompt_pixels(image_processor, images: Sequence[Any], settings: dict | None 
     (``data.image_processor``)."""
     if not images:
         return PromptPixels(torch.zeros(0), None)
-    out = image_processor([list(images)], return_tensors="pt", **(settings or {}))
+    # an image processor that splits images (Idefics3, SmolVLM) says each image's grid of crops when asked: its views
+    # are then rows x cols crops and the global view, or the global view alone (a grid of 0)
+    grid = {"return_row_col_info": True} if hasattr(image_processor, "return_row_col_info") else {}
+    out = image_processor([list(images)], return_tensors="pt", **grid, **(settings or {}))
     mask = out.get("pixel_attention_mask")
-    return PromptPixels(out["pixel_values"][0], None if mask is None else mask[0])
+    views = None
+    if "rows" in out and "cols" in out:
+        views = tuple(r * c + 1 if r * c else 1 for r, c in zip(out["rows"][0], out["cols"][0]))
+    return PromptPixels(out["pixel_values"][0], None if mask is None else mask[0], views)
 
 
 def vision_batch(rows: Sequence[PromptPixels], image_token_id: int) -> VisionBatch:
@@ -50,4 +70,4 @@ def vision_batch(rows: Sequence[PromptPixels], image_token_id: int) -> VisionBat
         raise ValueError(f"vision_batch: prompts' images were resized to different sizes {sizes}; parityrl batches "
                          "images of one size")
     mask = None if held[0].mask is None else torch.cat([r.mask for r in held])
-    return VisionBatch(torch.cat([r.values for r in held]), mask, [r.count for r in rows], image_token_id)
+    return VisionBatch(torch.cat([r.values for r in held]), mask, [r.num_views for r in rows], image_token_id)

@@ -101,3 +101,19 @@ def test_text_only_prompts_need_no_images(processor):
     plain = TrainerInputs(ids=text, pixels=prompt_pixels(processor.image_processor, []))
     r = _rollouts([plain], [[]], group=1)
     assert check_inputs(r, [plain], tok_id, DTYPE, step=1) == {"mm/inputs_equal": 1.0, "mm/images": 0.0}
+
+
+def test_an_image_split_into_crops_keeps_its_views_together():
+    """do_image_splitting: the processor gives 2 x 2 crops and a global view per image (rows, cols 2, 2): the
+    prompt's pixels hold 10 tensors for 2 images, ``views`` (5, 5), and image j's values are its own 5, as the engine
+    runs them (one tensor per image); without splitting, one view each."""
+    from trainer.builtin.zoo_vl import build_vl_model as build
+
+    image_processor = build()[1].image_processor
+    a, b = shapes_example(0)["image"], shapes_example(1)["image"]
+    split = prompt_pixels(image_processor, [a, b], {"do_image_splitting": True, "size": {"longest_edge": 112}})
+    assert split.views == (5, 5) and split.count == 2 and split.num_views == 10
+    assert torch.equal(split.image_values(1), split.values[5:10])
+    whole = prompt_pixels(image_processor, [a, b])
+    assert whole.views == (1, 1) and whole.count == 2 and whole.image_values(1).shape == (1, 3, 56, 56)
+    assert prompt_pixels(image_processor, []).count == 0

@@ -91,3 +91,14 @@ def test_off_policy_images_numerics_stay_numerics_and_a_resume_trains_on_the_sam
         for key in ("reward/mean", "train/loss", "staleness/mae", "parity/mae", "mm/images"):
             assert a[key] == b[key], (a["step"], key)
     assert r["adapters_equal"]
+
+
+def test_an_image_split_into_crops_is_one_image_of_five_views_on_both_sides(runs):
+    """do_image_splitting: the engine consumes each image as one tensor of its 4 crops and its global view; the
+    trainer's pixels hold the same 5 views for it (``PromptPixels.views``), checked bit for bit, and its forward fills
+    the 5 x 4 placeholder positions with their features."""
+    r = runs["image_splitting"]
+    assert "history" in r, r
+    h = r["history"][0]
+    assert h["mm/inputs_equal"] == 1.0 and h["mm/images"] == 32.0 and h["parity/mae"] < FLOAT32_MAE, h
+    assert r["probe_image_tokens"][0] == 4 * 5 * 4, r["probe_image_tokens"]  # 4 prompts x 5 views x 4 tokens

@@ -61,18 +61,24 @@ def main(root: str) -> None:
     # processor_setting: data.image_processor given to both sides (the engine it starts gets them as
     # mm_processor_kwargs): the inputs stay equal, where the same setting on the trainer's side alone is a fault
     setting = ["data.image_processor={image_mean: [0.4, 0.4, 0.4], image_std: [0.3, 0.3, 0.3]}", "train.steps=1"]
+    # image_splitting: each 56-pixel image resized to 112 and split into 2 x 2 crops and a global view (the published
+    # Idefics3 / SmolVLM checkpoints split by default)
+    splitting = ["data.image_processor={do_image_splitting: true, size: {longest_edge: 112}}",
+                 "data.max_prompt_tokens=160", "train.steps=1"]
+    own_engine = ("clean", "processor_setting", "image_splitting")
     for name, plant, extra in (("clean", None, []), ("processor_setting", None, setting),
+                               ("image_splitting", None, splitting),
                                ("processor_42px", processor_at_42_pixels, []),
                                ("image_dropped", engine_drops_an_image, ["parity.probe_prompts=0"]),
                                ("merged_eval", None, merged_eval)):
         cfg = load_recipe(REPO / "recipes" / "grpo_vl_tiny.yaml", sets + extra + [f"logging.run_dir={root}/{name}"])
         probes: list[int] = []
         undo = plant() if plant else probe_image_tokens(probes)
-        if name not in ("clean", "processor_setting") and shared is None:  # one engine serves the rest
+        if name not in own_engine and shared is None:  # one engine serves the rest
             shared = make_engine(cfg, resolve_model_path(cfg.model.path), max_model_len=sequence_length(cfg))
         try:
             # the clean run starts its engine as a user's run does (the adapter's layers named by the policy)
-            res = loop.train(cfg, engine=None if name in ("clean", "processor_setting") else shared)
+            res = loop.train(cfg, engine=None if name in own_engine else shared)
             out = {"run": name, "history": res.history, "probe_image_tokens": probes}
         except RunStopped as e:
             out = {"run": name, "exit_status": e.exit_status, "message": str(e),
