@@ -24,10 +24,10 @@ def test_every_check_passes_on_the_tiny_model(tiny_engine, tmp_path, capsys):
     report = json.loads((tmp_path / "doc" / "doctor.json").read_text())
     assert status == 0 and report["exit_status"] == 0, printed
     assert {f["verdict"] for f in report["findings"]} == {PASS, SKIP}, printed
-    # the only skips: images (a text recipe), routing (a dense model has no router) and a precision recipe that runs
+    # the only skips: routing (a dense model has no router), images (a text recipe) and a precision recipe that runs
     # in another dtype (fp16 in float16)
     assert [(f["check"], f["item"]) for f in report["findings"] if f["verdict"] == SKIP] == [
-        ("images", "-"), ("routing", "-"), ("recipes", "fp16")], printed
+        ("routing", "-"), ("images", "-"), ("recipes", "fp16")], printed
     assert {f["check"] for f in report["findings"]} == {"layers", "images", "routing", "prefill_decode",
                                                         "batch_invariance", "prefix_cache", "weight_sync", "tokens",
                                                         "sampling", "recipes"}
@@ -62,11 +62,11 @@ def test_a_model_the_engine_cannot_load_is_named_with_its_reason_and_status_4(tm
     assert status == EXIT_ENGINE == report["exit_status"], out
     assert reason in report["engine_error"] and "Traceback" not in out.out + out.err
     skipped = [f for f in report["findings"] if f["verdict"] == SKIP]
-    # every check that needed the engine names its reason; the images and routing checks say first that a text recipe
-    # has no images and a dense model no experts to compare (true whatever the engine does)
-    own = [f for f in skipped if f["check"] in ("images", "routing")]
-    assert [f["check"] for f in own] == ["images", "routing"], own
-    assert "hold no images" in own[0]["cause"] and "not a mixture-of-experts model" in own[1]["cause"]
+    # every check that needed the engine names its reason; the routing and images checks say first that a dense model
+    # has no experts to compare and a text recipe no images (true whatever the engine does)
+    own = [f for f in skipped if f["check"] in ("routing", "images")]
+    assert [f["check"] for f in own] == ["routing", "images"], own
+    assert "not a mixture-of-experts model" in own[0]["cause"] and "hold no images" in own[1]["cause"]
     assert all(reason in f["cause"] for f in skipped if f not in own) and len(skipped) > len(own)
     # the checks that need no engine still ran
     assert any(f["check"] == "tokens" and f["verdict"] == PASS for f in report["findings"])

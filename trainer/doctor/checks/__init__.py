@@ -1,5 +1,5 @@
 """The doctor's checks, in the order the table shows them: from where a divergence starts (inside the model; for a
-vision-language model, its images and vision tower; for a mixture-of-experts model, which experts each side chose) to
+mixture-of-experts model, which experts each side chose; for a vision-language model, its images and vision tower) to
 what surrounds the model (the decode path, batching, caching, the weight sync, tokens, sampling) and the precision
 recipes side by side."""
 from trainer.doctor.checks.batch_invariance import CHECK as BATCH_INVARIANCE
@@ -13,4 +13,4 @@ from trainer.doctor.checks.sampling import CHECK as SAMPLING
 from trainer.doctor.checks.tokens import CHECK as TOKENS
 from trainer.doctor.checks.weight_sync import CHECK as WEIGHT_SYNC
 
-CHECKS = (LAYERS, IMAGES, ROUTING, PREFILL_DECODE, BATCH_INVARIANCE, PREFIX_CACHE, WEIGHT_SYNC, TOKENS, SAMPLING, RECIPES)
+CHECKS = (LAYERS, ROUTING, IMAGES, PREFILL_DECODE, BATCH_INVARIANCE, PREFIX_CACHE, WEIGHT_SYNC, TOKENS, SAMPLING, RECIPES)
