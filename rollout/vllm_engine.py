@@ -550,9 +550,8 @@ class VLLMEngine(InProcessEngine):
         self.stale_kv.spent()  # its requests filled the cache without reading it (rollout.stale_kv)
         if images is not None:  # the sequences vLLM consumed, their placeholders expanded
             sequences = [list(out.prompt_token_ids) for out in outputs]
-            for out in outputs:  # what the capture recorded of these requests is nobody's to read
-                if self._images is not None:
-                    self._images.take(out.request_id)
+            for out in outputs if self._images is not None else []:  # what the capture recorded is nobody's to read
+                self._images.take(out.request_id)
         # the sequence's routes; the one token sampled after it is not part of it
         routes = ([r[:len(seq)] for r, seq in zip(self._routes(outputs), sequences)] if self.return_routes else [])
 

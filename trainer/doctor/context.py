@@ -35,7 +35,7 @@ from trainer.models.routing_mode import routing_mode
 from trainer.precision import recipe_for
 from trainer.precision.levels import FLOOR_DEPTH, parity_level
 from trainer.sampling.engines import make_engine
-from trainer.vision.pixels import PromptPixels, vision_batch
+from trainer.vision.pixels import PromptPixels, samples_vision_batch
 from trainer.vision.prompts import VisionPrompts, vision_prompts
 
 # A fixed batch small enough for the whole battery to run in under two minutes on two CPU cores with the tiny model,
@@ -157,9 +157,8 @@ class Doctor:
         completion mask. ``pixels``: per prompt its images as the trainer runs them (a vision-language batch)."""
         batch = batch_from_rollouts(rollouts, self.tokenizer.pad_token_id, self.device)
         if pixels is not None:
-            g = rollouts.group_size
-            batch.vision = vision_batch([pixels[s // g] for s in range(len(batch))],
-                                        self.vision.image_token_id).to(self.device)
+            batch.vision = samples_vision_batch(pixels, rollouts.group_size, len(batch),
+                                                self.vision.image_token_id).to(self.device)
         t = self.cfg.rollout.temperature if temperature is None else temperature
         scores = score_batch(self.model, batch, micro_batch_size=micro_batch_size, temperature=t,
                              chunk_size=chunk_size)

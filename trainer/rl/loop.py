@@ -101,7 +101,7 @@ from trainer.sampling.policy_sync import policy_sync
 from trainer.sampling.sampler import drawn_metrics
 from trainer.teacher.teacher import Teacher
 from trainer.vision.parity import image_split_metrics
-from trainer.vision.pixels import vision_batch
+from trainer.vision.pixels import samples_vision_batch
 from trainer.vision.prompts import check_prompt_rows, vision_prompts
 
 
@@ -131,9 +131,8 @@ def train(cfg: RunConfig, *, resume: bool = False, engine=None) -> TrainResult:
             run.engine.release_memory()  # the update has the GPU to itself; the sync wakes the engine (CUDA)
             batch = with_routes(run.routing, run.engine, batch_from_rollouts(drawn.rollouts, run.tokenizer.pad_token_id, run.device))
             if drawn.pixels:  # the images the engine consumed, by the trainer's processor (trainer/vision/)
-                g = drawn.rollouts.group_size
-                batch.vision = vision_batch([drawn.pixels[s // g] for s in range(len(batch))],
-                                            run.vision.image_token_id).to(run.device)
+                batch.vision = samples_vision_batch(drawn.pixels, drawn.rollouts.group_size, len(batch),
+                                                    run.vision.image_token_id).to(run.device)
             check_engine_logprobs(batch.rollout_logprobs, batch.mask, run.dp)
             rewards = torch.tensor(drawn.rewards, dtype=torch.float32, device=run.device)
             # with a teacher (on-policy distillation): its log-probs of the sampled ids, distill/* and teacher_parity/*

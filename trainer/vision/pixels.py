@@ -71,3 +71,10 @@ def vision_batch(rows: Sequence[PromptPixels], image_token_id: int) -> VisionBat
                          "images of one size")
     mask = None if held[0].mask is None else torch.cat([r.mask for r in held])
     return VisionBatch(torch.cat([r.values for r in held]), mask, [r.num_views for r in rows], image_token_id)
+
+
+def samples_vision_batch(pixels: Sequence[PromptPixels], group_size: int, num_samples: int,
+                         image_token_id: int) -> VisionBatch:
+    """The ``VisionBatch`` of a rollout batch's ``num_samples`` samples, sample s answering prompt s // group_size
+    (``pixels``: per prompt)."""
+    return vision_batch([pixels[s // group_size] for s in range(num_samples)], image_token_id)

@@ -156,10 +156,9 @@ def trainer_states(model, pixels: list[PromptPixels], names: list[str]) -> list[
 def _inputs_finding(problems: list[str], samples: int) -> Finding:
     cause = "" if not problems else (problems[0] + (f" ({len(problems) - 1} more sample(s) differ)"
                                                     if len(problems) > 1 else ""))
-    found = at_most(NAME, "inputs: samples whose ids, images or pixels differ", float(len(problems)), 0.0,
-                    f"the engine consumed another prompt than the trainer scores: {cause}",
-                    details={"samples": samples, "problems": problems[:20]})
-    return found
+    return at_most(NAME, "inputs: samples whose ids, images or pixels differ", float(len(problems)), 0.0,
+                   f"the engine consumed another prompt than the trainer scores: {cause}",
+                   details={"samples": samples, "problems": problems[:20]})
 
 
 def _tower_findings(doc: Doctor, ids, images, pixels) -> list[Finding]:
