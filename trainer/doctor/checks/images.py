@@ -20,8 +20,10 @@ model alone. This one runs the recipe's first prompts as training runs them, eac
 
 Written for the vision-language models parityrl trains (``trainer.vision.support``: Idefics3, SmolVLM), whose tower
 sits at ``model.vision_model`` and projector at ``model.connector`` in both vLLM and Transformers. On CUDA (read from
-vLLM 0.32's source, not run): hooks do not fire in the encoder's CUDA graphs, so this check hooks the engine's modules
-(``Check.hooks_engine``) and the battery then starts its engine eagerly.
+vLLM 0.32's source, not run): Model Runner V2 runs the vision encoder through ``EncoderRunner``
+(``vllm/v1/worker/gpu/mm/encoder_runner.py``), as eager modules unless ``compilation_config.cudagraph_mm_encoder`` or
+``compile_mm_encoder`` is set (both off by default), where hooks would not fire; the decoder's hooks need the eager
+engine the battery starts for this check (``Check.hooks_engine``).
 """
 from __future__ import annotations
 
