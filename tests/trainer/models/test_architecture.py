@@ -10,7 +10,7 @@ from trainer.models.architecture import decoder_depth
 
 def test_a_causal_lm_and_a_vision_language_model_give_their_decoders_depth():
     assert decoder_depth(LlamaConfig(num_hidden_layers=3)) == 3
-    # Idefics3's own config has no num_hidden_layers (compare read it there and stopped with AttributeError)
+    # Idefics3's own config has no num_hidden_layers: reading it there raises AttributeError
     vl = Idefics3Config(text_config={"model_type": "llama", "num_hidden_layers": 5})
     assert decoder_depth(vl) == 5
 

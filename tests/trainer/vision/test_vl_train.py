@@ -41,7 +41,7 @@ def test_every_step_checks_the_inputs_and_parity_is_the_numerics(runs):
         if "probe/mae" in h:
             assert h["probe/mae"] < FLOAT32_MAE, h
     # the probe scores its prompts with their images: 4 prompts x 4 image tokens, at every probe (before step 1 and
-    # after each sync), where it measured their text alone before
+    # after each sync), not their text alone
     assert runs["clean"]["probe_image_tokens"] == [16] * 4, runs["clean"]["probe_image_tokens"]
 
 

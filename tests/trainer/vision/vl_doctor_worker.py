@@ -82,8 +82,8 @@ def main(root: str) -> None:
                     undo()
             report = json.loads((Path(root) / name / "doctor.json").read_text())
             print("RESULT " + json.dumps({"run": name, "status": status, "findings": report["findings"]}), flush=True)
-        # `parityrl compare` on the same model: its prompts as text (it read the depth where an Idefics3 config has
-        # none, and stopped)
+        # `parityrl compare` on the same model: its prompts as text, its level at the depth the text config holds
+        # (an Idefics3 config has none of its own)
         prompts = Path(root) / "prompts.jsonl"
         prompts.write_text('{"prompt": "How many shapes are in the image?"}\n{"prompt": "Name a colour."}\n')
         summary = run_compare("builtin:zoo-idefics3", prompts, Path(root) / "compare", engine=engine, dtype="float32",
