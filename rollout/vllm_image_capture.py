@@ -39,20 +39,9 @@ class ImageCapture:
         core.add_request = add_request
 
     def _record(self, request) -> None:
-        if not request.mm_features:  # text only: nothing to keep (a request without a record consumed no image)
+        images = consumed_images(request.external_req_id, request.mm_features)
+        if images is None:  # text only: nothing to keep (a request without a record consumed no image)
             return
-        images = []
-        for feature in request.mm_features or []:
-            if feature.modality != "image":
-                continue
-            if feature.data is None or "pixel_values" not in feature.data:
-                raise RuntimeError(f"request {request.external_req_id}: an image reached the engine core without its "
-                                   "pixel_values (cache miss on the engine's side)")
-            pixels = feature.data["pixel_values"].data
-            span = feature.mm_position
-            images.append(ImageInput(digest=tensor_digest(pixels), shape=tuple(pixels.shape),
-                                     dtype=str(pixels.dtype).removeprefix("torch."), offset=int(span.offset),
-                                     length=int(span.length)))
         with self._lock:
             self._seen[str(request.external_req_id)] = images
 
@@ -60,3 +49,24 @@ class ImageCapture:
         """The images request ``request_id`` consumed, in placeholder order ([] for none)."""
         with self._lock:
             return self._seen.pop(request_id, [])
+
+
+def consumed_images(request_id, mm_features) -> list[ImageInput] | None:
+    """The images a request's ``mm_features`` (vLLM's ``MultiModalFeatureSpec`` list, in placeholder order) carry
+    into the model, fingerprinted; None for a request without any. One reading for the in-process capture above and
+    a server's workers (``vllm_plugins.image_capture``): both see the engine core's features, the data filled."""
+    if not mm_features:
+        return None
+    images = []
+    for feature in mm_features:
+        if feature.modality != "image":
+            continue
+        if feature.data is None or "pixel_values" not in feature.data:
+            raise RuntimeError(f"request {request_id}: an image reached the engine without its pixel_values (cache "
+                               "miss on the engine's side)")
+        pixels = feature.data["pixel_values"].data
+        span = feature.mm_position
+        images.append(ImageInput(digest=tensor_digest(pixels), shape=tuple(pixels.shape),
+                                 dtype=str(pixels.dtype).removeprefix("torch."), offset=int(span.offset),
+                                 length=int(span.length)))
+    return images

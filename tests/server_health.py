@@ -1,4 +1,6 @@
-"""Waiting for a server the tests started in a subprocess (`parityrl serve`, `vllm serve`) to answer /health."""
+"""Starting a server the tests run in a subprocess (`parityrl serve`, `vllm serve`): a free port, and the wait for
+its /health."""
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -7,6 +9,13 @@ import httpx
 
 # vLLM's API server and engine core each import vLLM: ~100 s measured on a loaded 2-core CPU
 SERVER_START_S = 600
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, what: str = "server") -> None:

@@ -54,6 +54,15 @@ tokens its sampler kept at every sampled position of every truncated request
 its requests' sets by id after each batch (``parityrl_take_supports`` over ``/collective_rpc``), as it takes routes.
 A CUDA server runs Model Runner V2, whose own sampling masks vLLM's HTTP answers do not carry: refused at connect.
 
+Images (a vision-language recipe, ``max_images``): ``parityrl serve`` starts the server with the tokenizer (vLLM's
+multimodal processor expands each placeholder with it) and the colocated engine's image settings. Each request
+sends its prompt's images as PNG ``data:`` URLs (``content_parts``) beside the ids, one placeholder per image, and
+asks for the prompt it consumed (``return_token_ids``): ``Rollouts.prompt_ids`` are the expanded ids. The workers
+fingerprint each new request's pixel tensors (``rollout.vllm_plugins.image_capture``, at ``Worker.execute_model``)
+and the client takes them by id after each batch, so the trainer's identity check compares the server's tensors
+with its own processor's, as with the colocated engine (``images.py``). Every push also empties the server's
+encoder cache (``/reset_encoder_cache``). In-flight updates are refused with images.
+
 Weight sync (``load_weights``) uses vLLM's weight-transfer lifecycle over its RL HTTP
 routes (``vllm/entrypoints/rl/online/api_router.py``, enabled by
 ``VLLM_SERVER_DEV_MODE=1``) with the backend the server was started with:
@@ -76,7 +85,8 @@ refusal (other settings, an answer of another shape) is ``UnusableServer``, an `
 
 Files, one role each: ``engine.py`` the client (``ServerEngine``: start-up checks, generate, score, weight and
 adapter pushes); ``answers.py`` reading the token route's answers (log-probs, top-k, weight version, adapter);
-``captures.py`` routes and kept sets taken from the server's workers; ``weight_transfer.py`` vLLM's weight-transfer
+``captures.py`` routes and kept sets taken from the server's workers; ``images.py`` a prompt's images sent and
+what the workers say each request consumed; ``weight_transfer.py`` vLLM's weight-transfer
 lifecycle over HTTP and the NCCL hand-over; ``adapters.py`` whether the server can serve the policy's LoRA adapter,
 and unloading old versions; ``http_channel.py`` JSON over HTTP with errors naming the server; ``health.py`` the
 start-up wait; ``errors.py`` the errors; ``keys.py`` the recipe keys the errors name.

@@ -25,6 +25,7 @@ from rollout.server_engine.captures import SERVER_ROUTES_ON_CUDA, SERVER_SUPPORT
 from rollout.server_engine.errors import MalformedAnswer, ServerEngineError, UnusableServer
 from rollout.server_engine.health import wait_for_health
 from rollout.server_engine.http_channel import _Http, _json, parse_server_url
+from rollout.server_engine.images import check_image_server, expanded_prompt, image_parts, take_images
 from rollout.server_engine.in_flight import (
     MODES,
     pause_for_update,
@@ -90,6 +91,9 @@ class ServerEngine:
         (``Rollouts.support``), read from its workers after each batch (``parityrl_take_supports``); a server on CUDA
         is refused (see the package docstring).
     keys: the recipe keys its errors name (``ServerKeys``: the student's server's by default).
+    max_images: the images a prompt of the run may hold (``data.max_images_per_prompt``), 0 for a text run. The
+        server must have been started for images (``parityrl serve`` of a vision-language recipe); its workers then
+        record what each request consumed (``images.py``), and every push empties its encoder cache.
     """
 
     # A push may come as chunks of whole layers, all under one weight version (load_weight_chunks).
@@ -99,6 +103,7 @@ class ServerEngine:
     served_weights = False  # set per client (``served_weights``)
     in_flight = "off"  # set per client (``in_flight``)
     _paused = False  # inside ``in_flight_update``: the server's requests are frozen
+    max_images = 0  # set per client (``max_images``)
 
     def __init__(self, url: str, *, model_dir: str | Path, timeout_s: float = 300.0, dtype: str = "bfloat16",
                  max_model_len: int | None = None, eos_ids: Sequence[int] | None = None,
@@ -107,10 +112,13 @@ class ServerEngine:
                  return_routes: bool = False, adapter_rank: int | None = None,
                  adapter_targets: Sequence[str] | None = None, adapter_required: bool = False,
                  return_supports: bool = False, served_weights: bool = False, in_flight: str = "off",
-                 keys: ServerKeys = ROLLOUT_SERVER) -> None:
+                 keys: ServerKeys = ROLLOUT_SERVER, max_images: int = 0) -> None:
         self.host, self.port = parse_server_url(url)
         if in_flight not in MODES:
             raise ValueError(f"in_flight = {in_flight!r}: expected one of {', '.join(MODES)}")
+        if in_flight != "off" and max_images:
+            raise ValueError("in_flight: a push in the middle of a generation would empty the encoder cache under "
+                             "running requests that hold images; expected 'off' with images")
         if in_flight != "off" and not pushes_weights:
             raise ValueError("in_flight: only the client that pushes the weights updates them in flight")
         if served_weights and pushes_weights:
@@ -143,6 +151,7 @@ class ServerEngine:
         self._adapter: str | None = None  # the adapter every request names (its version's name), None: the base
         self._loaded_adapters = False  # this client loaded adapters on the server (close() unloads them)
         self.in_flight = in_flight  # rollout.in_flight (in_flight.py): weight updates while requests run
+        self.max_images = int(max_images)
 
         self.startup_wait_s = wait_for_health(self.url, self.timeout_s, connect_timeout_s=connect_timeout_s, keys=keys)
         self._http = _Http(self.url, self.timeout_s, keys)
@@ -168,6 +177,10 @@ class ServerEngine:
                 self.route_shape = self._start_routes(info)
             if self.return_supports:
                 self._start_supports(info)
+            if self.max_images:
+                check_image_server(info, self.url, self.max_images)
+                self.http.call("POST", "/collective_rpc", "image capture",  # the weight-pushing rank connects first
+                               json={"method": "parityrl_serve_images", "args": ["1" if pushes_weights else "0"]})
             if in_flight == "keep" and info.get("prefix_caching") is not False:
                 raise ServerEngineError(f"vLLM server at {self.url}: prefix caching is {info.get('prefix_caching')!r}; "
                                         "rollout.in_flight: keep needs it off (the cache cannot be emptied while "
@@ -310,9 +323,15 @@ class ServerEngine:
             raise ValueError(f"{what}, but the server at {self.url} allows max_logprobs = {self.max_logprobs}; "
                              "restart it with `parityrl serve` (it sets max_logprobs from parity.topk)")
 
-    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec) -> Rollouts:
-        """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n (VLLMEngine's conventions)."""
+    def generate(self, prompt_ids: list[list[int]], spec: SamplingSpec,
+                 images: Sequence[Sequence[Any]] | None = None) -> Rollouts:
+        """Sample ``spec.n`` completions per prompt; sample i answers prompt i // n (VLLMEngine's conventions).
+
+        ``images``: per prompt, its images (PIL) in the order of its placeholders, as ``VLLMEngine.generate`` takes
+        them; ``Rollouts.prompt_ids`` are then the ids the server consumed, expanded, and ``Rollouts.images`` what
+        its workers received of each image (``images.py``)."""
         validate_request(prompt_ids, spec, self.max_model_len)
+        parts = self._image_parts(images, len(prompt_ids), "prompt")
         k = spec.logprobs_topk
         if k:  # k + 1: see the package docstring
             self._check_max_logprobs(k + 1, f"spec.logprobs_topk = {k}: this client asks for k + 1")
@@ -325,7 +344,7 @@ class ServerEngine:
                 s = i * spec.n + j
                 bodies.append({
                     "request_id": f"parityrl-{tag}-{s}", "token_ids": list(p), "output_mode": "tokens",
-                    **self._model_field(adapter),
+                    **self._model_field(adapter), **parts[i],
                     "sampling_params": {
                         "n": 1, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
                         "min_p": spec.min_p,
@@ -345,7 +364,8 @@ class ServerEngine:
             finish.append(reason)
             top_ids.append(t_ids)
             top_lps.append(t_lps)
-        prompts = [list(prompt_ids[s // spec.n]) for s in range(len(bodies))]
+        prompts = [list(prompt_ids[s // spec.n]) if not parts[s // spec.n] else
+                   expanded_prompt(self.url, s, resp, prompt_ids[s // spec.n]) for s, resp in enumerate(responses)]
         routes = (take_routes(self.http, [(b["request_id"], len(p) + len(c))
                                           for b, p, c in zip(bodies, prompts, completion_ids)],
                               "samples", self.route_shape) if self.return_routes else [])
@@ -354,7 +374,19 @@ class ServerEngine:
         return Rollouts(prompt_ids=prompts, completion_ids=completion_ids, rollout_logprobs=logprobs,
                         finish_reasons=finish, group_size=spec.n, topk_ids=top_ids if k else [],
                         topk_logprobs=top_lps if k else [], routes=routes, support=support, versions=versions,
-                        stale_kv=[stale_kv_flags(v, self.in_flight) for v in versions])
+                        stale_kv=[stale_kv_flags(v, self.in_flight) for v in versions],
+                        images=take_images(self.http, [b["request_id"] for b in bodies]) if images is not None else [])
+
+    def _image_parts(self, images: Sequence[Sequence[Any]] | None, count: int, what: str) -> list[dict]:
+        """Per prompt, the fields its requests add for its images (``content_parts``, and the expanded prompt asked
+        back); {} for a text prompt."""
+        if images is None:
+            return [{}] * count
+        if len(images) != count:
+            raise ValueError(f"images: expected one list per {what} ({count}), got {len(images)}")
+        if any(images) and not self.max_images:
+            raise ValueError(f"images: ServerEngine({self.url}) was created for text (max_images=0)")
+        return [{"content_parts": image_parts(i), "return_token_ids": True} if i else {} for i in images]
 
     @property
     def weight_version(self) -> int:
@@ -389,18 +421,25 @@ class ServerEngine:
             self._paused = False
             resume_after_update(self.http)
 
-    def score(self, sequences: list[list[int]], topk: int = 0) -> Scored:
-        """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (``VLLMEngine.score``)."""
+    def score(self, sequences: list[list[int]], topk: int = 0,
+              images: Sequence[Sequence[Any]] | None = None) -> Scored:
+        """log p(x_t | x_<t) at temperature 1 of every token t >= 1 of each sequence (``VLLMEngine.score``; with
+        ``images``, of the sequence the server consumed, its placeholders expanded, as there)."""
         validate_score_request(sequences, self.max_model_len)
+        parts = self._image_parts(images, len(sequences), "sequence")
         self._check_max_logprobs(topk, f"score: topk = {topk}")
         tag = secrets.token_hex(4)
         version, adapter = self._version(), self._adapter
         bodies = [{"request_id": f"parityrl-score-{tag}-{k}", "token_ids": list(seq), "output_mode": "tokens",
-                   **self._model_field(adapter),
+                   **self._model_field(adapter), **parts[k],
                    "sampling_params": {"n": 1, "temperature": 1.0, "max_tokens": 1, "seed": sample_seed(0, k),
                                        "detokenize": False, "prompt_logprobs": topk}}
                   for k, seq in enumerate(sequences)]
         responses = _run_coroutine(self._post_all(bodies, action=f"score ({len(bodies)} sequences)"))
+        if images is not None:  # the sequences the server consumed; what its workers recorded is nobody's to read
+            sequences = [expanded_prompt(self.url, k, resp, seq) if parts[k] else seq
+                         for k, (seq, resp) in enumerate(zip(sequences, responses))]
+            take_images(self.http, [b["request_id"] for b in bodies])
         scored = Scored.from_rows(parse_prompt_logprobs(self.url, k, seq, resp, topk, version, adapter)
                                   for k, (seq, resp) in enumerate(zip(sequences, responses)))
         if self.return_routes:  # the prefill's routes of the whole sequence (+1: the one token sampled after it)
@@ -499,10 +538,19 @@ class ServerEngine:
         self.last_push = {**totals, "seconds": time.perf_counter() - t0}
 
     def _reset_prefix_cache(self, action: str) -> None:
+        """The caches of the old weights emptied: the prefix cache's KV, and with images the encoder's features (a
+        trained projector changes them; vLLM keeps them across a push)."""
         out = self.http.call("POST", "/reset_prefix_cache", f"{action} (reset_prefix_cache)")
         if not (out or {}).get("success"):
             raise ServerEngineError(f"vLLM server at {self.url} refused to reset its prefix cache after a {action} "
                                     "(requests still running?); KV blocks of the old weights would be reused")
+        if self.max_images:
+            self.forget_images()
+
+    def forget_images(self) -> None:
+        """The server's cached image features dropped: the next request holding an image runs the vision encoder on
+        it again (``VLLMEngine.forget_images``)."""
+        self.http.call("POST", "/reset_encoder_cache", "reset_encoder_cache")
 
     # ---- LoRA adapter -----------------------------------------------------------------------
     def load_adapter(self, adapter: LoraAdapter) -> None:

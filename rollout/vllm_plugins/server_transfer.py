@@ -73,6 +73,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rollout.routes import encode_routes
 from rollout.support import encode_supports
+from rollout.vllm_plugins.image_capture import serve_images, take_images
 from rollout.vllm_plugins.route_capture import install_route_capture, reset_routes, take_routes
 from rollout.vllm_plugins.server_adapters import drop_adapters, lora_info, mark_base_changed, put_adapter
 from rollout.vllm_plugins.support_capture import serve_supports, take_supports
@@ -310,6 +311,17 @@ register()
 # ---------------------------------------------------------------- worker extension
 
 
+def image_info(cfg) -> dict[str, Any] | None:
+    """What the server does with images, for the client's check (None: it serves text only): the images a prompt
+    may hold, its processor settings and where it normalises (the pixels the capture reads are the front end's, and
+    the trainer's processor output equals them only with ``mm_device_do_normalize`` off)."""
+    mm = cfg.model_config.multimodal_config
+    if mm is None or not mm.get_limit_per_prompt("image"):
+        return None
+    return {"limit": int(mm.get_limit_per_prompt("image")), "processor": dict(mm.mm_processor_kwargs or {}),
+            "device_normalize": bool(mm.mm_device_do_normalize)}
+
+
 class ParityrlWorkerExtension:
     """Mixed into every vLLM worker by ``--worker-extension-cls`` (see the module docstring).
 
@@ -341,6 +353,7 @@ class ParityrlWorkerExtension:
             "prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
             "device": str(cfg.device_config.device_type),
             "lora": lora_info(cfg),  # None: started without LoRA (server_adapters)
+            "images": image_info(cfg),  # None: a text-only server
         }
 
     def parityrl_install_route_capture(self) -> dict[str, int]:
@@ -368,6 +381,15 @@ class ParityrlWorkerExtension:
         (``rollout.support.encode_supports``)."""
         requests = [(str(rid), int(n)) for rid, n in json.loads(requests_json)]
         return encode_supports(take_supports(self, requests))
+
+    def parityrl_serve_images(self, reset: str = "1") -> dict:
+        """Record the images of every request from now on (``image_capture.serve_images``; ``reset`` "1" or "0")."""
+        serve_images(self, reset == "1")
+        return {"recording": True}
+
+    def parityrl_take_images(self, requests_json: str) -> list[list[dict]]:
+        """The images each request id of the JSON list consumed (``image_capture.take_images``)."""
+        return take_images(self, [str(r) for r in json.loads(requests_json)])
 
     def parityrl_put_adapter(self, name: str, config_json: str, weights_b64: str) -> dict:
         """Write adapter ``name``'s PEFT files on this server (``server_adapters.put_adapter``): its path."""

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from server_health import wait_healthy
+from server_health import free_port, wait_healthy
 
 from parity.precision import host_has_native_bf16
 from rollout.base import EngineUnavailable
@@ -41,12 +40,6 @@ RECIPE = REPO / "recipes" / "grpo_tiny.yaml"
 MAE_BOUND = 0.02  # engine vs unpadded HF forward, as test_vllm_engine.py
 MISMATCH_FLOOR = 5 * MAE_BOUND
 PARITY_MAE_BOUND = 1e-2  # the training loop's bound, as test_train_integration.py
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def abs_errors(a, b):

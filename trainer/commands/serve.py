@@ -9,7 +9,9 @@ The server gets exactly the settings the trainer's checks rely on
   what the trainer scores) and ``--max-logprobs >= parity.topk + 1`` (the client asks
   for k + 1, see server_engine);
 - ``--skip-tokenizer-init`` and ``--enable-scale-out``: token ids in and out through
-  ``/inference/v1/generate``; chunked prefill off (as the colocated engine: vLLM 0.32
+  ``/inference/v1/generate`` (a vision-language recipe's server loads the tokenizer, which vLLM's multimodal
+  processor expands each image placeholder with, and takes the colocated engine's image settings, ``image_flags``);
+  chunked prefill off (as the colocated engine: vLLM 0.32
   rewinds seeded generators on split prefills, which the CPU generator cannot do);
 - ``--enforce-eager`` (rollout.enforce_eager; null: on CPU only), ``--max-num-seqs``; on CPU the KV cache
   size ``rollout.kv_cache_memory_bytes`` (without it vLLM reserves most of the RAM);
@@ -59,7 +61,7 @@ from transformers import AutoConfig
 
 from rollout.server_engine import SERVER_ROUTES_ON_CUDA, SERVER_SUPPORTS_ON_CUDA, parse_server_url
 from rollout.vllm_adapters import lora_options
-from rollout.vllm_engine import DEFAULT_CPU_KV_CACHE_BYTES
+from rollout.vllm_engine import DEFAULT_CPU_KV_CACHE_BYTES, image_options
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RecipeError, RunConfig
 from trainer.config.validate import sequence_length
@@ -140,7 +142,7 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
             "--dtype", cfg.model.dtype, "--seed", str(cfg.train.seed),
             "--max-model-len", str(sequence_length(cfg)),
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(max(20, cfg.parity.topk + 1)),
-            "--skip-tokenizer-init", "--enable-scale-out", "--no-enable-chunked-prefill",
+            *image_flags(cfg), "--enable-scale-out", "--no-enable-chunked-prefill",
             "--max-num-seqs", str(r.max_num_seqs), "--tensor-parallel-size", str(tensor_parallel_size),
             "--weight-transfer-config", json.dumps({"backend": backend}),
             "--worker-extension-cls", WORKER_EXTENSION]
@@ -186,6 +188,20 @@ def serve_command(cfg: RunConfig, *, tensor_parallel_size: int = 1, transfer_bac
         if bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     return argv, env
+
+
+def image_flags(cfg: RunConfig) -> list[str]:
+    """A text recipe's server runs without a tokenizer (token ids in and out). A vision-language recipe's needs one:
+    vLLM's multimodal processor expands each image placeholder with it. The image settings are the colocated
+    engine's (``rollout.vllm_engine.image_options``: one definition), as command-line flags."""
+    if cfg.data.image_column is None:
+        return ["--skip-tokenizer-init"]
+    options = image_options(cfg.data.max_images_per_prompt, cfg.data.image_processor)
+    flags = ["--limit-mm-per-prompt", json.dumps(options["limit_mm_per_prompt"]),
+             "--mm-device-do-normalize" if options["mm_device_do_normalize"] else "--no-mm-device-do-normalize"]
+    if "mm_processor_kwargs" in options:
+        flags += ["--mm-processor-kwargs", json.dumps(options["mm_processor_kwargs"])]
+    return flags
 
 
 def lora_flags(cfg: RunConfig, model_dir: str, where: str, *, cuda: bool) -> list[str]:

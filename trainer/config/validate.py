@@ -260,9 +260,10 @@ def _check_data(cfg: RunConfig, need: Need) -> None:
         r = cfg.rollout
         need(bool(d.image_column), "data.image_column", d.image_column, "a column name, or null for text prompts")
         need(d.max_images_per_prompt >= 1, "data.max_images_per_prompt", d.max_images_per_prompt, "an integer >= 1")
-        need(r.engine == "vllm" and r.mode == "colocate", "data.image_column", d.image_column,
-             f"null with rollout.engine {r.engine!r} / rollout.mode {r.mode!r}: images go to the colocated vLLM "
-             "engine only")
+        need(r.engine == "vllm", "data.image_column", d.image_column,
+             f"null with rollout.engine {r.engine!r}: images go to the vLLM engine (colocated or a server) only")
+        need(r.in_flight == "off", "rollout.in_flight", r.in_flight, "'off' with data.image_column (a push in the "
+             "middle of a generation would empty the encoder cache under running requests that hold images)")
         need(not cfg.env.enabled, "data.image_column", d.image_column, "null with env: (multi-turn episodes with "
              "images are not supported)")
         need(not cfg.train.pack_sequences, "data.image_column", d.image_column, "null with train.pack_sequences "

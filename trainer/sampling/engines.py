@@ -155,7 +155,8 @@ def _server_engine(cfg: RunConfig, model_dir: str, max_model_len: int, dp, retur
                             connect_timeout_s=r.server_connect_timeout_s, return_routes=return_routes,
                             adapter_rank=None if lora_targets is None else cfg.model.lora.r,
                             adapter_targets=lora_targets, adapter_required=r.lora_sync == ADAPTER,
-                            return_supports=return_supports, in_flight=r.in_flight)
+                            return_supports=return_supports, in_flight=r.in_flight,
+                            max_images=cfg.data.max_images_per_prompt if cfg.data.image_column is not None else 0)
 
     return connect_shared_server(dp, connect)
 

@@ -3,14 +3,13 @@ teacher's prompt log-probs of the same ids equal the colocated vLLM teacher's (b
 the same CPU), through the teacher's own start-up (served-model and prompt log-prob checks)."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from server_health import wait_healthy
+from server_health import free_port, wait_healthy
 
 from trainer.builtin.resolve import resolve_model_path
 from trainer.config import RunConfig, TeacherConfig
@@ -21,12 +20,6 @@ REPO = Path(__file__).resolve().parents[3]
 # float32 on both sides, the same kernels: what separates them is the batch composition only (the server's and the
 # colocated engine's batches of the same sequences), well below the teacher-parity bound of test_opd_train.py
 SAME_ENGINE_FP32 = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ VL_RECIPE = REPO / "recipes" / "grpo_vl_tiny.yaml"
 
 
 @pytest.mark.parametrize("sets, says", [
-    (["rollout.mode=server"], "data.image_column = 'image': expected null with rollout.engine 'vllm' / rollout.mode "
-                              "'server': images go to the colocated vLLM engine only"),
+    (["rollout.mode=server", "rollout.max_staleness=1", "rollout.in_flight=recompute"],
+     "rollout.in_flight = 'recompute': expected 'off' with data.image_column"),
     (["rollout.engine=hf"], "rollout.engine 'hf'"),
     (["train.pack_sequences=true"], "expected null with train.pack_sequences"),
     (["data.max_images_per_prompt=0"], "data.max_images_per_prompt = 0: expected an integer >= 1"),
