@@ -22,9 +22,10 @@ from trainer.lifecycle.stops import RunStopped
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "recipes" / "grpo_vl_tiny.yaml"
-# the untrained model (no warm start to build), float32; merged pushes, each followed by an evaluation of the same
-# held-out images (the server's encoder cache is emptied at every push and must be refilled, not read stale)
-SETS = ["model.path=builtin:zoo-idefics3", "rollout.lora_sync=merged", "rollout.kv_cache_memory_bytes=67108864"]
+# the untrained model (no warm start to build), float32, the recipe's adapter sync (vLLM's LoRA on the server); each
+# push is followed by an evaluation of the same held-out images (the server's encoder cache is emptied at every
+# push and must be refilled, not read stale)
+SETS = ["model.path=builtin:zoo-idefics3", "rollout.kv_cache_memory_bytes=67108864"]
 RUN = ["train.steps=2", "algorithm.group_size=4", "eval.every=1", "eval.num_prompts=4", "checkpoint.every=0",
        "logging.wandb.mode=disabled", "reward.functions={digits: 'vl_runs_worker:digit_share'}"]
 # the colocated engine's float32 bound on this model (tests/rollout/test_vl_engine.py)
