@@ -157,6 +157,9 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="trainer and engine dtype")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--prompt-column", default="prompt", help="prompt column of a .jsonl/.json/.parquet file")
+    p.add_argument("--image-column", default=None, metavar="COLUMN",
+                   help="a vision-language model's prompts with their images from this column (as data.image_column): "
+                        "both sides run them, their inputs checked identical first (docs/compare.md)")
     p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
                    help="render prompts with the tokenizer's chat template (auto: if it has one)")
     p.add_argument("--system-prompt", default=None,
@@ -316,6 +319,7 @@ def _compare(args) -> int:
     from rollout.base import EngineCannotLoad
     from trainer.diagnostics.compare import run_compare
     from trainer.diagnostics.compare_inputs import CompareError
+    from trainer.vision.identity import InputsDiffer
 
     if args.own_console:  # before vLLM is imported: its expected lines go to the report's engine.log
         third_party_output.install(verbose=args.verbose)
@@ -329,13 +333,16 @@ def _compare(args) -> int:
             max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_bytes, batch_size=args.batch_size, self_check=args.self_check, topk=args.topk,
             precision=args.precision, system_prompt=args.system_prompt, adapter=args.adapter,
-            overwrite=args.overwrite, progress=progress)
+            image_column=args.image_column, overwrite=args.overwrite, progress=progress)
     except (CompareError, FileExistsError, ImportError) as e:
         print(f"parityrl compare: {e}", file=sys.stderr)
         return 2
     except EngineCannotLoad as e:
         print(f"parityrl compare: {e}", file=sys.stderr)
         return e.exit_status
+    except InputsDiffer as e:  # as a run's parity stop: the two sides would compare other prompts
+        print(f"parityrl compare: {e}", file=sys.stderr)
+        return 3
     print(_compare_digest(summary, args.out))
     check = summary.get("self_check_result")
     if check is not None and not check["passed"]:
@@ -378,6 +385,12 @@ def _compare_digest(summary: dict, out: str) -> str:
         lines.append(f"routing agree {r['parity/routing_agree']:.4f} (tokens differing in a layer "
                      f"{r['parity/routing_tokens_any_diff']:.4f}); without replay: kl_k3 {u['parity/kl_k3']:.3e}, "
                      f"max |d| {u['parity/max_abs']:.3e}")
+    if "images" in summary:  # a vision-language model's prompts with their images
+        im = summary["images"]
+        lines.append(f"images: {im['images']} in {im['prompts_with_images']} of {summary['num_prompts']} prompts, "
+                     f"inputs identical on both sides ({im['samples_checked']} samples)"
+                     + (f"; mae with images {im['parity/images/mae']:.3e}" if "parity/images/mae" in im else "")
+                     + (f", text alone {im['parity/text/mae']:.3e}" if "parity/text/mae" in im else ""))
     if "lora_sync" in summary:  # a run's adapter: served and merged on the same prompts
         ls = summary["lora_sync"]
         for mode in ("adapter", "merged"):

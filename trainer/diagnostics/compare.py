@@ -13,6 +13,8 @@ so the numbers are the ones a run's ``parity/*`` metrics would show for the same
 The inputs are checked and read by ``trainer.diagnostics.compare_inputs``; the trainer scores with the loop's
 own ``trainer.measurement.scoring.score_batch``; the report's rows and the self-check (``self_check=True``:
 both sides the trainer's scoring, every error metric exactly zero) are ``trainer.diagnostics.compare_report``'s.
+A vision-language model's prompts run with their images (``image_column``) as a training step runs them, their
+inputs checked identical on both sides first (``trainer.diagnostics.compare_images``); without it, as text.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from rollout.hf_engine import HFEngine
 from rollout.moe_config import moe_shape
 from rollout.types import Rollouts, SamplingSpec
 from trainer.diagnostics.compare_adapter import generate_both, resolve_adapter_dir, side_by_side, with_adapter
+from trainer.diagnostics.compare_images import CompareImages, prompts_with_images, refuse_settings
 from trainer.diagnostics.compare_inputs import (
     CompareError,
     chat_template_info,
@@ -60,6 +63,7 @@ from trainer.precision import DEFAULT_RECIPE, recipe_for
 from trainer.precision.levels import parity_level
 from trainer.precision.verdict import MAE_WARN_FACTOR, verdict
 from trainer.sampling.engines import start_vllm
+from trainer.vision.batch import VisionBatch
 from trainer.vision.support import vision_language_type
 
 __all__ = ["run_compare"]
@@ -74,10 +78,11 @@ Progress = Optional[Callable[[str], None]]
 
 def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len: int, seed: int,
                   kv_cache_bytes: Optional[int], work_dir, topk: int = 0, precision: str = DEFAULT_RECIPE,
-                  return_routes: bool = False, adapter: Optional[dict] = None, truncated: bool = False):
+                  return_routes: bool = False, adapter: Optional[dict] = None, truncated: bool = False,
+                  images: Optional[CompareImages] = None):
     """``model``: the scoring model, which an "hf" engine runs itself (None: one of its own, loaded from
     ``model_dir``); ``adapter``: the adapter_config of a LoRA the engine is to serve (None: none); ``truncated``:
-    the sampling is (the engine returns its kept sets)."""
+    the sampling is (the engine returns its kept sets); ``images``: the prompts hold images (a vLLM engine)."""
     if kind == "hf":
         if model is None:
             return HFEngine(model_dir, dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu",
@@ -89,27 +94,35 @@ def _start_engine(kind: str, model_dir: str, model, *, dtype: str, max_model_len
                       work_dir=work_dir, max_logprobs=max(20, topk), kv_cache_memory_bytes=kv_cache_bytes,
                       enforce_eager=None, return_routes=return_routes,
                       sampling_supports=truncated, max_lora_rank=None if adapter is None else int(adapter["r"]),
-                      lora_target_modules=None if adapter is None else adapter["target_modules"])
+                      lora_target_modules=None if adapter is None else adapter["target_modules"],
+                      **({} if images is None else images.engine_options()))
 
 
 def _generate(engine, model_dir, model, prompt_ids, spec, *, dtype, max_model_len, seed, kv_cache_bytes, say,
-              work_dir, precision=DEFAULT_RECIPE, return_routes=False):
-    """Rollouts from ``engine`` (an object: used as is; a name: started here and closed after)."""
+              work_dir, precision=DEFAULT_RECIPE, return_routes=False, images: Optional[CompareImages] = None):
+    """Rollouts from ``engine`` (an object: used as is; a name: started here and closed after); ``images``: the
+    prompts' images, which the engine gets beside ``prompt_ids`` and whose consumption is checked against the
+    trainer's processor's (``InputsDiffer`` where it differs)."""
+    request = {} if images is None else {"images": images.encoded.images}
     if not isinstance(engine, str):
         engine_len = getattr(engine, "max_model_len", None)
-        need = max(len(p) for p in prompt_ids) + spec.max_new_tokens
+        need = max(len(p) for p in (prompt_ids if images is None else images.expanded_ids)) + spec.max_new_tokens
         if engine_len is not None and need > engine_len:
             raise CompareError(f"the given engine's max_model_len = {engine_len}; the longest prompt + max_new_tokens "
                                f"= {need}; expected fewer new tokens or shorter prompts")
-        return engine.generate(prompt_ids, spec)
-    say(f"starting the {engine} engine (max_model_len {max_model_len})")
-    owned = _start_engine(engine, model_dir, model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                          kv_cache_bytes=kv_cache_bytes, work_dir=work_dir, topk=spec.logprobs_topk,
-                          precision=precision, return_routes=return_routes, truncated=spec.truncated)
-    try:
-        return owned.generate(prompt_ids, spec)
-    finally:
-        owned.close()
+        rollouts = engine.generate(prompt_ids, spec, **request)
+    else:
+        say(f"starting the {engine} engine (max_model_len {max_model_len})")
+        owned = _start_engine(engine, model_dir, model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                              kv_cache_bytes=kv_cache_bytes, work_dir=work_dir, topk=spec.logprobs_topk,
+                              precision=precision, return_routes=return_routes, truncated=spec.truncated, images=images)
+        try:
+            rollouts = owned.generate(prompt_ids, spec, **request)
+        finally:
+            owned.close()
+    if images is not None:  # the model dtype the engine ran the pixels in: a given engine's own, else compare's
+        images.check(rollouts, getattr(engine, "torch_dtype", None) or getattr(torch, dtype))
+    return rollouts
 
 
 # ----------------------------------------------------------------------------------
@@ -129,15 +142,19 @@ def _score(model, batch: TokenBatch, *, temperature: float, batch_size: int, chu
     return scores.logprobs.float().cpu() * m, scores.entropy.float().cpu() * m, top, scores.routing
 
 
-def _score_sides(model, rollouts: Rollouts, pad_id: int, device, *, self_check: bool, say: Progress, **score_kw):
+def _score_sides(model, rollouts: Rollouts, pad_id: int, device, *, self_check: bool, say: Progress,
+                 vision: Optional[VisionBatch] = None, **score_kw):
     """(rollouts, batch, trainer log-probs, entropy, trainer top-k log-probs or None, routing sums or None); with
     ``self_check`` the rollouts' engine log-probs (and top-k log-probs) are first replaced by a trainer scoring of
-    the same tokens (``trainer.diagnostics.compare_report``)."""
+    the same tokens (``trainer.diagnostics.compare_report``). ``vision``: the samples' pixel tensors, which the
+    trainer's forward runs (None: text prompts)."""
     batch = batch_from_rollouts(rollouts, pad_id, device)
+    batch.vision = vision
     lp_t, ent, top, routing = _score(model, batch, progress=say, **score_kw)
     if self_check:
         rollouts = self_check_rollouts(rollouts, lp_t, top)
         batch = batch_from_rollouts(rollouts, pad_id, device)
+        batch.vision = vision
         lp_t, ent, top, routing = _score(model, batch, progress=say, **score_kw)
     return rollouts, batch, lp_t, ent, top, routing
 
@@ -199,6 +216,7 @@ def run_compare(
     num_examples: int = 5,
     worst_k: int = 20,
     adapter: Optional[str | Path] = None,
+    image_column: Optional[str] = None,
     progress: Progress = None,
 ) -> dict:
     """Generate with an engine, score the same tokens with the trainer, write the report; returns the summary.
@@ -232,10 +250,16 @@ def run_compare(
         adapter: a run's LoRA adapter (a checkpoint folder, or its ``adapter/``): the trainer scores with it, and
             the engine runs it both served as an adapter and merged, reported side by side in the summary's
             ``lora_sync`` (``trainer.diagnostics.compare_adapter``); the report's tokens are the served mode's.
+        image_column: a vision-language model's prompts run with their images, read from this column of the prompts
+            file (as a recipe's ``data.image_column``; ``trainer.diagnostics.compare_images``): the vLLM engine gets
+            them, each sample's inputs are checked identical to the trainer's processor's, and the trainer's forward
+            runs the pixels. None: the prompts run as text (a vision-language model's language model alone).
         progress: called with one-line progress messages (None: silent).
 
     Raises:
         CompareError: bad settings or input files (nothing has been written).
+        InputsDiffer: with ``image_column``, a sample the engine consumed differs from the trainer's (the message
+            names the sample, the image and the quantity; nothing but the engine's log has been written).
         FileExistsError: ``out_dir`` is not empty and ``overwrite`` is False.
         ImportError: matplotlib / openpyxl (the ``reports`` extra) missing.
     """
@@ -244,6 +268,8 @@ def run_compare(
                    max_new_tokens=max_new_tokens,
                     n=n, dtype=dtype, batch_size=batch_size, num_prompts=num_prompts, max_model_len=max_model_len,
                     max_prompt_tokens=max_prompt_tokens, topk=topk, precision=precision)
+    if image_column is not None:
+        refuse_settings(engine=engine, adapter=adapter, use_chat_template=use_chat_template)
     require_report_deps()
     check_out_dir(out_dir, overwrite)
     model_dir = resolve_model_dir(model)
@@ -251,18 +277,24 @@ def run_compare(
     prompts = load_prompts(prompts_path, prompt_column=prompt_column, num_prompts=num_prompts)
     tokenizer = load_tokenizer(model_dir)
     template = chat_template_info(tokenizer, use_chat_template, model_dir)
-    prompt_ids = encode_prompt_ids(tokenizer, prompts, template["used"], max_prompt_tokens, system_prompt)
+    images = None if image_column is None else prompts_with_images(
+        model_dir, prompts, prompts_path, image_column=image_column, prompt_column=prompt_column,
+        num_prompts=num_prompts, system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens)
+    # with images one placeholder per image, which the engine expands: the context holds the expanded ids
+    prompt_ids = (encode_prompt_ids(tokenizer, prompts, template["used"], max_prompt_tokens, system_prompt)
+                  if images is None else images.encoded.ids)
+    context_ids = prompt_ids if images is None else images.expanded_ids
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf = load_base_model(model_dir, dtype, device).eval()
-    text_only = vision_language_type(hf.config.model_type)
+    text_only = images is None and vision_language_type(hf.config.model_type)
     if text_only:
         say(f"{hf.config.model_type} is a vision-language model: compare runs its prompts as text (the language model "
-            f"alone); `parityrl doctor RECIPE --only images` runs a recipe's prompts with their images")
+            f"alone); --image-column COLUMN runs them with their images")
     if adapter_dir is not None:
         hf = with_adapter(hf, adapter_dir)
     kind = "vllm" if engine is None else engine
-    context = context_len(prompt_ids, max_new_tokens, max_model_len,
+    context = context_len(context_ids, max_new_tokens, max_model_len,
                            getattr(hf.config, "max_position_embeddings", None))
     out = prepare_out_dir(out_dir, overwrite)
     third_party_output.attach(out)  # when the command line filters the console: the engines' lines to engine.log
@@ -291,7 +323,7 @@ def run_compare(
     else:
         rollouts = _generate(kind, model_dir, hf, prompt_ids, spec, dtype=dtype, max_model_len=context, seed=seed,
                              kv_cache_bytes=kv_cache_bytes, say=say, work_dir=out, precision=precision,
-                             return_routes=moe)
+                             return_routes=moe, images=images)
     # The scoring side is the recipe's trainer model (FP8 linears where both phases run the same FP8
     # forward), transformed after generation: an "hf" engine shares this model object, and the records
     # that transform it refuse the HF engine (check_settings).
@@ -303,8 +335,10 @@ def run_compare(
     say(f"scoring: {len(rollouts)} samples, {rollouts.num_completion_tokens} tokens with the trainer's forward")
     t0 = time.monotonic()
     score_kw = dict(temperature=spec.temperature, batch_size=batch_size, chunk_size=chunk_size)
+    vision = None if images is None else images.vision_batch(rollouts, device)
     rollouts, batch, lp_t, ent, top_t, routing = _score_sides(hf, rollouts, tokenizer.pad_token_id, device,
-                                                              self_check=self_check, say=say, **score_kw)
+                                                              self_check=self_check, say=say, vision=vision,
+                                                              **score_kw)
     lp_r, mask, targets = batch.rollout_logprobs.cpu(), batch.mask.cpu(), batch.targets.cpu()
     routing = None if routing is None else _routing_report(hf, batch, lp_r, mask, routing, say, **score_kw)
     t_score = time.monotonic() - t0
@@ -316,6 +350,7 @@ def run_compare(
     breakdowns["per_position"] = per_position
     tokens = token_rows(rollouts, batch, lp_t, ent, decoder(tokenizer))
     samples = sample_rows(rollouts, prompts, batch, lp_t, tokenizer)
+    vl_line, vl_section = (None, None) if images is None else images.summary(rollouts, vision, lp_t, lp_r, mask)
     summary = {
         "command": "parityrl compare",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -326,6 +361,7 @@ def run_compare(
         "num_samples": len(rollouts),
         "num_tokens": len(tokens),
         **({"vision_language": "prompts run as text, without images"} if text_only else {}),
+        **({"vision_language": vl_line, "images": vl_section} if images is not None else {}),
         "self_check": bool(self_check),
         **({"self_check_result": self_check_result(metrics)} if self_check else {}),
         "metrics": metrics,
@@ -348,7 +384,7 @@ def run_compare(
         },
         "chat_template": template,
         "versions": versions(),
-        "generation": generation_stats(rollouts, prompt_ids),
+        "generation": generation_stats(rollouts, context_ids),
         "timing": {"generate_s": round(t_gen, 3), "score_s": round(t_score, 3),
                    "score_tokens_per_s": round(len(tokens) / t_score, 1) if t_score > 0 else None},
         "breakdowns": breakdowns,

@@ -90,18 +90,38 @@ def load_prompts(path: str | Path, *, prompt_column: str = "prompt", num_prompts
     return prompts[:num_prompts] if num_prompts is not None else prompts
 
 
-def _dataset_prompts(path: Path, prompt_column: str) -> list[str]:
+def _dataset(path: Path, prompt_column: str) -> datasets.Dataset:
     try:
-        ds = load_prompt_dataset(str(path), prompt_column=prompt_column, answer_column=None)
+        return load_prompt_dataset(str(path), prompt_column=prompt_column, answer_column=None)
     except (ValueError, TypeError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as e:
         cause = f"{e} ({e.__cause__})" if e.__cause__ is not None else str(e)
         raise CompareError(f"prompts file {str(path)!r}: {cause}") from None
-    prompts = ds["prompt"]
+
+
+def _dataset_prompts(path: Path, prompt_column: str) -> list[str]:
+    prompts = _dataset(path, prompt_column)["prompt"]
     for i, text in enumerate(prompts):
         if not isinstance(text, str) or not text.strip():
             raise CompareError(f"prompts file {str(path)!r}: row {i} column {prompt_column!r} = {text!r}; "
                                "expected a non-empty string")
     return list(prompts)
+
+
+def load_image_column(path: str | Path, *, image_column: str, prompt_column: str = "prompt",
+                      num_prompts: Optional[int] = None) -> list:
+    """The ``image_column`` value of each prompt ``load_prompts`` reads from ``path``, row for row: a prompt's
+    image(s), as a recipe's ``data.image_column`` holds them (``trainer.vision.images.row_images``). Raises
+    CompareError for a ``.txt`` file (no columns) or a file without that column."""
+    p = Path(path).expanduser()
+    if p.suffix.lower() == ".txt":
+        raise CompareError(f"image_column = {image_column!r}: prompts file {str(p)!r} is a .txt file, which holds no "
+                           "columns; expected a .jsonl/.json/.parquet file with the prompt and image columns")
+    ds = _dataset(p, prompt_column)
+    if image_column not in ds.column_names:
+        raise CompareError(f"image_column = {image_column!r}: prompts file {str(p)!r} has no such column; its "
+                           f"columns: {ds.column_names}")
+    values = ds[image_column]
+    return values[:num_prompts] if num_prompts is not None else values
 
 
 def chat_template_info(tokenizer, use_chat_template: Optional[bool], model_dir: str) -> dict:

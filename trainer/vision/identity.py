@@ -85,12 +85,18 @@ def input_differences(rollouts, expected: Sequence[TrainerInputs], image_token_i
     return problems
 
 
+def differences_line(problems: Sequence[str]) -> str:
+    """``input_differences``' lines in one: the first sample's, and how many more differ ("" for none)."""
+    if not problems:
+        return ""
+    return problems[0] + (f" ({len(problems) - 1} more sample(s) differ)" if len(problems) > 1 else "")
+
+
 def check_inputs(rollouts, expected: Sequence[TrainerInputs], image_token_id: int, dtype: torch.dtype,
                  step: int) -> dict[str, float]:
     """``{"mm/inputs_equal": 1.0, "mm/images": n}`` when every sample's inputs are identical; else raises
     ``InputsDiffer`` with the first sample's line and how many samples differ."""
     problems = input_differences(rollouts, expected, image_token_id, dtype)
     if problems:
-        more = f" ({len(problems) - 1} more sample(s) differ)" if len(problems) > 1 else ""
-        raise InputsDiffer(f"step {step}: the engine's inputs are not the trainer's: {problems[0]}{more}")
+        raise InputsDiffer(f"step {step}: the engine's inputs are not the trainer's: {differences_line(problems)}")
     return {"mm/inputs_equal": 1.0, "mm/images": float(sum(len(x) for x in rollouts.images))}

@@ -15,7 +15,7 @@ import torch
 from parity.report import REPORT_FILES, pick_longest, pick_typical, prepare_out_dir, write_report
 from trainer.cli import main, parse_bytes
 from trainer.diagnostics.compare import run_compare
-from trainer.diagnostics.compare_inputs import CompareError, load_prompts
+from trainer.diagnostics.compare_inputs import CompareError, load_image_column, load_prompts
 from trainer.diagnostics.compare_report import SELF_CHECK_EXPECTED, self_check_result
 
 PROMPTS = ["What is 12 + 7?", "Tom has 4 pens and finds 3 more. How many pens does Tom have?", "What is 9 - 5?"]
@@ -119,6 +119,27 @@ def test_bad_sampling_settings_and_a_bad_model_are_refused(tmp_path, prompt_file
     with pytest.raises(CompareError, match="config.json"):
         run_compare(str(tmp_path), prompt_file, tmp_path / "r")
     assert not (tmp_path / "r").exists()
+
+
+def test_images_are_refused_where_they_cannot_run(tmp_path, prompt_file, tiny_model_dir):
+    for kwargs, expected in (({"engine": "hf"}, "the HF engine takes no images"),
+                             ({"adapter": str(tmp_path)}, "adapter with image_column: not built yet"),
+                             ({"use_chat_template": False}, "use_chat_template = False with image_column")):
+        with pytest.raises(CompareError, match=expected):
+            run_compare(tiny_model_dir, prompt_file, tmp_path / "r", image_column="image", **kwargs)
+    with pytest.raises(CompareError, match="is a text-only model"):
+        run_compare(tiny_model_dir, prompt_file, tmp_path / "r", image_column="image")
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_image_column_is_read_from_the_prompts_file(tmp_path, prompt_file):
+    assert load_image_column(prompt_file, image_column="answer", num_prompts=2) == ["0", "0"]
+    with pytest.raises(CompareError, match="'image': prompts file .* has no such column; its columns"):
+        load_image_column(prompt_file, image_column="image")
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("What is 1 + 1?\n")
+    with pytest.raises(CompareError, match="a .txt file, which holds no columns"):
+        load_image_column(txt, image_column="image")
 
 
 def test_parse_bytes():

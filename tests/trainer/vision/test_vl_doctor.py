@@ -3,13 +3,10 @@ images, and on the healthy random tiny Idefics3 (std 0.2 weights, float32) the i
 score at the numerics' level and the vision tower stays in its band at every point; each planted fault fails naming
 what it planted (tests/trainer/vision/vl_doctor_worker.py, one engine, in a process of its own). The layers check
 runs the language model on the recipe's text prompts."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from worker_results import worker_results
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -18,10 +15,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def batteries(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl_doctor")
-    proc = subprocess.run([sys.executable, str(HERE / "vl_doctor_worker.py"), str(root)], capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(HERE.parents[2])})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    out = {r["run"]: r for r in (json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT "))}
+    out = worker_results(HERE / "vl_doctor_worker.py", root, timeout=900)
     return out, root
 
 

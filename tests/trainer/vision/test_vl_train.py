@@ -2,13 +2,10 @@
 the numerics' level every step, and each planted fault of the input identity check stops the run with exit status 3
 and one line naming the sample, the image and the quantity, before an update uses the batch
 (tests/trainer/vision/vl_runs_worker.py, one engine for the three runs, in a process of its own)."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from worker_results import worker_results
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -20,10 +17,7 @@ FLOAT32_MAE = 5e-6
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl_runs")
-    proc = subprocess.run([sys.executable, str(HERE / "vl_runs_worker.py"), str(root)], capture_output=True, text=True,
-                          timeout=1200, env={**os.environ, "PYTHONPATH": str(HERE.parents[2])})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return {r["run"]: r for r in (json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT "))}
+    return worker_results(HERE / "vl_runs_worker.py", root, timeout=1200)
 
 
 def test_every_step_checks_the_inputs_and_parity_is_the_numerics(runs):

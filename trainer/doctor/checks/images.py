@@ -47,7 +47,7 @@ from trainer.doctor.records import FAIL, PASS, Check, CheckCannotRun, Finding, a
 from trainer.models.architecture import split_model
 from trainer.precision.verdict import MAE_WARN_FACTOR
 from trainer.vision.embeddings import image_features
-from trainer.vision.identity import input_differences
+from trainer.vision.identity import differences_line, input_differences
 from trainer.vision.pixels import PromptPixels
 
 NAME = "images"
@@ -156,10 +156,8 @@ def trainer_states(model, pixels: list[PromptPixels], names: list[str]) -> list[
 
 
 def _inputs_finding(problems: list[str], samples: int) -> Finding:
-    cause = "" if not problems else (problems[0] + (f" ({len(problems) - 1} more sample(s) differ)"
-                                                    if len(problems) > 1 else ""))
     return at_most(NAME, "inputs: samples whose ids, images or pixels differ", float(len(problems)), 0.0,
-                   f"the engine consumed another prompt than the trainer scores: {cause}",
+                   f"the engine consumed another prompt than the trainer scores: {differences_line(problems)}",
                    details={"samples": samples, "problems": problems[:20]})
 
 
