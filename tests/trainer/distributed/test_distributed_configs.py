@@ -9,13 +9,13 @@ processes (gloo), checked against a single-process reference inside the script.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from server_health import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG_DIR = REPO / "recipes" / "accelerate"
@@ -141,12 +141,6 @@ def test_deepspeed_json_is_accepted_by_deepspeed(path):
     assert ds.bfloat16_config.enabled is False and ds.managed_gradient_accumulation is False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_single_yaml_gives_one_process_without_deepspeed(tmp_path):
     """`accelerate launch --config_file single.yaml` on a script that builds the trainer's Accelerator."""
     probe = tmp_path / "probe.py"
@@ -181,10 +175,10 @@ RUNS = {
 def test_two_cpu_processes_match_one_process(run, tiny_model_dir, tmp_path):
     launcher, config, check_args = RUNS[run]
     if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()), str(CHECK)]
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(CHECK)]
     else:
         cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG_DIR / config),
-               "--main_process_port", str(_free_port()), str(CHECK)]
+               "--main_process_port", str(free_port()), str(CHECK)]
     report_file = tmp_path / "report.json"
     out = subprocess.run(cmd + check_args + ["--report", str(report_file)], cwd=REPO, capture_output=True,
                          text=True, timeout=900)

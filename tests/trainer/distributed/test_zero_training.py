@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_health import free_port
 
 from parity.precision import host_has_native_bf16
 from trainer.config import RecipeError
@@ -108,17 +109,9 @@ def _launch(stage: int, run_dir: Path, extra: list[str] = (), recipe: Path = REC
         cmd = torchrun
     else:
         cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "recipes/accelerate/zero3.yaml"),
-               "--main_process_port", str(_free_port())]
+               "--main_process_port", str(free_port())]
     return subprocess.run([*cmd, "-m", "trainer.train", str(recipe), *sets, *extra], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1200)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _records(run_dir: Path) -> list[dict]:
