@@ -82,16 +82,17 @@ def report(out: Path, ks: list[int], objectives: list[str], seeds: list[int], wa
               f"worst 5 steps' reward {s['reward_worst5']:.3f} (to step {s['reward_worst5_step']})  "
               f"staleness/kl_k3 {s['kl_k3_mean']:.1e} (max {s['kl_k3_max']:.1e})  max lag {s['lag_max']:.0f}{wall}")
     base = table.get((0, objectives[0]))
-    base_rise = sum(s["eval_rise"] for s in base) / len(base) if base else float("nan")
+    base_rise = sum(s["eval_rise"] for s in base) / len(base) if base else 0.0
     print("\n| k | objective | seeds | reward gain | held-out rise | share of k = 0's rise | worst 5 steps' reward |"
           "\n|---|---|---|---|---|---|---|")
     for (k, objective), rows in table.items():
         gain = sum(s["reward_gain"] for s in rows) / len(rows)
         rise = sum(s["eval_rise"] for s in rows) / len(rows)
         worst = sum(s["reward_worst5"] for s in rows) / len(rows)
-        share = rise / base_rise if base_rise else float("nan")
+        # without k = 0 among the runs (an invocation of k > 0 only) there is no rise to compare with
+        share = f"{rise / base_rise:.0%}" if base and base_rise else "–"
         print(f"| {k} | {'any (on-policy)' if k == 0 else objective} | {len(rows)} | {gain:+.3f} | {rise:+.3f} | "
-              f"{share:.0%} | {worst:.3f} |")
+              f"{share} | {worst:.3f} |")
 
 
 def main() -> None:

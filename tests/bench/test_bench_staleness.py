@@ -42,3 +42,26 @@ def test_summary_of_a_run(tmp_path):
     assert s["reward_worst5"] == pytest.approx(0.24) and s["reward_worst5_step"] == 11
     assert s["kl_k3_mean"] == pytest.approx(0.08) and s["kl_k3_max"] == pytest.approx(0.15)
     assert s["lag_max"] == 4
+
+
+def _write_run(folder: Path, name: str, before: float, after: float) -> None:
+    rows = [{"step": 0, "eval/mean@4": before}]
+    rows += [{"step": s, "reward/mean": 0.5, "staleness/kl_k3": 0.0} for s in range(1, 6)]
+    rows.append({"step": 5, "eval/mean@4": after})
+    (folder / name).mkdir()
+    (folder / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_gives_each_objective_its_share_of_the_on_policy_rise(tmp_path, capsys):
+    _write_run(tmp_path, "k0_decoupled_s0", 0.5, 0.7)
+    _write_run(tmp_path, "k4_decoupled_s0", 0.5, 0.65)
+    bench_staleness.report(tmp_path, [0, 4], ["decoupled"], [0], {})
+    lines = capsys.readouterr().out.splitlines()
+    assert "| 0 | any (on-policy) | 1 | +0.000 | +0.200 | 100% | 0.500 |" in lines
+    assert "| 4 | decoupled | 1 | +0.000 | +0.150 | 75% | 0.500 |" in lines
+
+
+def test_report_without_the_on_policy_runs_gives_no_share(tmp_path, capsys):
+    _write_run(tmp_path, "k4_m2po_s1", 0.5, 0.6)
+    bench_staleness.report(tmp_path, [4], ["m2po"], [1], {})
+    assert "| 4 | m2po | 1 | +0.000 | +0.100 | – | 0.500 |" in capsys.readouterr().out.splitlines()
