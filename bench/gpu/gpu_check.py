@@ -41,7 +41,9 @@ writes the rows. Rows in order (each: check, the issue-44 item it covers, status
   ``recipes/grpo_olmoe_gpu.yaml`` as it resolves on CUDA (adapter sync + routing replay), 2 steps on a reduced
   random OLMoE;
 - ``parityrl train`` for issue 58 (bench/gpu/gpu_rows_staleness.py): ``rollout.max_staleness`` 3 with M2PO on the
-  colocated engine, whose prefix cache is live on CUDA, so the stale-KV alarm checks every update;
+  colocated engine, whose prefix cache is live on CUDA, so the stale-KV alarm checks every update; and k = 2 with
+  ``rollout.in_flight: keep`` against a ``parityrl serve`` on a second GPU, each sync an NCCL push while the server is
+  paused (2 GPUs);
 - ``the demo's recipe on CUDA, HF engine`` (bench/gpu/gpu_rows_training.py): ``recipes/grpo_tools_tiny.yaml`` for 4
   steps with no update skipped for a non-finite gradient and the probe finite;
 - ``GRPO steps, HF engine`` (CUDA): ``parityrl train recipes/grpo_tiny.yaml`` for ``--steps`` steps with
@@ -219,6 +221,8 @@ def checks(m: Models, steps: int) -> list[Check]:
         Check(scaleout_adapters.OLMOE_ROWS, lambda: scaleout_adapters.olmoe_row(m.root), "57.7", 150, trains=True),
         Check(("k = 3 off-policy with M2PO, stale-KV alarm live",), lambda: staleness_rows.staleness_row(m.tiny), "58.1",
               240, trains=True),
+        Check(("k = 2 in flight (keep): NCCL push while paused",), lambda: staleness_rows.in_flight_row(m.tiny),
+              "58.2", 300, trains=True),
         Check(("the demo's recipe on CUDA, HF engine, 4 steps",), t.demo_hf_row, min_s=120, trains=True),
         Check(("GRPO steps, HF engine",), lambda: sh.grpo_steps(m.shaped(), steps), min_s=120, trains=True),
         Check(("gradient checkpointing memory",), lambda: sh.checkpointing_memory(m.shaped()), min_s=60),

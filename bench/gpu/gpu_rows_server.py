@@ -15,12 +15,14 @@
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import torch
 from gpu_rows_common import (
@@ -103,30 +105,49 @@ def _two_gpus() -> tuple[str, str]:
     return ids[0], ids[1]
 
 
-def server_nccl_row(dense_dir) -> str:
+def need_server_gpus() -> None:
+    """Skip unless two GPUs and vLLM's CUDA build are here: a server and a trainer on disjoint GPUs."""
     need_gpus(2, "the server and the trainer on disjoint GPUs")
     need_vllm_cuda()
+
+
+@contextlib.contextmanager
+def nccl_server(model_set: str, sets: Sequence[str], tmp: Path) -> Iterator[tuple[str, str, str]]:
+    """``parityrl serve recipes/grpo_tiny.yaml`` with NCCL weight transfer on the second visible GPU, ``sets`` on its
+    recipe; yields (url, the trainer's GPU, the server's GPU) and ends the server's process group after. Its log is
+    ``tmp``/server.log. The row calls ``need_server_gpus`` first, before it builds a model."""
     trainer_gpu, server_gpu = _two_gpus()
     url = f"http://127.0.0.1:{free_port()}"
+    log = open(tmp / "server.log", "w")
+    cmd = [sys.executable, "-m", "trainer", "serve", str(REPO / "recipes" / "grpo_tiny.yaml"), "--set", model_set,
+           "--set", f"rollout.server_url={url}", "--transfer-backend", "nccl"]
+    server = subprocess.Popen(cmd + [a for x in sets for a in ("--set", x)], cwd=REPO,
+                              env=child_env(CUDA_VISIBLE_DEVICES=server_gpu), stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        yield url, trainer_gpu, server_gpu
+    finally:
+        stop_server_group(server, log)
+
+
+def server_log_tail(tmp: Path) -> str:
+    """The server log's last line (where a server that failed says why), at most 200 characters."""
+    lines = (tmp / "server.log").read_text().strip().splitlines()
+    return lines[-1][:200] if lines else ""
+
+
+def server_nccl_row(dense_dir) -> str:
+    need_server_gpus()
     model = f"model.path={dense_dir()}"
     with tempfile.TemporaryDirectory(prefix="gpu_check_server_") as tmp:
-        log = open(Path(tmp) / "server.log", "w")
-        server = subprocess.Popen(
-            [sys.executable, "-m", "trainer", "serve", str(REPO / "recipes" / "grpo_tiny.yaml"), "--set", model,
-             "--set", f"rollout.server_url={url}", "--transfer-backend", "nccl"],
-            cwd=REPO, env=child_env(CUDA_VISIBLE_DEVICES=server_gpu),
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
+        with nccl_server(model, [], Path(tmp)) as (url, trainer_gpu, server_gpu):
             proc, rows = train("grpo_tiny.yaml", [model, "rollout.mode=server", f"rollout.server_url={url}",
                                                   "rollout.server_connect_timeout_s=400", "train.steps=2",
                                                   "eval.every=0", "parity.on_violation=stop"],
                                Path(tmp) / "runs", cap_s=540, env={"CUDA_VISIBLE_DEVICES": trainer_gpu})
-        finally:
-            stop_server_group(server, log)
-        server_tail = (Path(tmp) / "server.log").read_text().strip().splitlines()[-1:] or [""]
+        server_tail = server_log_tail(Path(tmp))
     if proc.returncode != 0 or len(rows) < 2:
-        raise AssertionError(f"train exit {proc.returncode}, {len(rows)}/2 steps: {tail(proc)}; server: "
-                             f"{server_tail[0][:200]}")
+        raise AssertionError(f"train exit {proc.returncode}, {len(rows)}/2 steps: {tail(proc)}; server: {server_tail}")
     pushed = sum(r.get("perf/sync_bytes") or 0 for r in rows)
     maes = [r.get("parity/mae", math.nan) for r in rows]
     probes = [r.get("probe/mae", math.nan) for r in rows]
