@@ -112,7 +112,7 @@ def need_server_gpus() -> None:
 
 
 @contextlib.contextmanager
-def nccl_server(model_set: str, sets: Sequence[str], tmp: Path) -> Iterator[tuple[str, str, str]]:
+def _nccl_server(model_set: str, sets: Sequence[str], tmp: Path) -> Iterator[tuple[str, str, str]]:
     """``parityrl serve recipes/grpo_tiny.yaml`` with NCCL weight transfer on the second visible GPU, ``sets`` on its
     recipe; yields (url, the trainer's GPU, the server's GPU) and ends the server's process group after. Its log is
     ``tmp``/server.log. The row calls ``need_server_gpus`` first, before it builds a model."""
@@ -130,24 +130,34 @@ def nccl_server(model_set: str, sets: Sequence[str], tmp: Path) -> Iterator[tupl
         stop_server_group(server, log)
 
 
-def server_log_tail(tmp: Path) -> str:
+def _server_log_tail(tmp: Path) -> str:
     """The server log's last line (where a server that failed says why), at most 200 characters."""
     lines = (tmp / "server.log").read_text().strip().splitlines()
     return lines[-1][:200] if lines else ""
 
 
+def train_on_nccl_server(model_set: str, server_sets: Sequence[str], train_sets: Sequence[str], steps: int,
+                         prefix: str) -> tuple[list[dict], str, str]:
+    """``parityrl train recipes/grpo_tiny.yaml`` in server mode for ``steps`` steps against an ``_nccl_server``
+    started with ``server_sets``: (the steps' metric rows, the trainer's GPU, the server's GPU). A run that fails or
+    stops short raises with the trainer's and the server's last lines."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        with _nccl_server(model_set, server_sets, Path(tmp)) as (url, trainer_gpu, server_gpu):
+            proc, rows = train("grpo_tiny.yaml", [model_set, "rollout.mode=server", *train_sets,
+                                                  f"rollout.server_url={url}", "rollout.server_connect_timeout_s=400",
+                                                  f"train.steps={steps}", "eval.every=0"],
+                               Path(tmp) / "runs", cap_s=540, env={"CUDA_VISIBLE_DEVICES": trainer_gpu})
+        server_tail = _server_log_tail(Path(tmp))
+    if proc.returncode != 0 or len(rows) < steps:
+        raise AssertionError(f"train exit {proc.returncode}, {len(rows)}/{steps} steps: {tail(proc)}; server: "
+                             f"{server_tail}")
+    return rows, trainer_gpu, server_gpu
+
+
 def server_nccl_row(dense_dir) -> str:
     need_server_gpus()
-    model = f"model.path={dense_dir()}"
-    with tempfile.TemporaryDirectory(prefix="gpu_check_server_") as tmp:
-        with nccl_server(model, [], Path(tmp)) as (url, trainer_gpu, server_gpu):
-            proc, rows = train("grpo_tiny.yaml", [model, "rollout.mode=server", f"rollout.server_url={url}",
-                                                  "rollout.server_connect_timeout_s=400", "train.steps=2",
-                                                  "eval.every=0", "parity.on_violation=stop"],
-                               Path(tmp) / "runs", cap_s=540, env={"CUDA_VISIBLE_DEVICES": trainer_gpu})
-        server_tail = server_log_tail(Path(tmp))
-    if proc.returncode != 0 or len(rows) < 2:
-        raise AssertionError(f"train exit {proc.returncode}, {len(rows)}/2 steps: {tail(proc)}; server: {server_tail}")
+    rows, trainer_gpu, server_gpu = train_on_nccl_server(f"model.path={dense_dir()}", [], ["parity.on_violation=stop"],
+                                                         2, "gpu_check_server_")
     pushed = sum(r.get("perf/sync_bytes") or 0 for r in rows)
     maes = [r.get("parity/mae", math.nan) for r in rows]
     probes = [r.get("probe/mae", math.nan) for r in rows]

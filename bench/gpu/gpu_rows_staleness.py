@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from gpu_rows_common import need_vllm_cuda, tail, train
-from gpu_rows_server import nccl_server, need_server_gpus, server_log_tail
+from gpu_rows_server import need_server_gpus, train_on_nccl_server
 
 LAGS = [0.0, 1.0, 2.0, 3.0, 3.0]
 PARITY_BOUND = 1e-2  # bf16 numerics on the tiny model: the other CUDA rows' bound
@@ -71,16 +71,8 @@ def _lag_shares(row: dict) -> dict[int, float]:
 
 def in_flight_row(dense_dir) -> str:
     need_server_gpus()
-    model = f"model.path={dense_dir()}"
-    with tempfile.TemporaryDirectory(prefix="gpu_check_in_flight_") as tmp:
-        with nccl_server(model, IN_FLIGHT, Path(tmp)) as (url, trainer_gpu, _):
-            proc, rows = train("grpo_tiny.yaml", [model, *IN_FLIGHT, f"rollout.server_url={url}",
-                                                  "rollout.server_connect_timeout_s=400", "train.steps=5",
-                                                  "eval.every=0", "name=in_flight"],
-                               Path(tmp) / "runs", cap_s=540, env={"CUDA_VISIBLE_DEVICES": trainer_gpu})
-        server_tail = server_log_tail(Path(tmp))
-    if proc.returncode != 0 or len(rows) < 5:
-        raise AssertionError(f"train exit {proc.returncode}, {len(rows)}/5 steps: {tail(proc)}; server: {server_tail}")
+    rows, _, _ = train_on_nccl_server(f"model.path={dense_dir()}", IN_FLIGHT, [*IN_FLIGHT, "name=in_flight"], 5,
+                                      "gpu_check_in_flight_")
     shares = [_lag_shares(r) for r in rows]
     parity = [r.get("parity/mae", math.nan) for r in rows]
     stale_share = [r.get("parity/stale_kv/share", math.nan) for r in rows]
