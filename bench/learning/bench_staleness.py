@@ -72,6 +72,12 @@ def report(out: Path, ks: list[int], objectives: list[str], seeds: list[int], wa
     """Every run's line, then the table per (k, objective): means over seeds, the held-out rise as a share of
     k = 0's, and the mean of each run's worst five steps' reward."""
     table: dict[tuple[int, str], list[dict]] = {}
+    names = [f"k{k}_{o}_s{seed}" for k, o, seed in runs(ks, objectives, seeds)]
+    missing = [n for n in names if not (out / n / "metrics.jsonl").is_file()]
+    if missing:
+        found = sorted(p.parent.name for p in out.glob("*/metrics.jsonl"))
+        raise SystemExit(f"{out}: no metrics.jsonl for {', '.join(missing)} (the runs --k, --objectives and --seeds "
+                         f"name); the folder holds {', '.join(found) or 'no run'}")
     for k, objective, seed in runs(ks, objectives, seeds):
         name = f"k{k}_{objective}_s{seed}"
         s = summary(out, name)

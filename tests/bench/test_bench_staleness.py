@@ -65,3 +65,9 @@ def test_report_without_the_on_policy_runs_gives_no_share(tmp_path, capsys):
     _write_run(tmp_path, "k4_m2po_s1", 0.5, 0.6)
     bench_staleness.report(tmp_path, [4], ["m2po"], [1], {})
     assert "| 4 | m2po | 1 | +0.000 | +0.100 | – | 0.500 |" in capsys.readouterr().out.splitlines()
+
+
+def test_report_names_the_runs_a_folder_lacks_and_those_it_holds(tmp_path):
+    _write_run(tmp_path, "k4_m2po_s1", 0.5, 0.6)
+    with pytest.raises(SystemExit, match="no metrics.jsonl for k4_decoupled_s1 .* holds k4_m2po_s1"):
+        bench_staleness.report(tmp_path, [4], ["decoupled"], [1], {})
